@@ -1,0 +1,173 @@
+package bus
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync/atomic"
+	"time"
+
+	"github.com/cenkalti/backoff/v4"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// Options configure a connection.
+type Options struct {
+	// Name is the client name shown by the server (default "imagefleet").
+	Name string
+	// CredsFile is a NATS user credentials file (JWT + nkey seed).
+	CredsFile string
+	// NKeyFile is an nkey seed file.
+	NKeyFile string
+	// User and Password, for user/password auth.
+	User, Password string
+	// TLS: CA file, client certificate and key.
+	TLSCA, TLSCert, TLSKey string
+	// ConnectTimeout bounds the first connection, retried with exponential backoff (default 30s).
+	ConnectTimeout time.Duration
+	// Logger (default slog.Default()).
+	Logger *slog.Logger
+}
+
+// Bus is a connection to NATS with JetStream.
+type Bus struct {
+	nc  *nats.Conn
+	js  jetstream.JetStream
+	log *slog.Logger
+
+	reconnects atomic.Int64
+}
+
+// Connect connects to url, retrying with exponential backoff (cenkalti/backoff) until ConnectTimeout or ctx
+// ends. Once connected, the client reconnects forever after a server restart and buffers publishes meanwhile.
+func Connect(ctx context.Context, url string, o Options) (*Bus, error) {
+	if o.Name == "" {
+		o.Name = "imagefleet"
+	}
+	if o.Logger == nil {
+		o.Logger = slog.Default()
+	}
+	if o.ConnectTimeout == 0 {
+		o.ConnectTimeout = 30 * time.Second
+	}
+	b := &Bus{log: o.Logger}
+	opts := []nats.Option{
+		nats.Name(o.Name),
+		nats.MaxReconnects(-1),
+		nats.ReconnectWait(250 * time.Millisecond),
+		nats.ReconnectJitter(100*time.Millisecond, time.Second),
+		nats.ReconnectBufSize(64 << 20),
+		nats.PingInterval(5 * time.Second),
+		nats.MaxPingsOutstanding(3),
+		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
+			if err != nil {
+				b.log.Warn("nats disconnected", "err", err)
+			}
+		}),
+		nats.ReconnectHandler(func(nc *nats.Conn) {
+			b.reconnects.Add(1)
+			b.log.Info("nats reconnected", "url", nc.ConnectedUrlRedacted())
+		}),
+		nats.ErrorHandler(func(_ *nats.Conn, sub *nats.Subscription, err error) {
+			subject := ""
+			if sub != nil {
+				subject = sub.Subject
+			}
+			b.log.Warn("nats async error", "subject", subject, "err", err)
+		}),
+	}
+	if o.CredsFile != "" {
+		opts = append(opts, nats.UserCredentials(o.CredsFile))
+	}
+	if o.NKeyFile != "" {
+		opt, err := nats.NkeyOptionFromSeed(o.NKeyFile)
+		if err != nil {
+			return nil, fmt.Errorf("read nkey seed: %w", err)
+		}
+		opts = append(opts, opt)
+	}
+	if o.User != "" {
+		opts = append(opts, nats.UserInfo(o.User, o.Password))
+	}
+	if o.TLSCA != "" {
+		opts = append(opts, nats.RootCAs(o.TLSCA))
+	}
+	if o.TLSCert != "" || o.TLSKey != "" {
+		opts = append(opts, nats.ClientCert(o.TLSCert, o.TLSKey))
+	}
+	if o.TLSCA != "" || o.TLSCert != "" {
+		opts = append(opts, nats.Secure(&tls.Config{MinVersion: tls.VersionTLS12}))
+	}
+
+	bo := backoff.NewExponentialBackOff()
+	bo.InitialInterval = 50 * time.Millisecond
+	bo.MaxInterval = 2 * time.Second
+	bo.MaxElapsedTime = o.ConnectTimeout
+	var nc *nats.Conn
+	err := backoff.Retry(func() error {
+		var err error
+		nc, err = nats.Connect(url, opts...)
+		if err != nil && isAuthError(err) {
+			return backoff.Permanent(err)
+		}
+		return err
+	}, backoff.WithContext(bo, ctx))
+	if err != nil {
+		return nil, fmt.Errorf("connect to nats %s: %w", redact(url), err)
+	}
+	js, err := jetstream.New(nc)
+	if err != nil {
+		nc.Close()
+		return nil, fmt.Errorf("jetstream: %w", err)
+	}
+	b.nc, b.js = nc, js
+	return b, nil
+}
+
+func isAuthError(err error) bool {
+	return errors.Is(err, nats.ErrAuthorization) || errors.Is(err, nats.ErrAuthExpired) ||
+		errors.Is(err, nats.ErrAuthRevoked) || errors.Is(err, nats.ErrAccountAuthExpired)
+}
+
+// redact drops user info from a URL for messages.
+func redact(url string) string {
+	for i := 0; i+3 <= len(url); i++ {
+		if url[i:i+3] == "://" {
+			rest := url[i+3:]
+			for j := 0; j < len(rest); j++ {
+				if rest[j] == '@' {
+					return url[:i+3] + "***@" + rest[j+1:]
+				}
+				if rest[j] == '/' {
+					break
+				}
+			}
+			break
+		}
+	}
+	return url
+}
+
+// Close drains subscriptions and closes the connection.
+func (b *Bus) Close() {
+	if b == nil || b.nc == nil {
+		return
+	}
+	_ = b.nc.Drain()
+	for i := 0; i < 100 && !b.nc.IsClosed(); i++ {
+		time.Sleep(10 * time.Millisecond)
+	}
+	b.nc.Close()
+}
+
+// Reconnects is the number of reconnections since Connect.
+func (b *Bus) Reconnects() int64 { return b.reconnects.Load() }
+
+// Connected reports whether the connection is up.
+func (b *Bus) Connected() bool { return b.nc.IsConnected() }
+
+// Flush waits until the server has processed everything sent so far.
+func (b *Bus) Flush(ctx context.Context) error { return b.nc.FlushWithContext(ctx) }

@@ -1,0 +1,238 @@
+package bus
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// permanentError marks an error that redelivery cannot fix.
+type permanentError struct{ err error }
+
+func (p permanentError) Error() string { return p.err.Error() }
+func (p permanentError) Unwrap() error { return p.err }
+
+// Permanent marks err as terminal: the message is terminated (not redelivered) with err as the reason and
+// kept as a dead letter.
+func Permanent(err error) error {
+	if err == nil {
+		return nil
+	}
+	return permanentError{err: err}
+}
+
+// IsPermanent reports whether err was marked with Permanent.
+func IsPermanent(err error) bool {
+	var p permanentError
+	return errors.As(err, &p)
+}
+
+// ConsumerConfig configures a durable consumer.
+type ConsumerConfig struct {
+	Stream string
+	// Durable is the consumer's name. It is API: renaming it redelivers the whole stream.
+	Durable        string
+	FilterSubjects []string
+	// MaxAckPending bounds the messages in flight across every replica consuming this durable
+	// (the server enforces it). Default 1000.
+	MaxAckPending int
+	// Concurrency is the number of handlers this process runs at once (default MaxAckPending, at most 256).
+	Concurrency int
+	// AckWait is how long the server waits for an ack before redelivering (default 30s). Long handlers call
+	// Msg.InProgress.
+	AckWait time.Duration
+	// MaxDeliver bounds deliveries before the message becomes a dead letter (default 5).
+	MaxDeliver int
+	// Backoff is the redelivery delay after the n-th failure (the last value repeats); default 1s, 5s, 30s.
+	Backoff []time.Duration
+	// DeliverNew starts a new consumer at the end of the stream instead of the beginning.
+	DeliverNew bool
+}
+
+// Msg is one delivered message.
+type Msg struct {
+	Subject      string
+	Data         []byte
+	Header       nats.Header
+	NumDelivered uint64
+	StreamSeq    uint64
+	m            jetstream.Msg
+}
+
+// InProgress tells the server the handler is still working, resetting the ack timer.
+func (m *Msg) InProgress() error { return m.m.InProgress() }
+
+// MsgHandler handles one message: nil acks it; a Permanent error terminates it (dead letter); any other error
+// redelivers it after a backoff until MaxDeliver, then it becomes a dead letter.
+type MsgHandler func(ctx context.Context, m *Msg) error
+
+// Consume runs handlers on the durable consumer until ctx ends. It creates or updates the consumer.
+func (b *Bus) Consume(ctx context.Context, cfg ConsumerConfig, h MsgHandler) error {
+	if cfg.MaxAckPending == 0 {
+		cfg.MaxAckPending = 1000
+	}
+	if cfg.Concurrency == 0 {
+		cfg.Concurrency = min(cfg.MaxAckPending, 256)
+	}
+	if cfg.AckWait == 0 {
+		cfg.AckWait = 30 * time.Second
+	}
+	if cfg.MaxDeliver == 0 {
+		cfg.MaxDeliver = 5
+	}
+	if len(cfg.Backoff) == 0 {
+		cfg.Backoff = []time.Duration{time.Second, 5 * time.Second, 30 * time.Second}
+	}
+	cc := jetstream.ConsumerConfig{
+		Durable:        cfg.Durable,
+		FilterSubjects: cfg.FilterSubjects,
+		AckPolicy:      jetstream.AckExplicitPolicy,
+		AckWait:        cfg.AckWait,
+		MaxDeliver:     cfg.MaxDeliver,
+		MaxAckPending:  cfg.MaxAckPending,
+		DeliverPolicy:  jetstream.DeliverAllPolicy,
+	}
+	if cfg.DeliverNew {
+		cc.DeliverPolicy = jetstream.DeliverNewPolicy
+	}
+	cons, err := b.js.CreateOrUpdateConsumer(ctx, cfg.Stream, cc)
+	if err != nil {
+		return fmt.Errorf("consumer %s on %s: %w", cfg.Durable, cfg.Stream, err)
+	}
+	log := b.log.With("stream", cfg.Stream, "consumer", cfg.Durable)
+	msgs, err := cons.Messages(jetstream.PullMaxMessages(cfg.Concurrency))
+	if err != nil {
+		return fmt.Errorf("consume %s on %s: %w", cfg.Durable, cfg.Stream, err)
+	}
+	sem := make(chan struct{}, cfg.Concurrency)
+	var wg sync.WaitGroup
+	stopped := make(chan struct{})
+	go func() {
+		<-ctx.Done()
+		msgs.Stop()
+		close(stopped)
+	}()
+	for {
+		jm, err := msgs.Next()
+		if err != nil {
+			if errors.Is(err, jetstream.ErrMsgIteratorClosed) || ctx.Err() != nil {
+				break
+			}
+			log.Warn("consume next failed", "err", err)
+			select {
+			case <-stopped:
+			case <-time.After(250 * time.Millisecond):
+			}
+			continue
+		}
+		select {
+		case sem <- struct{}{}:
+		case <-ctx.Done():
+			_ = jm.Nak()
+			continue
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer func() { <-sem }()
+			b.handle(ctx, cfg, jm, h)
+		}()
+	}
+	<-stopped
+	wg.Wait()
+	return nil
+}
+
+func (b *Bus) handle(ctx context.Context, cfg ConsumerConfig, jm jetstream.Msg, h MsgHandler) {
+	meta, _ := jm.Metadata()
+	m := &Msg{Subject: jm.Subject(), Data: jm.Data(), Header: jm.Headers(), m: jm}
+	if meta != nil {
+		m.NumDelivered, m.StreamSeq = meta.NumDelivered, meta.Sequence.Stream
+	}
+	err := func() (err error) {
+		defer func() {
+			if r := recover(); r != nil {
+				err = Permanent(fmt.Errorf("handler panic: %v", r))
+			}
+		}()
+		return h(ctx, m)
+	}()
+	log := b.log.With("subject", m.Subject, "stream_seq", m.StreamSeq)
+	switch {
+	case err == nil:
+		if aErr := jm.DoubleAck(context.WithoutCancel(ctx)); aErr != nil {
+			log.Warn("ack failed", "err", aErr)
+		}
+	case ctx.Err() != nil:
+		// Shutting down: let another replica (or our restart) take it at once.
+		_ = jm.Nak()
+	case IsPermanent(err) || int(m.NumDelivered) >= cfg.MaxDeliver:
+		b.deadLetter(ctx, cfg, m, err)
+		_ = jm.TermWithReason(truncate(err.Error(), 256))
+	default:
+		delay := cfg.Backoff[min(int(m.NumDelivered)-1, len(cfg.Backoff)-1)]
+		_ = jm.NakWithDelay(delay)
+	}
+}
+
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n]
+}
+
+// Dead-letter headers.
+const (
+	HeaderDLQSubject    = "Imagefleet-Original-Subject"
+	HeaderDLQReason     = "Imagefleet-Reason"
+	HeaderDLQDeliveries = "Imagefleet-Deliveries"
+	HeaderDLQStreamSeq  = "Imagefleet-Stream-Seq"
+	HeaderDLQStream     = "Imagefleet-Stream"
+)
+
+func (b *Bus) deadLetter(ctx context.Context, cfg ConsumerConfig, m *Msg, reason error) {
+	dm := nats.NewMsg(DeadLetterPrefix + "." + cfg.Stream + "." + cfg.Durable)
+	dm.Data = m.Data
+	dm.Header.Set(HeaderDLQSubject, m.Subject)
+	dm.Header.Set(HeaderDLQReason, truncate(reason.Error(), 1024))
+	dm.Header.Set(HeaderDLQDeliveries, strconv.FormatUint(m.NumDelivered, 10))
+	dm.Header.Set(HeaderDLQStreamSeq, strconv.FormatUint(m.StreamSeq, 10))
+	dm.Header.Set(HeaderDLQStream, cfg.Stream)
+	dm.Header.Set(jetstream.MsgIDHeader, cfg.Stream+"-"+strconv.FormatUint(m.StreamSeq, 10))
+	if _, err := b.js.PublishMsg(context.WithoutCancel(ctx), dm); err != nil {
+		b.log.Error("dead letter publish failed", "subject", m.Subject, "err", err)
+	}
+}
+
+// DeadLetter is one message kept in the dead-letter stream.
+type DeadLetter struct {
+	Seq        uint64    `json:"seq"`
+	Consumer   string    `json:"consumer"`
+	Subject    string    `json:"subject"`
+	Reason     string    `json:"reason"`
+	Deliveries string    `json:"deliveries"`
+	Time       time.Time `json:"time"`
+	Data       []byte    `json:"data"`
+}
+
+// DeadLetters lists dead letters (filter "" for all) in stream order.
+func (b *Bus) DeadLetters(ctx context.Context, filter string) ([]DeadLetter, error) {
+	subj := DeadLetterPrefix + ".>"
+	if filter != "" {
+		subj = filter
+	}
+	var out []DeadLetter
+	err := b.ReadStream(ctx, DeadLetterStream, subj, 0, func(m StreamMsg) bool {
+		out = append(out, DeadLetter{Seq: m.Seq, Consumer: m.Subject, Subject: m.Header.Get(HeaderDLQSubject),
+			Reason: m.Header.Get(HeaderDLQReason), Deliveries: m.Header.Get(HeaderDLQDeliveries), Time: m.Time, Data: m.Data})
+		return true
+	})
+	return out, err
+}

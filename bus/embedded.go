@@ -1,0 +1,86 @@
+package bus
+
+import (
+	"fmt"
+	"net"
+	"strconv"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+)
+
+// ServerConfig configures an embedded nats-server.
+type ServerConfig struct {
+	// Listen is host:port of the client listener (default 127.0.0.1:4222; port -1 picks a free port).
+	Listen string
+	// StoreDir is the JetStream file store directory (required unless ConfigFile sets it).
+	StoreDir string
+	// ConfigFile is a nats-server configuration file (clusters, accounts, TLS, leaf nodes). When set it is
+	// the base configuration; Listen and StoreDir override it only when non-empty.
+	ConfigFile string
+	// ServerName names the server (default: imagefleet-<port>).
+	ServerName string
+	// MaxPayload caps message size (default 1 MiB, the nats-server default).
+	MaxPayload int32
+}
+
+// Server is a running embedded nats-server.
+type Server struct{ s *server.Server }
+
+// StartServer starts an embedded nats-server with JetStream and waits until it accepts connections.
+func StartServer(cfg ServerConfig) (*Server, error) {
+	opts := &server.Options{}
+	if cfg.ConfigFile != "" {
+		o, err := server.ProcessConfigFile(cfg.ConfigFile)
+		if err != nil {
+			return nil, fmt.Errorf("read nats config %s: %w", cfg.ConfigFile, err)
+		}
+		opts = o
+	} else {
+		opts.Host, opts.Port = "127.0.0.1", 4222
+	}
+	if cfg.Listen != "" {
+		host, portStr, err := net.SplitHostPort(cfg.Listen)
+		if err != nil {
+			return nil, fmt.Errorf("parse listen address %q: %w", cfg.Listen, err)
+		}
+		port, err := strconv.Atoi(portStr)
+		if err != nil {
+			return nil, fmt.Errorf("parse listen port %q: %w", portStr, err)
+		}
+		opts.Host, opts.Port = host, port
+	}
+	opts.JetStream = true
+	if cfg.StoreDir != "" {
+		opts.StoreDir = cfg.StoreDir
+	}
+	if opts.StoreDir == "" {
+		return nil, fmt.Errorf("embedded nats-server needs a JetStream store directory")
+	}
+	if cfg.ServerName != "" {
+		opts.ServerName = cfg.ServerName
+	}
+	if cfg.MaxPayload > 0 {
+		opts.MaxPayload = cfg.MaxPayload
+	}
+	opts.NoSigs = true
+	s, err := server.NewServer(opts)
+	if err != nil {
+		return nil, fmt.Errorf("create nats-server: %w", err)
+	}
+	s.Start()
+	if !s.ReadyForConnections(30 * time.Second) {
+		s.Shutdown()
+		return nil, fmt.Errorf("nats-server on %s:%d not ready after 30s", opts.Host, opts.Port)
+	}
+	return &Server{s: s}, nil
+}
+
+// ClientURL is the URL clients connect to.
+func (s *Server) ClientURL() string { return s.s.ClientURL() }
+
+// Shutdown stops the server and waits for it to finish.
+func (s *Server) Shutdown() {
+	s.s.Shutdown()
+	s.s.WaitForShutdown()
+}

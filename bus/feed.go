@@ -1,0 +1,111 @@
+package bus
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// StreamMsg is a message read from a stream.
+type StreamMsg struct {
+	Subject string
+	Seq     uint64
+	Time    time.Time
+	Header  nats.Header
+	Data    []byte
+}
+
+// ReadStream reads the stored messages of stream matching filter from startSeq (0: the first) and calls fn
+// for each until fn returns false or the end of the stream (as of the call) is reached.
+func (b *Bus) ReadStream(ctx context.Context, stream, filter string, startSeq uint64, fn func(StreamMsg) bool) error {
+	s, err := b.js.Stream(ctx, stream)
+	if err != nil {
+		return fmt.Errorf("stream %s: %w", stream, err)
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		return fmt.Errorf("stream %s info: %w", stream, err)
+	}
+	if info.State.Msgs == 0 {
+		return nil
+	}
+	return b.follow(ctx, stream, filter, startSeq, info.State.LastSeq, fn)
+}
+
+// Follow delivers stored then new messages of stream matching filter from startSeq (0: the first; use
+// DeliverNew semantics with startSeq = ^uint64(0)) until fn returns false or ctx ends.
+func (b *Bus) Follow(ctx context.Context, stream, filter string, startSeq uint64, fn func(StreamMsg) bool) error {
+	err := b.follow(ctx, stream, filter, startSeq, 0, fn)
+	if errors.Is(err, context.Canceled) {
+		return nil
+	}
+	return err
+}
+
+func (b *Bus) follow(ctx context.Context, stream, filter string, startSeq, stopSeq uint64, fn func(StreamMsg) bool) error {
+	occ := jetstream.OrderedConsumerConfig{}
+	if filter != "" {
+		occ.FilterSubjects = []string{filter}
+	}
+	switch {
+	case startSeq == ^uint64(0):
+		occ.DeliverPolicy = jetstream.DeliverNewPolicy
+	case startSeq > 0:
+		occ.DeliverPolicy = jetstream.DeliverByStartSequencePolicy
+		occ.OptStartSeq = startSeq
+	}
+	cons, err := b.js.OrderedConsumer(ctx, stream, occ)
+	if err != nil {
+		return fmt.Errorf("read %s: %w", stream, err)
+	}
+	for {
+		fctx := ctx
+		var cancel context.CancelFunc = func() {}
+		if stopSeq > 0 {
+			fctx, cancel = context.WithTimeout(ctx, 2*time.Second)
+		}
+		batch, err := cons.Fetch(500, jetstream.FetchContext(fctx))
+		if err != nil {
+			cancel()
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			return fmt.Errorf("read %s: %w", stream, err)
+		}
+		n := 0
+		for jm := range batch.Messages() {
+			n++
+			meta, _ := jm.Metadata()
+			sm := StreamMsg{Subject: jm.Subject(), Header: jm.Headers(), Data: jm.Data()}
+			if meta != nil {
+				sm.Seq, sm.Time = meta.Sequence.Stream, meta.Timestamp
+			}
+			if !fn(sm) {
+				cancel()
+				return nil
+			}
+			if stopSeq > 0 && sm.Seq >= stopSeq {
+				cancel()
+				return nil
+			}
+			if meta != nil && meta.NumPending == 0 && stopSeq > 0 {
+				cancel()
+				return nil
+			}
+		}
+		cancel()
+		if err := batch.Error(); err != nil && !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, nats.ErrTimeout) {
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			return fmt.Errorf("read %s: %w", stream, err)
+		}
+		if n == 0 && stopSeq > 0 {
+			return nil
+		}
+	}
+}

@@ -1,0 +1,168 @@
+package bus
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// ErrKeyNotFound is returned by KV.Get for a missing key.
+var ErrKeyNotFound = errors.New("key not found")
+
+// KVConfig configures a bucket.
+type KVConfig struct {
+	Bucket      string
+	Description string
+	// TTL expires values not updated for this long (0: never).
+	TTL      time.Duration
+	History  uint8
+	Replicas int
+	MaxBytes int64
+}
+
+// KV is a JetStream key-value bucket.
+type KV struct {
+	b  *Bus
+	kv jetstream.KeyValue
+}
+
+// KV creates the bucket if it does not exist (idempotent) and returns it.
+func (b *Bus) KV(ctx context.Context, cfg KVConfig) (*KV, error) {
+	kvc := jetstream.KeyValueConfig{
+		Bucket: cfg.Bucket, Description: cfg.Description, TTL: cfg.TTL, History: max(cfg.History, 1),
+		Storage: jetstream.FileStorage, Replicas: max(cfg.Replicas, 1), MaxBytes: cfg.MaxBytes,
+	}
+	if cfg.MaxBytes == 0 {
+		kvc.MaxBytes = -1
+	}
+	kv, err := b.js.CreateOrUpdateKeyValue(ctx, kvc)
+	if err != nil {
+		if existing, getErr := b.js.KeyValue(ctx, cfg.Bucket); getErr == nil {
+			return &KV{b: b, kv: existing}, nil
+		}
+		return nil, fmt.Errorf("key-value bucket %s: %w", cfg.Bucket, err)
+	}
+	return &KV{b: b, kv: kv}, nil
+}
+
+// Get returns the value and revision of key, or ErrKeyNotFound.
+func (k *KV) Get(ctx context.Context, key string) ([]byte, uint64, error) {
+	e, err := k.kv.Get(ctx, key)
+	if err != nil {
+		if errors.Is(err, jetstream.ErrKeyNotFound) {
+			return nil, 0, ErrKeyNotFound
+		}
+		return nil, 0, fmt.Errorf("kv get %s/%s: %w", k.kv.Bucket(), key, err)
+	}
+	return e.Value(), e.Revision(), nil
+}
+
+// Put stores value under key.
+func (k *KV) Put(ctx context.Context, key string, value []byte) (uint64, error) {
+	rev, err := k.kv.Put(ctx, key, value)
+	if err != nil {
+		return 0, fmt.Errorf("kv put %s/%s: %w", k.kv.Bucket(), key, err)
+	}
+	return rev, nil
+}
+
+// Delete removes key (a missing key is not an error).
+func (k *KV) Delete(ctx context.Context, key string) error {
+	if err := k.kv.Delete(ctx, key); err != nil && !errors.Is(err, jetstream.ErrKeyNotFound) {
+		return fmt.Errorf("kv delete %s/%s: %w", k.kv.Bucket(), key, err)
+	}
+	return nil
+}
+
+// Batch writes many puts and deletes pipelined (async publish to the bucket's subjects) and waits for every
+// ack: one round trip instead of one per key.
+func (k *KV) Batch(ctx context.Context, puts map[string][]byte, deletes []string) error {
+	futures := make([]jetstream.PubAckFuture, 0, len(puts)+len(deletes))
+	prefix := "$KV." + k.kv.Bucket() + "."
+	for key, v := range puts {
+		f, err := k.b.js.PublishAsync(prefix+key, v)
+		if err != nil {
+			return fmt.Errorf("kv batch put %s/%s: %w", k.kv.Bucket(), key, err)
+		}
+		futures = append(futures, f)
+	}
+	for _, key := range deletes {
+		m := nats.NewMsg(prefix + key)
+		m.Header.Set("KV-Operation", "DEL")
+		f, err := k.b.js.PublishMsgAsync(m)
+		if err != nil {
+			return fmt.Errorf("kv batch delete %s/%s: %w", k.kv.Bucket(), key, err)
+		}
+		futures = append(futures, f)
+	}
+	return waitAcks(ctx, futures)
+}
+
+// Entry is one key's value.
+type Entry struct {
+	Key      string
+	Value    []byte
+	Revision uint64
+	Created  time.Time
+	Deleted  bool
+}
+
+// List returns every live entry whose key matches filter (a NATS subject filter over keys, ">" for all).
+func (k *KV) List(ctx context.Context, filter string) ([]Entry, error) {
+	if filter == "" {
+		filter = ">"
+	}
+	w, err := k.kv.Watch(ctx, filter, jetstream.IgnoreDeletes())
+	if err != nil {
+		return nil, fmt.Errorf("kv list %s/%s: %w", k.kv.Bucket(), filter, err)
+	}
+	defer func() { _ = w.Stop() }()
+	var out []Entry
+	for {
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case e, ok := <-w.Updates():
+			if !ok {
+				return out, nil
+			}
+			if e == nil { // end of initial values
+				return out, nil
+			}
+			out = append(out, Entry{Key: e.Key(), Value: e.Value(), Revision: e.Revision(), Created: e.Created()})
+		}
+	}
+}
+
+// Watch calls fn for every current entry, then nil-marker (fn with Entry{} and initial=false), then each change
+// until ctx ends. Deleted keys arrive with Deleted set.
+func (k *KV) Watch(ctx context.Context, filter string, fn func(e Entry, initialDone bool)) error {
+	if filter == "" {
+		filter = ">"
+	}
+	w, err := k.kv.Watch(ctx, filter)
+	if err != nil {
+		return fmt.Errorf("kv watch %s/%s: %w", k.kv.Bucket(), filter, err)
+	}
+	defer func() { _ = w.Stop() }()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case e, ok := <-w.Updates():
+			if !ok {
+				return nil
+			}
+			if e == nil {
+				fn(Entry{}, true)
+				continue
+			}
+			fn(Entry{Key: e.Key(), Value: e.Value(), Revision: e.Revision(), Created: e.Created(),
+				Deleted: e.Operation() != jetstream.KeyValuePut}, false)
+		}
+	}
+}

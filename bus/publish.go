@@ -1,0 +1,121 @@
+package bus
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/imagefleet/imagefleet/events"
+)
+
+// CloudEvents binary-mode headers.
+const (
+	HeaderSpecVersion = "ce-specversion"
+	HeaderType        = "ce-type"
+	HeaderSource      = "ce-source"
+	HeaderID          = "ce-id"
+	HeaderTime        = "ce-time"
+	HeaderContentType = "content-type"
+)
+
+// EventMsg builds the NATS message of an event: JSON body, Nats-Msg-Id = event id, CloudEvents binary headers.
+func EventMsg(ev events.Event) (*nats.Msg, error) {
+	if err := ev.Validate(); err != nil {
+		return nil, err
+	}
+	subject, err := ev.Subject()
+	if err != nil {
+		return nil, err
+	}
+	body, err := json.Marshal(ev)
+	if err != nil {
+		return nil, fmt.Errorf("marshal event %s: %w", ev.ID, err)
+	}
+	m := nats.NewMsg(subject)
+	m.Data = body
+	m.Header.Set(jetstream.MsgIDHeader, ev.ID)
+	m.Header.Set(HeaderSpecVersion, "1.0")
+	m.Header.Set(HeaderType, ev.Type)
+	m.Header.Set(HeaderSource, "imagefleet://node/"+ev.Node)
+	m.Header.Set(HeaderID, ev.ID)
+	m.Header.Set(HeaderTime, ev.Time.UTC().Format(time.RFC3339Nano))
+	m.Header.Set(HeaderContentType, "application/json")
+	return m, nil
+}
+
+// Publish stores an event in the events stream and waits for the server's ack. A retried publish of the same
+// event is stored once (Nats-Msg-Id).
+func (b *Bus) Publish(ctx context.Context, ev events.Event) error {
+	m, err := EventMsg(ev)
+	if err != nil {
+		return err
+	}
+	if _, err := b.js.PublishMsg(ctx, m); err != nil {
+		return fmt.Errorf("publish %s %s: %w", ev.Type, ev.ID, err)
+	}
+	return nil
+}
+
+// PublishAll publishes events asynchronously and waits for every ack; the first error is returned.
+func (b *Bus) PublishAll(ctx context.Context, evs []events.Event) error {
+	futures := make([]jetstream.PubAckFuture, 0, len(evs))
+	for _, ev := range evs {
+		m, err := EventMsg(ev)
+		if err != nil {
+			return err
+		}
+		f, err := b.js.PublishMsgAsync(m)
+		if err != nil {
+			return fmt.Errorf("publish %s %s: %w", ev.Type, ev.ID, err)
+		}
+		futures = append(futures, f)
+	}
+	return waitAcks(ctx, futures)
+}
+
+func waitAcks(ctx context.Context, futures []jetstream.PubAckFuture) error {
+	for _, f := range futures {
+		select {
+		case <-f.Ok():
+		case err := <-f.Err():
+			return fmt.Errorf("publish %s: %w", f.Msg().Subject, err)
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	return nil
+}
+
+// PublishCommand stores a command in a JetStream stream (the pull work queue) with msgID for de-duplication.
+// Headers are optional extra headers.
+func (b *Bus) PublishCommand(ctx context.Context, subject, msgID string, body any, headers map[string]string) (uint64, error) {
+	data, err := json.Marshal(body)
+	if err != nil {
+		return 0, fmt.Errorf("marshal command for %s: %w", subject, err)
+	}
+	m := nats.NewMsg(subject)
+	m.Data = data
+	if msgID != "" {
+		m.Header.Set(jetstream.MsgIDHeader, msgID)
+	}
+	for k, v := range headers {
+		m.Header.Set(k, v)
+	}
+	ack, err := b.js.PublishMsg(ctx, m)
+	if err != nil {
+		return 0, fmt.Errorf("publish command to %s: %w", subject, err)
+	}
+	return ack.Sequence, nil
+}
+
+// PublishRaw sends a core NATS message (no JetStream), for fire-and-forget signals such as heartbeats.
+func (b *Bus) PublishRaw(subject string, data []byte) error {
+	if err := b.nc.Publish(subject, data); err != nil {
+		return fmt.Errorf("publish to %s: %w", subject, err)
+	}
+	return nil
+}

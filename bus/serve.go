@@ -1,0 +1,155 @@
+package bus
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/imagefleet/imagefleet/events"
+)
+
+// Handler answers one request: what it returns is marshalled into the reply's data; an error becomes the
+// reply's error text. A handler must not panic on any input; Serve recovers anyway and answers with an error.
+type Handler func(ctx context.Context, data []byte) (any, error)
+
+// Serve answers requests on subject in queue group queue (replicas share the load) until ctx ends.
+// Requests are handled one at a time per subscription, in order; use ServeConcurrent for parallel handlers.
+func (b *Bus) Serve(ctx context.Context, subject, queue string, h Handler) error {
+	return b.ServeConcurrent(ctx, subject, queue, 1, h)
+}
+
+// ServeConcurrent is Serve with up to n handlers running at once.
+func (b *Bus) ServeConcurrent(ctx context.Context, subject, queue string, n int, h Handler) error {
+	if n < 1 {
+		n = 1
+	}
+	ch := make(chan *nats.Msg, 256)
+	sub, err := b.nc.ChanQueueSubscribe(subject, queue, ch)
+	if err != nil {
+		return fmt.Errorf("subscribe %s: %w", subject, err)
+	}
+	log := b.log.With("subject", subject)
+	var wg sync.WaitGroup
+	for i := 0; i < n; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case <-ctx.Done():
+					return
+				case m := <-ch:
+					b.answer(ctx, log, m, h)
+				}
+			}
+		}()
+	}
+	<-ctx.Done()
+	_ = sub.Unsubscribe()
+	wg.Wait()
+	return nil
+}
+
+func (b *Bus) answer(ctx context.Context, log *slog.Logger, m *nats.Msg, h Handler) {
+	if m.Reply == "" {
+		return
+	}
+	var rep events.Reply
+	out, err := safeHandle(ctx, h, m.Data)
+	if err != nil {
+		rep.Error = err.Error()
+	} else if out != nil {
+		raw, mErr := json.Marshal(out)
+		if mErr != nil {
+			rep.Error = fmt.Sprintf("marshal reply: %v", mErr)
+		} else {
+			rep.Data = raw
+		}
+	}
+	body, _ := json.Marshal(rep)
+	if len(body) > int(b.nc.MaxPayload()) {
+		body, _ = json.Marshal(events.Reply{Error: fmt.Sprintf("reply of %d bytes is over the server's max payload %d; ask for less (limit)", len(body), b.nc.MaxPayload())})
+	}
+	if err := m.Respond(body); err != nil {
+		log.Warn("respond failed", "err", err)
+	}
+}
+
+func safeHandle(ctx context.Context, h Handler, data []byte) (out any, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = fmt.Errorf("internal error handling request: %v", r)
+		}
+	}()
+	return h(ctx, data)
+}
+
+// ErrRemote is wrapped by Request when the responder answered with an error.
+var ErrRemote = errors.New("remote error")
+
+// ErrNoResponders means nobody serves the subject (the worker is not running).
+var ErrNoResponders = errors.New("no responders")
+
+// Request sends req (marshalled as JSON; a []byte is sent as is) to subject and decodes the reply's data into
+// resp (which may be nil). An error reply is returned as an error wrapping ErrRemote with the remote text.
+func (b *Bus) Request(ctx context.Context, subject string, req any, resp any) error {
+	var data []byte
+	switch v := req.(type) {
+	case nil:
+	case []byte:
+		data = v
+	default:
+		var err error
+		if data, err = json.Marshal(req); err != nil {
+			return fmt.Errorf("marshal request for %s: %w", subject, err)
+		}
+	}
+	m, err := b.nc.RequestWithContext(ctx, subject, data)
+	if err != nil {
+		if errors.Is(err, nats.ErrNoResponders) {
+			return fmt.Errorf("request %s: %w (is the worker running?)", subject, ErrNoResponders)
+		}
+		return fmt.Errorf("request %s: %w", subject, err)
+	}
+	var rep events.Reply
+	if err := json.Unmarshal(m.Data, &rep); err != nil {
+		return fmt.Errorf("decode reply from %s: %w", subject, err)
+	}
+	if rep.Error != "" {
+		return fmt.Errorf("%w: %s", ErrRemote, rep.Error)
+	}
+	if resp != nil && len(rep.Data) > 0 {
+		if err := json.Unmarshal(rep.Data, resp); err != nil {
+			return fmt.Errorf("decode reply data from %s: %w", subject, err)
+		}
+	}
+	return nil
+}
+
+// RequestRaw sends data and returns the raw reply envelope (for tests of malformed input).
+func (b *Bus) RequestRaw(ctx context.Context, subject string, data []byte) (events.Reply, error) {
+	m, err := b.nc.RequestWithContext(ctx, subject, data)
+	if err != nil {
+		return events.Reply{}, fmt.Errorf("request %s: %w", subject, err)
+	}
+	var rep events.Reply
+	if err := json.Unmarshal(m.Data, &rep); err != nil {
+		return events.Reply{}, fmt.Errorf("decode reply from %s: %w", subject, err)
+	}
+	return rep, nil
+}
+
+// Subscribe delivers core NATS messages on subject (no queue group) to fn until ctx ends.
+func (b *Bus) Subscribe(ctx context.Context, subject string, fn func(subject string, data []byte)) error {
+	sub, err := b.nc.Subscribe(subject, func(m *nats.Msg) { fn(m.Subject, m.Data) })
+	if err != nil {
+		return fmt.Errorf("subscribe %s: %w", subject, err)
+	}
+	<-ctx.Done()
+	return sub.Unsubscribe()
+}

@@ -1,0 +1,148 @@
+package bus
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/imagefleet/imagefleet/events"
+)
+
+// Stream names beyond the ones in events.
+const (
+	// DeadLetterStream keeps messages that were terminated or ran out of deliveries, for operators to list
+	// and replay.
+	DeadLetterStream = "IMAGEFLEET_DLQ"
+	// DeadLetterPrefix is the subject root of dead letters: imagefleet.dlq.<stream>.<consumer>.
+	DeadLetterPrefix = events.Prefix + ".dlq"
+)
+
+// StreamsConfig sizes the streams.
+type StreamsConfig struct {
+	// EventsMaxAge is how long events are kept (default 7 days).
+	EventsMaxAge time.Duration
+	// EventsMaxBytes caps the events stream (default 1 GiB).
+	EventsMaxBytes int64
+	// Replicas for every stream (default 1; 3 on a 3-node cluster).
+	Replicas int
+}
+
+// EnsureStreams creates or updates the events stream, the pull work queue and the dead-letter stream.
+// It is idempotent: every agent and command calls it at start.
+func (b *Bus) EnsureStreams(ctx context.Context, cfg StreamsConfig) error {
+	if cfg.EventsMaxAge == 0 {
+		cfg.EventsMaxAge = 7 * 24 * time.Hour
+	}
+	if cfg.EventsMaxBytes == 0 {
+		cfg.EventsMaxBytes = 1 << 30
+	}
+	if cfg.Replicas == 0 {
+		cfg.Replicas = 1
+	}
+	streams := []jetstream.StreamConfig{
+		{
+			Name:        events.EventsStream,
+			Description: "imagefleet events of every node",
+			Subjects:    []string{events.EventsSubjects},
+			Storage:     jetstream.FileStorage,
+			Retention:   jetstream.LimitsPolicy,
+			MaxAge:      cfg.EventsMaxAge,
+			MaxBytes:    cfg.EventsMaxBytes,
+			Duplicates:  2 * time.Minute,
+			Replicas:    cfg.Replicas,
+			Discard:     jetstream.DiscardOld,
+		},
+		{
+			Name:        events.PullStream,
+			Description: "image pull commands, one work queue consumer per node",
+			Subjects:    []string{events.PullSubjects},
+			Storage:     jetstream.FileStorage,
+			Retention:   jetstream.WorkQueuePolicy,
+			Duplicates:  2 * time.Minute,
+			Replicas:    cfg.Replicas,
+		},
+		{
+			Name:        DeadLetterStream,
+			Description: "messages that were terminated or exhausted their deliveries",
+			Subjects:    []string{DeadLetterPrefix + ".>"},
+			Storage:     jetstream.FileStorage,
+			Retention:   jetstream.LimitsPolicy,
+			MaxAge:      30 * 24 * time.Hour,
+			MaxBytes:    256 << 20,
+			Replicas:    cfg.Replicas,
+		},
+	}
+	for _, sc := range streams {
+		if err := b.ensureStream(ctx, sc); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (b *Bus) ensureStream(ctx context.Context, sc jetstream.StreamConfig) error {
+	_, err := b.js.CreateOrUpdateStream(ctx, sc)
+	if err == nil {
+		return nil
+	}
+	// A stream made with different immutable settings (storage, retention) is left as the operator made it.
+	if _, getErr := b.js.Stream(ctx, sc.Name); getErr == nil && errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
+		return nil
+	}
+	return fmt.Errorf("ensure stream %s: %w", sc.Name, err)
+}
+
+// EnsureStream creates or updates any stream (used by workers with streams of their own).
+func (b *Bus) EnsureStream(ctx context.Context, sc StreamConfig) error {
+	storage := jetstream.FileStorage
+	if sc.Memory {
+		storage = jetstream.MemoryStorage
+	}
+	retention := jetstream.LimitsPolicy
+	if sc.WorkQueue {
+		retention = jetstream.WorkQueuePolicy
+	}
+	return b.ensureStream(ctx, jetstream.StreamConfig{
+		Name: sc.Name, Subjects: sc.Subjects, Storage: storage, Retention: retention, MaxAge: sc.MaxAge,
+		MaxBytes: sc.MaxBytes, MaxMsgsPerSubject: sc.MaxMsgsPerSubject, Duplicates: 2 * time.Minute,
+		Replicas: max(sc.Replicas, 1),
+	})
+}
+
+// StreamConfig is the subset of stream settings workers choose.
+type StreamConfig struct {
+	Name              string
+	Subjects          []string
+	Memory            bool
+	WorkQueue         bool
+	MaxAge            time.Duration
+	MaxBytes          int64
+	MaxMsgsPerSubject int64
+	Replicas          int
+}
+
+// StreamInfo is what an operator wants to see of a stream.
+type StreamInfo struct {
+	Name     string
+	Messages uint64
+	Bytes    uint64
+	FirstSeq uint64
+	LastSeq  uint64
+}
+
+// Stream reports the state of a stream.
+func (b *Bus) Stream(ctx context.Context, name string) (StreamInfo, error) {
+	s, err := b.js.Stream(ctx, name)
+	if err != nil {
+		return StreamInfo{}, fmt.Errorf("stream %s: %w", name, err)
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		return StreamInfo{}, fmt.Errorf("stream %s info: %w", name, err)
+	}
+	return StreamInfo{Name: name, Messages: info.State.Msgs, Bytes: info.State.Bytes,
+		FirstSeq: info.State.FirstSeq, LastSeq: info.State.LastSeq}, nil
+}

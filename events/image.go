@@ -1,0 +1,150 @@
+package events
+
+import (
+	"fmt"
+	"time"
+)
+
+// Entities and actions of image lifecycle events.
+const (
+	EntityImage = "image"
+	EntityGC    = "gc"
+	EntityNode  = "node"
+
+	ActionDetected = "detected" // a new image record
+	ActionRemoved  = "removed"  // an image removed by GC
+	ActionVanished = "vanished" // a record dropped because the runtime no longer lists the image
+	ActionWarning  = "warning"  // a Kubernetes Warning event on the node (InvalidDiskCapacity, FreeDiskSpaceFailed, ImageGCFailed)
+	ActionFinished = "finished" // one GC pass finished (its result is the data)
+)
+
+// ImageRecord is the detector's record of one image on one node (the kubelet's imageRecord, plus identity).
+type ImageRecord struct {
+	ID            string    `json:"id"`
+	RepoTags      []string  `json:"repoTags,omitempty"`
+	RepoDigests   []string  `json:"repoDigests,omitempty"`
+	Size          int64     `json:"size"`
+	Pinned        bool      `json:"pinned"`
+	InUse         bool      `json:"inUse"`
+	FirstDetected time.Time `json:"firstDetected"`
+	LastUsed      time.Time `json:"lastUsed"`
+}
+
+// Image is one entry of the cached image list (node status).
+type Image struct {
+	ID          string   `json:"id"`
+	RepoTags    []string `json:"repoTags,omitempty"`
+	RepoDigests []string `json:"repoDigests,omitempty"`
+	Size        int64    `json:"size"`
+	Pinned      bool     `json:"pinned,omitempty"`
+}
+
+// ImageRemoved is the data of image.removed.
+type ImageRemoved struct {
+	ID       string   `json:"id"`
+	RepoTags []string `json:"repoTags,omitempty"`
+	Size     int64    `json:"size"`
+	Reason   string   `json:"reason"` // space | age | unused
+}
+
+// DetectRequest is the body of imagefleet.cmd.<node>.detect (empty today; kept for additive options).
+type DetectRequest struct{}
+
+// DetectReply answers a detect command.
+type DetectReply struct {
+	Node    string        `json:"node"`
+	Records []ImageRecord `json:"records"`
+}
+
+// QueryRequest is the body of the record and image queries.
+type QueryRequest struct {
+	// Limit caps the answer (0: no cap). The images query of node status uses 50 (nodeStatusMaxImages).
+	Limit int `json:"limit,omitempty"`
+}
+
+// Validate checks the query.
+func (q QueryRequest) Validate() error {
+	if q.Limit < 0 {
+		return fmt.Errorf("limit %d must not be negative", q.Limit)
+	}
+	return nil
+}
+
+// ImagesReply answers imagefleet.qry.<node>.images.
+type ImagesReply struct {
+	Node      string    `json:"node"`
+	Refreshed time.Time `json:"refreshed"`
+	Images    []Image   `json:"images"`
+}
+
+// RecordsReply answers imagefleet.qry.<node>.records.
+type RecordsReply struct {
+	Node    string        `json:"node"`
+	Records []ImageRecord `json:"records"`
+}
+
+// GCRequest is the body of imagefleet.cmd.<node>.gc. Unset policy fields keep the agent's configuration.
+type GCRequest struct {
+	DryRun    bool `json:"dryRun,omitempty"`
+	AllUnused bool `json:"allUnused,omitempty"` // DeleteUnusedImages: every eligible unused image
+	// Policy overrides.
+	HighThresholdPercent *int      `json:"highThresholdPercent,omitempty"`
+	LowThresholdPercent  *int      `json:"lowThresholdPercent,omitempty"`
+	MinAge               *Duration `json:"minAge,omitempty"`
+	MaxAge               *Duration `json:"maxAge,omitempty"`
+}
+
+// Validate checks the overrides with the kubelet's image GC policy messages.
+func (r GCRequest) Validate() error {
+	if r.HighThresholdPercent != nil && (*r.HighThresholdPercent < 0 || *r.HighThresholdPercent > 100) {
+		return fmt.Errorf("invalid HighThresholdPercent %d, must be in range [0-100]", *r.HighThresholdPercent)
+	}
+	if r.LowThresholdPercent != nil && (*r.LowThresholdPercent < 0 || *r.LowThresholdPercent > 100) {
+		return fmt.Errorf("invalid LowThresholdPercent %d, must be in range [0-100]", *r.LowThresholdPercent)
+	}
+	if r.MinAge != nil && r.MinAge.Duration < 0 {
+		return fmt.Errorf("imageMinimumGCAge %v must not be negative", r.MinAge.Duration)
+	}
+	if r.MaxAge != nil && r.MaxAge.Duration < 0 {
+		return fmt.Errorf("imageMaximumGCAge %v must not be negative", r.MaxAge.Duration)
+	}
+	return nil
+}
+
+// GCRemoved is one image a GC pass removed (or, in a dry run, would remove).
+type GCRemoved struct {
+	ID       string   `json:"id"`
+	RepoTags []string `json:"repoTags,omitempty"`
+	Size     int64    `json:"size"`
+	Reason   string   `json:"reason"` // space | age | unused
+	Error    string   `json:"error,omitempty"`
+}
+
+// GCSkipped is a candidate a GC pass kept, and why.
+type GCSkipped struct {
+	ID  string `json:"id"`
+	Why string `json:"why"`
+}
+
+// GCResult answers a gc command and is the data of gc.finished.
+type GCResult struct {
+	Node           string      `json:"node"`
+	DryRun         bool        `json:"dryRun"`
+	AllUnused      bool        `json:"allUnused,omitempty"`
+	CapacityBytes  int64       `json:"capacityBytes"`
+	AvailableBytes int64       `json:"availableBytes"`
+	UsagePercent   int         `json:"usagePercent"`
+	AmountToFree   int64       `json:"amountToFree"`
+	FreedBytes     int64       `json:"freedBytes"`
+	Removed        []GCRemoved `json:"removed"`
+	Skipped        []GCSkipped `json:"skipped"`
+	Error          string      `json:"error,omitempty"`
+	Started        time.Time   `json:"started"`
+	Duration       Duration    `json:"duration"`
+}
+
+// NodeWarning is the data of node.warning: a Kubernetes Warning event the kubelet posts on its node.
+type NodeWarning struct {
+	Reason  string `json:"reason"`
+	Message string `json:"message"`
+}

@@ -1,0 +1,77 @@
+package events
+
+import (
+	"fmt"
+	"regexp"
+	"strings"
+)
+
+// Subject roots. Subjects go broad to narrow, identifiers last.
+const (
+	// Prefix is the root of every imagefleet subject.
+	Prefix = "imagefleet"
+	// EventsStream is the JetStream stream that stores every event.
+	EventsStream = "IMAGEFLEET_EVENTS"
+	// EventsSubjects is the subject filter of EventsStream.
+	EventsSubjects = Prefix + ".evt.>"
+	// PullStream is the JetStream work-queue stream for pull commands.
+	PullStream = "IMAGEFLEET_PULL"
+	// PullSubjects is the subject filter of PullStream.
+	PullSubjects = Prefix + ".cmd.*.pull"
+)
+
+// nodeNameRE is a DNS-1123 subdomain, the form Kubernetes requires for node names.
+var nodeNameRE = regexp.MustCompile(`^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$`)
+
+// ValidateNodeName reports whether name is a valid node name (a DNS-1123 subdomain of at most 253 characters).
+func ValidateNodeName(name string) error {
+	if name == "" {
+		return fmt.Errorf("node name is empty")
+	}
+	if len(name) > 253 {
+		return fmt.Errorf("node name %q is longer than 253 characters", name)
+	}
+	if !nodeNameRE.MatchString(name) {
+		return fmt.Errorf("node name %q is not a DNS-1123 subdomain (lower case alphanumerics, '-' and '.')", name)
+	}
+	return nil
+}
+
+// NodeToken turns a node name into one subject token. Node names may contain dots, which separate NATS
+// subject tokens, and never contain '_' (DNS-1123), so replacing '.' with '_' is reversible. Payloads keep the
+// real name.
+func NodeToken(node string) string { return strings.ReplaceAll(node, ".", "_") }
+
+// NodeFromToken reverses NodeToken.
+func NodeFromToken(token string) string { return strings.ReplaceAll(token, "_", ".") }
+
+// EventSubject is the subject of an event of the given entity and action on node:
+// imagefleet.evt.<node>.<entity>.<action>.
+func EventSubject(node, entity, action string) string {
+	return Prefix + ".evt." + NodeToken(node) + "." + entity + "." + action
+}
+
+// NodeEvents is the subject filter for every event of one node.
+func NodeEvents(node string) string { return Prefix + ".evt." + NodeToken(node) + ".>" }
+
+// CommandSubject is imagefleet.cmd.<node>.<verb> (pull, gc, detect).
+func CommandSubject(node, verb string) string { return Prefix + ".cmd." + NodeToken(node) + "." + verb }
+
+// QuerySubject is imagefleet.qry.<node>.<what> (images, records, pods, refs).
+func QuerySubject(node, what string) string { return Prefix + ".qry." + NodeToken(node) + "." + what }
+
+// FleetSubject is imagefleet.fleet.<rest>.
+func FleetSubject(rest string) string { return Prefix + ".fleet." + rest }
+
+// Command verbs and query names (the last subject token).
+const (
+	VerbPull    = "pull"
+	VerbGC      = "gc"
+	VerbDetect  = "detect"
+	QryImages   = "images"
+	QryRecords  = "records"
+	QryPods     = "pods"
+	QryRefs     = "refs"
+	QryInUse    = "inuse"
+	QryPullStat = "pullstats"
+)
