@@ -47,13 +47,23 @@ type ImageRemoved struct {
 	Reason   string   `json:"reason"` // space | age | unused
 }
 
-// DetectRequest is the body of imagefleet.cmd.<node>.detect (empty today; kept for additive options).
-type DetectRequest struct{}
+// DetectRequest is the body of imagefleet.cmd.<node>.detect.
+type DetectRequest struct {
+	// Time is the detect time given to new records as firstDetected (default: now). The GC executor passes
+	// its freeTime, as the kubelet's imagesInEvictionOrder does.
+	Time *time.Time `json:"time,omitempty"`
+}
 
-// DetectReply answers a detect command.
+// DetectReply answers a detect command. The records themselves are in the records KV bucket (a node can
+// have more records than fit in one message).
 type DetectReply struct {
-	Node    string        `json:"node"`
-	Records []ImageRecord `json:"records"`
+	Node     string    `json:"node"`
+	Time     time.Time `json:"time"`
+	Records  int       `json:"records"`
+	InUse    int       `json:"inUse"`
+	Added    int       `json:"added"`
+	Removed  int       `json:"removed"`
+	Duration Duration  `json:"duration"`
 }
 
 // QueryRequest is the body of the record and image queries.

@@ -1,0 +1,194 @@
+package detector
+
+import (
+	"context"
+	"fmt"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/services/cri"
+)
+
+// runtime is the part of the CRI client the detector needs.
+type runtime interface {
+	ListImages(ctx context.Context) ([]cri.Image, error)
+	ListContainers(ctx context.Context) ([]cri.Container, error)
+}
+
+// Service is the detector worker of one node.
+type Service struct {
+	cfg   Config
+	rt    runtime
+	bus   *bus.Bus
+	store *Store
+
+	// mu serialises detections and guards records (the in-memory copy of the store).
+	mu      sync.Mutex
+	records map[string]events.ImageRecord
+	loaded  bool
+}
+
+// New validates cfg and builds the detector.
+func New(cfg Config, rt runtime, b *bus.Bus) (*Service, error) {
+	if err := cfg.setDefaults(); err != nil {
+		return nil, err
+	}
+	if rt == nil || b == nil {
+		return nil, fmt.Errorf("detector needs a runtime and a bus")
+	}
+	return &Service{cfg: cfg, rt: rt, bus: b}, nil
+}
+
+// Run detects at start, every Period, and on each detect command; it answers record queries. It blocks until
+// ctx ends and returns nil after a clean shutdown.
+func (s *Service) Run(ctx context.Context) error {
+	store, err := OpenStore(ctx, s.bus, s.cfg.Node)
+	if err != nil {
+		return err
+	}
+	s.store = store
+	log := s.cfg.Logger.With("worker", "detector", "node", s.cfg.Node)
+	var wg sync.WaitGroup
+	errs := make(chan error, 2)
+	serve := func(subject string, h bus.Handler) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := s.bus.Serve(ctx, subject, "detector", h); err != nil {
+				errs <- err
+			}
+		}()
+	}
+	serve(events.CommandSubject(s.cfg.Node, events.VerbDetect), s.handleDetect)
+	serve(events.QuerySubject(s.cfg.Node, events.QryRecords), s.handleRecords)
+
+	tick := time.NewTicker(s.cfg.Period)
+	defer tick.Stop()
+	for first := true; ; first = false {
+		if !first {
+			select {
+			case <-ctx.Done():
+				wg.Wait()
+				return nil
+			case err := <-errs:
+				wg.Wait()
+				return err
+			case <-tick.C:
+			}
+		}
+		if _, err := s.Detect(ctx, s.cfg.Now()); err != nil && ctx.Err() == nil {
+			// The kubelet logs "Failed to monitor images" and tries again next period.
+			log.Warn("failed to monitor images", "err", err)
+		}
+	}
+}
+
+// Detect runs one detection with detectTime for new records, writes the changes to the store, publishes
+// image.detected and image.vanished events, and returns a summary.
+func (s *Service) Detect(ctx context.Context, detectTime time.Time) (events.DetectReply, error) {
+	start := time.Now()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !s.loaded {
+		recs, err := s.store.Load(ctx)
+		if err != nil {
+			return events.DetectReply{}, err
+		}
+		s.records, s.loaded = recs, true
+	}
+	images, err := s.rt.ListImages(ctx)
+	if err != nil {
+		return events.DetectReply{}, fmt.Errorf("detect images: %w", err)
+	}
+	containers, err := s.rt.ListContainers(ctx)
+	if err != nil {
+		return events.DetectReply{}, fmt.Errorf("detect images: %w", err)
+	}
+	// Work on a copy so a failed write leaves memory equal to the store.
+	next := make(map[string]events.ImageRecord, len(s.records))
+	for k, v := range s.records {
+		next[k] = v
+	}
+	ch := Detect(next, images, containers, detectTime, s.cfg.Now())
+	puts := append(append([]events.ImageRecord(nil), ch.Added...), ch.Updated...)
+	removed := make([]string, 0, len(ch.Removed))
+	for _, r := range ch.Removed {
+		removed = append(removed, r.ID)
+	}
+	if err := s.store.Write(ctx, puts, removed); err != nil {
+		return events.DetectReply{}, err
+	}
+	s.records = next
+	if err := s.publish(ctx, ch); err != nil {
+		return events.DetectReply{}, err
+	}
+	return events.DetectReply{Node: s.cfg.Node, Time: detectTime, Records: len(next), InUse: len(ch.InUse),
+		Added: len(ch.Added), Removed: len(ch.Removed), Duration: events.Duration{Duration: time.Since(start)}}, nil
+}
+
+func (s *Service) publish(ctx context.Context, ch Changes) error {
+	if len(ch.Added)+len(ch.Removed) == 0 {
+		return nil
+	}
+	evs := make([]events.Event, 0, len(ch.Added)+len(ch.Removed))
+	for _, r := range ch.Added {
+		ev, err := events.New(s.cfg.Node, events.EntityImage, events.ActionDetected, r)
+		if err != nil {
+			return err
+		}
+		evs = append(evs, ev)
+	}
+	for _, r := range ch.Removed {
+		ev, err := events.New(s.cfg.Node, events.EntityImage, events.ActionVanished, r)
+		if err != nil {
+			return err
+		}
+		evs = append(evs, ev)
+	}
+	return s.bus.PublishAll(ctx, evs)
+}
+
+func (s *Service) handleDetect(ctx context.Context, data []byte) (any, error) {
+	var req events.DetectRequest
+	if err := events.DecodeStrict(data, &req); err != nil {
+		return nil, err
+	}
+	t := s.cfg.Now()
+	if req.Time != nil {
+		t = *req.Time
+	}
+	return s.Detect(ctx, t)
+}
+
+func (s *Service) handleRecords(ctx context.Context, data []byte) (any, error) {
+	var q events.QueryRequest
+	if err := events.DecodeStrict(data, &q); err != nil {
+		return nil, err
+	}
+	recs, err := s.store.Load(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return events.RecordsReply{Node: s.cfg.Node, Records: SortRecords(recs, q.Limit)}, nil
+}
+
+// SortRecords lists records by size descending then ID (the order `imagefleet records` prints), capped at limit.
+func SortRecords(recs map[string]events.ImageRecord, limit int) []events.ImageRecord {
+	out := make([]events.ImageRecord, 0, len(recs))
+	for _, r := range recs {
+		out = append(out, r)
+	}
+	sort.Slice(out, func(i, j int) bool {
+		if out[i].Size != out[j].Size {
+			return out[i].Size > out[j].Size
+		}
+		return out[i].ID < out[j].ID
+	})
+	if limit > 0 && len(out) > limit {
+		out = out[:limit]
+	}
+	return out
+}
