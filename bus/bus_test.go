@@ -1,0 +1,214 @@
+package bus_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/bus/bustest"
+	"github.com/imagefleet/imagefleet/events"
+)
+
+func TestPublishIsDeduplicatedAndCarriesCloudEventsHeaders(t *testing.T) {
+	_, b := bustest.Start(t)
+	ctx := t.Context()
+	ev, err := events.New("node-a.example", events.EntityImage, events.ActionRemoved, events.ImageRemoved{ID: "sha256:1", Size: 10, Reason: "space"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range 3 {
+		if err := b.Publish(ctx, ev); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var got []bus.StreamMsg
+	if err := b.ReadStream(ctx, events.EventsStream, "", 0, func(m bus.StreamMsg) bool { got = append(got, m); return true }); err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != 1 {
+		t.Fatalf("stored %d copies of one event, want 1", len(got))
+	}
+	m := got[0]
+	if m.Subject != "imagefleet.evt.node-a_example.image.removed" {
+		t.Errorf("subject = %q", m.Subject)
+	}
+	for h, want := range map[string]string{"ce-specversion": "1.0", "ce-type": "imagefleet.image.removed.v1", "ce-id": ev.ID, "Nats-Msg-Id": ev.ID} {
+		if v := m.Header.Get(h); v != want {
+			t.Errorf("header %s = %q, want %q", h, v, want)
+		}
+	}
+	dec, err := events.DecodeEvent(m.Data)
+	if err != nil || dec.Node != "node-a.example" {
+		t.Fatalf("decode: %v %+v", err, dec)
+	}
+}
+
+func TestServeAnswersErrorsAndSurvivesPanics(t *testing.T) {
+	_, b := bustest.Start(t)
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error)
+	go func() {
+		done <- b.Serve(ctx, "t.echo", "q", func(_ context.Context, data []byte) (any, error) {
+			var req events.QueryRequest
+			if err := events.DecodeStrict(data, &req); err != nil {
+				return nil, err
+			}
+			if req.Limit == 7 {
+				panic("boom")
+			}
+			return req, nil
+		})
+	}()
+	rctx, rcancel := context.WithTimeout(ctx, 5*time.Second)
+	defer rcancel()
+	waitFor(t, func() bool { return b.Request(rctx, "t.echo", events.QueryRequest{Limit: 1}, nil) == nil })
+	cases := []struct {
+		name, body, wantErr string
+	}{
+		{"bad json", `{`, "malformed message"},
+		{"unknown field", `{"limit":1,"bogus":2}`, `unknown field "bogus"`},
+		{"wrong type", `{"limit":"x"}`, `field "limit" must be int`},
+		{"negative", `{"limit":-1}`, "must not be negative"},
+		{"panic", `{"limit":7}`, "internal error"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			rep, err := b.RequestRaw(rctx, "t.echo", []byte(tc.body))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !strings.Contains(rep.Error, tc.wantErr) {
+				t.Fatalf("error %q does not contain %q", rep.Error, tc.wantErr)
+			}
+		})
+	}
+	var out events.QueryRequest
+	if err := b.Request(rctx, "t.echo", events.QueryRequest{Limit: 3}, &out); err != nil || out.Limit != 3 {
+		t.Fatalf("still serving after bad input: %v %+v", err, out)
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestConsumeAcksRedeliversAndDeadLetters(t *testing.T) {
+	_, b := bustest.Start(t)
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	if err := b.EnsureStream(ctx, bus.StreamConfig{Name: "T", Subjects: []string{"t.>"}, WorkQueue: true}); err != nil {
+		t.Fatal(err)
+	}
+	var okCount, flaky atomic.Int32
+	done := make(chan error)
+	go func() {
+		done <- b.Consume(ctx, bus.ConsumerConfig{Stream: "T", Durable: "c", MaxDeliver: 3, Backoff: []time.Duration{10 * time.Millisecond}},
+			func(_ context.Context, m *bus.Msg) error {
+				switch string(m.Data) {
+				case `"poison"`:
+					return bus.Permanent(errors.New("cannot parse"))
+				case `"flaky"`:
+					if flaky.Add(1) < 2 {
+						return errors.New("try again")
+					}
+				case `"never"`:
+					return errors.New("always fails")
+				}
+				okCount.Add(1)
+				return nil
+			})
+	}()
+	for _, body := range []string{"ok", "poison", "flaky", "never"} {
+		raw, _ := json.Marshal(body)
+		if _, err := b.PublishCommand(ctx, "t."+body, "", json.RawMessage(raw), nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitFor(t, func() bool {
+		dl, err := b.DeadLetters(ctx, "")
+		return err == nil && len(dl) == 2 && okCount.Load() == 2
+	})
+	dl, _ := b.DeadLetters(ctx, "")
+	reasons := map[string]string{}
+	for _, d := range dl {
+		reasons[d.Subject] = d.Reason
+	}
+	if reasons["t.poison"] != "cannot parse" || reasons["t.never"] != "always fails" {
+		t.Fatalf("dead letters: %+v", reasons)
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestKVBatchAndList(t *testing.T) {
+	_, b := bustest.Start(t)
+	ctx := t.Context()
+	kv, err := b.KV(ctx, bus.KVConfig{Bucket: "t"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := kv.Batch(ctx, map[string][]byte{"n1.a": []byte("1"), "n1.b": []byte("2"), "n2.a": []byte("3")}, nil); err != nil {
+		t.Fatal(err)
+	}
+	if err := kv.Batch(ctx, nil, []string{"n1.b"}); err != nil {
+		t.Fatal(err)
+	}
+	got, err := kv.List(ctx, "n1.>")
+	if err != nil || len(got) != 1 || got[0].Key != "n1.a" {
+		t.Fatalf("list = %+v, %v", got, err)
+	}
+	if _, _, err := kv.Get(ctx, "n1.b"); !errors.Is(err, bus.ErrKeyNotFound) {
+		t.Fatalf("deleted key: %v", err)
+	}
+}
+
+func TestConnectSurvivesServerRestart(t *testing.T) {
+	dir := t.TempDir()
+	srv, err := bus.StartServer(bus.ServerConfig{Listen: "127.0.0.1:-1", StoreDir: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	url := srv.ClientURL()
+	b, err := bus.Connect(t.Context(), url, bus.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	if err := b.EnsureStreams(t.Context(), bus.StreamsConfig{}); err != nil {
+		t.Fatal(err)
+	}
+	srv.Shutdown()
+	listen := strings.TrimPrefix(url, "nats://")
+	srv2, err := bus.StartServer(bus.ServerConfig{Listen: listen, StoreDir: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv2.Shutdown()
+	ev, _ := events.New("n1", events.EntityImage, events.ActionDetected, events.ImageRecord{ID: "x"})
+	waitFor(t, func() bool {
+		ctx, cancel := context.WithTimeout(t.Context(), time.Second)
+		defer cancel()
+		return b.Publish(ctx, ev) == nil
+	})
+	if b.Reconnects() < 1 {
+		t.Fatalf("reconnects = %d", b.Reconnects())
+	}
+}
+
+func waitFor(t *testing.T, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(15 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatal("condition not met within 15s")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}

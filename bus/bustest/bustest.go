@@ -1,0 +1,42 @@
+// Package bustest starts a real embedded nats-server with JetStream for a test, in milliseconds.
+package bustest
+
+import (
+	"context"
+	"testing"
+
+	"github.com/imagefleet/imagefleet/bus"
+)
+
+// Server starts an embedded nats-server on a free loopback port with its store in a temp dir; it is shut down
+// when the test ends.
+func Server(t testing.TB) *bus.Server {
+	t.Helper()
+	srv, err := bus.StartServer(bus.ServerConfig{Listen: "127.0.0.1:-1", StoreDir: t.TempDir()})
+	if err != nil {
+		t.Fatalf("start nats-server: %v", err)
+	}
+	t.Cleanup(srv.Shutdown)
+	return srv
+}
+
+// Connect connects to srv with the streams ensured; closed when the test ends.
+func Connect(t testing.TB, srv *bus.Server) *bus.Bus {
+	t.Helper()
+	b, err := bus.Connect(context.Background(), srv.ClientURL(), bus.Options{Name: t.Name()})
+	if err != nil {
+		t.Fatalf("connect: %v", err)
+	}
+	t.Cleanup(b.Close)
+	if err := b.EnsureStreams(context.Background(), bus.StreamsConfig{}); err != nil {
+		t.Fatalf("ensure streams: %v", err)
+	}
+	return b
+}
+
+// Start is Server then Connect.
+func Start(t testing.TB) (*bus.Server, *bus.Bus) {
+	t.Helper()
+	srv := Server(t)
+	return srv, Connect(t, srv)
+}
