@@ -158,3 +158,12 @@ type NodeWarning struct {
 	Reason  string `json:"reason"`
 	Message string `json:"message"`
 }
+
+// InUseReply answers imagefleet.qry.<node>.inuse (served by the pod index): the image references named by
+// the pods in the node's index (init, regular and ephemeral containers, image volumes), as written in the
+// pod specs. The GC executor treats images matching them as in use even before a container exists
+// (kubernetes/kubernetes#18140, #123631).
+type InUseReply struct {
+	Node   string   `json:"node"`
+	Images []string `json:"images"`
+}
