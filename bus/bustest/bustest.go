@@ -5,6 +5,8 @@ import (
 	"context"
 	"testing"
 
+	"go.uber.org/goleak"
+
 	"github.com/imagefleet/imagefleet/bus"
 )
 
@@ -39,4 +41,16 @@ func Start(t testing.TB) (*bus.Server, *bus.Bus) {
 	t.Helper()
 	srv := Server(t)
 	return srv, Connect(t, srv)
+}
+
+// VerifyNoLeaks checks, after every cleanup of the test (servers shut down, connections closed), that no
+// goroutine started during the test is left. Call it first in the test, before Start.
+func VerifyNoLeaks(t testing.TB) {
+	t.Helper()
+	ignore := goleak.IgnoreCurrent()
+	t.Cleanup(func() {
+		if err := goleak.Find(ignore); err != nil {
+			t.Error(err)
+		}
+	})
 }

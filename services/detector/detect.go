@@ -34,10 +34,20 @@ func InUseSet(containers []cri.Container) map[string]bool {
 // the same ID twice, the last entry wins (as the kubelet's map assignment).
 func Detect(records map[string]events.ImageRecord, images []cri.Image, containers []cri.Container, detectTime, now time.Time) Changes {
 	ch := Changes{InUse: InUseSet(containers)}
-	listed := make(map[string]bool, len(images))
+	// before holds the records as they were, for the IDs listed now (first sight of each ID wins).
+	before := make(map[string]*events.ImageRecord, len(images))
+	order := make([]string, 0, len(images))
 	for _, im := range images {
-		listed[im.ID] = true
 		old, known := records[im.ID]
+		if _, seen := before[im.ID]; !seen {
+			order = append(order, im.ID)
+			if known {
+				o := old
+				before[im.ID] = &o
+			} else {
+				before[im.ID] = nil
+			}
+		}
 		r := old
 		if !known {
 			r = events.ImageRecord{ID: im.ID, FirstDetected: detectTime}
@@ -49,32 +59,21 @@ func Detect(records map[string]events.ImageRecord, images []cri.Image, container
 		r.Size, r.Pinned = im.Size, im.Pinned
 		r.RepoTags, r.RepoDigests = im.RepoTags, im.RepoDigests
 		records[im.ID] = r
-		switch {
-		case !known:
+	}
+	for _, id := range order {
+		r := records[id]
+		switch old := before[id]; {
+		case old == nil:
 			ch.Added = append(ch.Added, r)
-		case changed(old, r):
+		case changed(*old, r):
 			ch.Updated = append(ch.Updated, r)
 		}
 	}
 	for id, r := range records {
-		if !listed[id] {
+		if _, listed := before[id]; !listed {
 			delete(records, id)
 			ch.Removed = append(ch.Removed, r)
 		}
-	}
-	// Added may hold an ID twice when the listing repeats it; keep the last.
-	if len(ch.Added) > 1 {
-		seen := make(map[string]int, len(ch.Added))
-		out := ch.Added[:0]
-		for _, r := range ch.Added {
-			if i, ok := seen[r.ID]; ok {
-				out[i] = records[r.ID]
-				continue
-			}
-			seen[r.ID] = len(out)
-			out = append(out, r)
-		}
-		ch.Added = out
 	}
 	return ch
 }
