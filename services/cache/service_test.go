@@ -1,0 +1,88 @@
+package cache_test
+
+import (
+	"context"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/imagefleet/imagefleet/bus/bustest"
+	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/services/cache"
+	"github.com/imagefleet/imagefleet/services/cri"
+)
+
+type fakeRuntime struct {
+	mu     sync.Mutex
+	images []cri.Image
+}
+
+func (f *fakeRuntime) ListImages(context.Context) ([]cri.Image, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return append([]cri.Image(nil), f.images...), nil
+}
+
+func TestSortBySizeTiesByIDDescending(t *testing.T) {
+	list := []events.Image{{ID: "a", Size: 1}, {ID: "b", Size: 3}, {ID: "c", Size: 1}, {ID: "d", Size: 2}}
+	cache.SortBySize(list)
+	var ids []string
+	for _, im := range list {
+		ids = append(ids, im.ID)
+	}
+	if got := strings.Join(ids, ""); got != "bdca" {
+		t.Fatalf("order = %s, want bdca", got)
+	}
+}
+
+func TestQueryAnswersSortedCappedListAndRefreshes(t *testing.T) {
+	bustest.VerifyNoLeaks(t)
+	_, b := bustest.Start(t)
+	rt := &fakeRuntime{images: []cri.Image{{ID: "small", Size: 1}, {ID: "big", Size: 100}, {ID: "mid", Size: 50}}}
+	svc, err := cache.New(cache.Config{Node: "n1", Period: 20 * time.Millisecond}, rt, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() { done <- svc.Run(ctx) }()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Run = %v", err)
+		}
+	}()
+	query := func(limit int) events.ImagesReply {
+		var rep events.ImagesReply
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			err := b.Request(t.Context(), events.QuerySubject("n1", events.QryImages), events.QueryRequest{Limit: limit}, &rep)
+			if err == nil {
+				return rep
+			}
+			if time.Now().After(deadline) {
+				t.Fatal(err)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	rep := query(2)
+	if len(rep.Images) != 2 || rep.Images[0].ID != "big" || rep.Images[1].ID != "mid" {
+		t.Fatalf("images = %+v", rep.Images)
+	}
+	rt.mu.Lock()
+	rt.images = append(rt.images, cri.Image{ID: "huge", Size: 1000})
+	rt.mu.Unlock()
+	deadline := time.Now().Add(10 * time.Second)
+	for query(1).Images[0].ID != "huge" {
+		if time.Now().After(deadline) {
+			t.Fatal("cache did not refresh")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	bad, err := b.RequestRaw(t.Context(), events.QuerySubject("n1", events.QryImages), []byte(`{"limit":-5}`))
+	if err != nil || !strings.Contains(bad.Error, "must not be negative") {
+		t.Fatalf("negative limit: %+v %v", bad, err)
+	}
+}
