@@ -28,52 +28,106 @@ func InUseSet(containers []cri.Container) map[string]bool {
 	return inUse
 }
 
-// Detect applies one detection to records in place, exactly as the kubelet's detectImages: a new image gets
+// Records is the detector's in-memory table of one node's records. Each entry carries the generation of the
+// last detection that listed it, so one detection needs a single map lookup per listed image and finds the
+// vanished records without a second set.
+type Records struct {
+	m   map[string]*entry
+	gen uint64
+}
+
+type entry struct {
+	rec events.ImageRecord
+	gen uint64
+}
+
+// NewRecords builds a table from records keyed by image ID.
+func NewRecords(recs map[string]events.ImageRecord) *Records {
+	t := &Records{m: make(map[string]*entry, len(recs))}
+	for id, r := range recs {
+		t.m[id] = &entry{rec: r}
+	}
+	return t
+}
+
+// Len is the number of records.
+func (t *Records) Len() int { return len(t.m) }
+
+// Map returns a copy of the records keyed by image ID.
+func (t *Records) Map() map[string]events.ImageRecord {
+	out := make(map[string]events.ImageRecord, len(t.m))
+	for id, e := range t.m {
+		out[id] = e.rec
+	}
+	return out
+}
+
+// Detect applies one detection, exactly as the kubelet's detectImages: a new image gets
 // firstDetected = detectTime; an image in use gets lastUsed = now (the wall clock, not detectTime); size and
-// pinned refresh from the listing; records of images no longer listed are dropped. When the listing holds
-// the same ID twice, the last entry wins (as the kubelet's map assignment).
-func Detect(records map[string]events.ImageRecord, images []cri.Image, containers []cri.Container, detectTime, now time.Time) Changes {
+// pinned refresh from the listing; records of images no longer listed are dropped. When the listing holds the
+// same ID twice, the last entry wins (as the kubelet's map assignment).
+func (t *Records) Detect(images []cri.Image, containers []cri.Container, detectTime, now time.Time) Changes {
+	t.gen++
+	gen := t.gen
 	ch := Changes{InUse: InUseSet(containers)}
-	// before holds the records as they were, for the IDs listed now (first sight of each ID wins).
-	before := make(map[string]*events.ImageRecord, len(images))
-	order := make([]string, 0, len(images))
+	distinct, dups := 0, false
 	for _, im := range images {
-		old, known := records[im.ID]
-		if _, seen := before[im.ID]; !seen {
-			order = append(order, im.ID)
-			if known {
-				o := old
-				before[im.ID] = &o
-			} else {
-				before[im.ID] = nil
-			}
+		e := t.m[im.ID]
+		var old events.ImageRecord
+		switch {
+		case e == nil:
+			e = &entry{rec: events.ImageRecord{ID: im.ID, FirstDetected: detectTime}}
+			t.m[im.ID] = e
+			distinct++
+		case e.gen == gen:
+			dups = true // listed twice: this entry overwrites the first; the change lists are rebuilt below
+		default:
+			old = e.rec
+			distinct++
 		}
-		r := old
-		if !known {
-			r = events.ImageRecord{ID: im.ID, FirstDetected: detectTime}
-		}
+		r := &e.rec
 		r.InUse = ch.InUse[im.ID]
 		if r.InUse {
 			r.LastUsed = now
 		}
 		r.Size, r.Pinned = im.Size, im.Pinned
 		r.RepoTags, r.RepoDigests = im.RepoTags, im.RepoDigests
-		records[im.ID] = r
+		switch {
+		case e.gen == gen:
+		case old.ID == "":
+			ch.Added = append(ch.Added, e.rec)
+		case changed(old, e.rec):
+			ch.Updated = append(ch.Updated, e.rec)
+		}
+		e.gen = gen
 	}
-	for _, id := range order {
-		r := records[id]
-		switch old := before[id]; {
-		case old == nil:
-			ch.Added = append(ch.Added, r)
-		case changed(*old, r):
-			ch.Updated = append(ch.Updated, r)
+	if dups {
+		// Rare: refresh the copies in the change lists with the last entry of each ID.
+		for i := range ch.Added {
+			ch.Added[i] = t.m[ch.Added[i].ID].rec
+		}
+		for i := range ch.Updated {
+			ch.Updated[i] = t.m[ch.Updated[i].ID].rec
 		}
 	}
-	for id, r := range records {
-		if _, listed := before[id]; !listed {
-			delete(records, id)
-			ch.Removed = append(ch.Removed, r)
+	if distinct != len(t.m) {
+		for id, e := range t.m {
+			if e.gen != gen {
+				delete(t.m, id)
+				ch.Removed = append(ch.Removed, e.rec)
+			}
 		}
+	}
+	return ch
+}
+
+// Detect applies one detection to records in place (a map keyed by image ID); see Records.Detect.
+func Detect(records map[string]events.ImageRecord, images []cri.Image, containers []cri.Container, detectTime, now time.Time) Changes {
+	t := NewRecords(records)
+	ch := t.Detect(images, containers, detectTime, now)
+	clear(records)
+	for id, e := range t.m {
+		records[id] = e.rec
 	}
 	return ch
 }
