@@ -1,0 +1,164 @@
+package bus
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/imagefleet/imagefleet/events"
+)
+
+// RawMsg is a message whose body is not an events.Event: pod events carry a plain core/v1 Pod and their
+// envelope in CloudEvents binary-mode headers. MsgID, when set, becomes Nats-Msg-Id (a retried publish is
+// stored once).
+type RawMsg struct {
+	Subject string
+	MsgID   string
+	Header  map[string]string
+	Data    []byte
+}
+
+func (r RawMsg) natsMsg() *nats.Msg {
+	m := nats.NewMsg(r.Subject)
+	m.Data = r.Data
+	for k, v := range r.Header {
+		m.Header.Set(k, v)
+	}
+	if r.MsgID != "" {
+		m.Header.Set(jetstream.MsgIDHeader, r.MsgID)
+	}
+	return m
+}
+
+// PublishMsgs stores msgs in their stream (asynchronously, pipelined) and waits for every ack. It returns the
+// highest stream sequence acknowledged (a duplicate's ack carries the original's sequence).
+func (b *Bus) PublishMsgs(ctx context.Context, msgs []RawMsg) (uint64, error) {
+	futures := make([]jetstream.PubAckFuture, 0, len(msgs))
+	for _, r := range msgs {
+		f, err := b.js.PublishMsgAsync(r.natsMsg())
+		if err != nil {
+			return 0, fmt.Errorf("publish to %s: %w", r.Subject, err)
+		}
+		futures = append(futures, f)
+	}
+	var last uint64
+	for _, f := range futures {
+		select {
+		case ack := <-f.Ok():
+			last = max(last, ack.Sequence)
+		case err := <-f.Err():
+			return last, fmt.Errorf("publish %s: %w", f.Msg().Subject, err)
+		case <-ctx.Done():
+			return last, ctx.Err()
+		}
+	}
+	return last, nil
+}
+
+// Pending is a set of asynchronous publishes whose acks have not been awaited yet.
+type Pending struct {
+	futures []jetstream.PubAckFuture
+}
+
+// PublishAsync starts publishing events to the events stream without waiting for the acks; Wait waits.
+func (b *Bus) PublishAsync(evs []events.Event) (*Pending, error) {
+	p := &Pending{futures: make([]jetstream.PubAckFuture, 0, len(evs))}
+	for _, ev := range evs {
+		m, err := EventMsg(ev)
+		if err != nil {
+			return p, err
+		}
+		f, err := b.js.PublishMsgAsync(m)
+		if err != nil {
+			return p, fmt.Errorf("publish %s %s: %w", ev.Type, ev.ID, err)
+		}
+		p.futures = append(p.futures, f)
+	}
+	return p, nil
+}
+
+// Wait waits for every ack; the first error is returned.
+func (p *Pending) Wait(ctx context.Context) error {
+	if p == nil {
+		return nil
+	}
+	return waitAcks(ctx, p.futures)
+}
+
+// DeadLetterMsg keeps m (read from stream by consumer) in the dead-letter stream with reason, exactly as a
+// terminated message of Consume: consumers that track their own position (Tail) use it for poison messages.
+// The dead letter's Nats-Msg-Id is <stream>-<seq>, so a replay dead-letters a message once.
+func (b *Bus) DeadLetterMsg(ctx context.Context, stream, consumer string, m StreamMsg, reason error) error {
+	dm := nats.NewMsg(DeadLetterPrefix + "." + stream + "." + consumer)
+	dm.Data = m.Data
+	dm.Header.Set(HeaderDLQSubject, m.Subject)
+	dm.Header.Set(HeaderDLQReason, truncate(reason.Error(), 1024))
+	dm.Header.Set(HeaderDLQDeliveries, "1")
+	dm.Header.Set(HeaderDLQStreamSeq, strconv.FormatUint(m.Seq, 10))
+	dm.Header.Set(HeaderDLQStream, stream)
+	dm.Header.Set(jetstream.MsgIDHeader, stream+"-"+strconv.FormatUint(m.Seq, 10))
+	if _, err := b.js.PublishMsg(ctx, dm); err != nil {
+		return fmt.Errorf("dead letter %s seq %d: %w", m.Subject, m.Seq, err)
+	}
+	return nil
+}
+
+// Tail delivers the messages of stream matching filter in stream order, from startSeq (0: the first), the
+// stored ones then the new ones, to fn, until ctx ends (nil) or fn returns an error (returned as is). It uses
+// an ordered consumer: no acks and no server-side state, the caller keeps its own position (the last
+// sequence fn accepted) and resumes from it after an error or a restart. A connection error is returned
+// (wrapped) so the caller resumes from its position.
+func (b *Bus) Tail(ctx context.Context, stream, filter string, startSeq uint64, fn func(StreamMsg) error) error {
+	occ := jetstream.OrderedConsumerConfig{}
+	if filter != "" {
+		occ.FilterSubjects = []string{filter}
+	}
+	if startSeq > 0 {
+		occ.DeliverPolicy = jetstream.DeliverByStartSequencePolicy
+		occ.OptStartSeq = startSeq
+	}
+	cons, err := b.js.OrderedConsumer(ctx, stream, occ)
+	if err != nil {
+		if ctx.Err() != nil {
+			return nil
+		}
+		return fmt.Errorf("tail %s: %w", stream, err)
+	}
+	it, err := cons.Messages(jetstream.PullMaxMessages(2048))
+	if err != nil {
+		return fmt.Errorf("tail %s: %w", stream, err)
+	}
+	done := make(chan struct{})
+	stopped := make(chan struct{})
+	go func() {
+		defer close(stopped)
+		select {
+		case <-ctx.Done():
+		case <-done:
+		}
+		it.Stop()
+	}()
+	defer func() {
+		close(done)
+		<-stopped
+	}()
+	for {
+		jm, err := it.Next()
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return fmt.Errorf("tail %s: %w", stream, err)
+		}
+		sm := StreamMsg{Subject: jm.Subject(), Header: jm.Headers(), Data: jm.Data()}
+		if meta, mErr := jm.Metadata(); mErr == nil {
+			sm.Seq, sm.Time = meta.Sequence.Stream, meta.Timestamp
+		}
+		if err := fn(sm); err != nil {
+			return err
+		}
+	}
+}

@@ -1,0 +1,128 @@
+package events
+
+import (
+	"encoding/json"
+	"fmt"
+)
+
+// Entities and actions of the pod index.
+//
+// Pod events (imagefleet.evt.<node>.pod.added|updated|deleted) are the pod index's input. Unlike every other
+// event they are not an Event envelope: the body is a Kubernetes core/v1 Pod as JSON and the envelope
+// travels in CloudEvents binary-mode headers (ce-type imagefleet.pod.<action>.v1, ce-id = Nats-Msg-Id,
+// ce-source, ce-time). The action is the subject's last token; a ce-type, when present, must agree with it.
+//
+// Secret and configmap registration events (imagefleet.evt.<node>.secret.registered ...) are ordinary Event
+// envelopes whose data is a RefChange.
+const (
+	EntityPod       = "pod"
+	EntitySecret    = "secret"
+	EntityConfigMap = "configmap"
+
+	ActionAdded   = "added"
+	ActionUpdated = "updated"
+	ActionDeleted = "deleted"
+
+	ActionRegistered   = "registered"   // an object's reference count went 0 -> 1
+	ActionUnregistered = "unregistered" // an object's reference count went 1 -> 0
+)
+
+// PodEventSubjects is the subject filter of every pod event of node: imagefleet.evt.<node>.pod.*.
+func PodEventSubjects(node string) string {
+	return Prefix + ".evt." + NodeToken(node) + "." + EntityPod + ".*"
+}
+
+// Reference kinds, as Kubernetes kinds.
+const (
+	KindSecret    = "Secret"
+	KindConfigMap = "ConfigMap"
+)
+
+// Ref is one registered object with its reference count: the number of registered pods naming it
+// (imagefleet refs -o json prints an array of these).
+type Ref struct {
+	Kind      string `json:"kind"`
+	Namespace string `json:"namespace"`
+	Name      string `json:"name"`
+	Count     int    `json:"count"`
+}
+
+// RefChange is the data of secret.registered, secret.unregistered, configmap.registered and
+// configmap.unregistered: the object whose count went 0 -> 1 or 1 -> 0, and the pod whose registration or
+// unregistration caused it.
+type RefChange struct {
+	Kind      string `json:"kind"`
+	Namespace string `json:"namespace"`
+	Name      string `json:"name"`
+	Count     int    `json:"count"`
+	PodUID    string `json:"podUID"`
+	PodName   string `json:"podName"`
+	// StreamSeq is the sequence of the pod event (in IMAGEFLEET_EVENTS) that caused the change.
+	StreamSeq uint64 `json:"streamSeq"`
+}
+
+// PodsQuery is the body of imagefleet.qry.<node>.pods. At most one selector is set: UID (a mirror pod's UID
+// is translated to its static pod, as the kubelet's TranslatePodUID), Namespace+Name, or Orphaned; none
+// lists every pod.
+type PodsQuery struct {
+	UID       string `json:"uid,omitempty"`
+	Namespace string `json:"namespace,omitempty"`
+	Name      string `json:"name,omitempty"`
+	// Orphaned lists the orphaned mirror pods only (mirror pods with no static pod of the same full name).
+	Orphaned bool `json:"orphaned,omitempty"`
+	// Limit caps the pods and mirror pods of a full listing (0: no cap).
+	Limit int `json:"limit,omitempty"`
+}
+
+// Validate checks the query.
+func (q PodsQuery) Validate() error {
+	n := 0
+	if q.UID != "" {
+		n++
+	}
+	if q.Namespace != "" || q.Name != "" {
+		if q.Namespace == "" || q.Name == "" {
+			return fmt.Errorf("a pod is selected by namespace and name together")
+		}
+		n++
+	}
+	if q.Orphaned {
+		n++
+	}
+	if n > 1 {
+		return fmt.Errorf("select pods by uid, by namespace and name, or orphaned, not several")
+	}
+	if q.Limit < 0 {
+		return fmt.Errorf("limit %d must not be negative", q.Limit)
+	}
+	return nil
+}
+
+// PodsReply answers imagefleet.qry.<node>.pods. Pods and MirrorPods are core/v1 Pods as JSON, sorted by
+// namespace, name and UID.
+type PodsReply struct {
+	Node string `json:"node"`
+	// Pods are the non-mirror pods selected (static pods included).
+	Pods []json.RawMessage `json:"pods"`
+	// MirrorPods are the mirror pods selected: for a single pod, its mirror; for a listing, every one.
+	MirrorPods []json.RawMessage `json:"mirrorPods"`
+	// OrphanedMirrorPods are the full names (name_namespace) of mirror pods without a static pod.
+	OrphanedMirrorPods []string `json:"orphanedMirrorPods"`
+	// MirrorToPod maps each mirror pod UID to its static pod UID (the kubelet's GetUIDTranslations).
+	MirrorToPod map[string]string `json:"mirrorToPod"`
+	// PodToMirror maps each static pod UID to its mirror pod UID, "" when it has none.
+	PodToMirror map[string]string `json:"podToMirror"`
+	// Total is the number of non-mirror pods in the index; Truncated says Limit cut the listing.
+	Total     int  `json:"total"`
+	Truncated bool `json:"truncated,omitempty"`
+	// AppliedSeq is the stream sequence of the last pod event the index applied.
+	AppliedSeq uint64 `json:"appliedSeq"`
+}
+
+// RefsReply answers imagefleet.qry.<node>.refs: every registered secret and configmap, sorted by kind,
+// namespace and name.
+type RefsReply struct {
+	Node       string `json:"node"`
+	Refs       []Ref  `json:"refs"`
+	AppliedSeq uint64 `json:"appliedSeq"`
+}
