@@ -1,0 +1,405 @@
+package podindex
+
+import (
+	"slices"
+	"sort"
+	"sync"
+
+	v1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+)
+
+// Annotations the kubelet's pod manager reads (k8s.io/kubernetes/pkg/kubelet/types).
+const (
+	ConfigSourceAnnotationKey    = "kubernetes.io/config.source"
+	ConfigMirrorAnnotationKey    = "kubernetes.io/config.mirror" // v1.MirrorPodAnnotationKey
+	ConfigHashAnnotationKey      = "kubernetes.io/config.hash"
+	ConfigFirstSeenAnnotationKey = "kubernetes.io/config.seen"
+
+	// ApiserverSource is the config source of pods from the API server; any other source makes a static pod.
+	ApiserverSource = "api"
+	// FileSource is the config source of static pods read from the manifest directory.
+	FileSource = "file"
+)
+
+// IsMirrorPod reports whether pod is a mirror pod (it has the config.mirror annotation), as the kubelet's
+// kubetypes.IsMirrorPod.
+func IsMirrorPod(pod *v1.Pod) bool {
+	_, ok := pod.Annotations[ConfigMirrorAnnotationKey]
+	return ok
+}
+
+// IsStaticPod reports whether pod is a static pod: its config.source annotation is present and not "api".
+func IsStaticPod(pod *v1.Pod) bool {
+	source, ok := pod.Annotations[ConfigSourceAnnotationKey]
+	return ok && source != ApiserverSource
+}
+
+// PodFullName is the kubelet's full name of a pod: name + "_" + namespace.
+func PodFullName(pod *v1.Pod) string { return BuildPodFullName(pod.Name, pod.Namespace) }
+
+// BuildPodFullName is name + "_" + namespace.
+func BuildPodFullName(name, namespace string) string { return name + "_" + namespace }
+
+// IsMirrorPodOf reports whether mirrorPod is the mirror of pod: same name and namespace, and the mirror's
+// config.mirror annotation equals the pod's config.hash annotation.
+func IsMirrorPodOf(mirrorPod, pod *v1.Pod) bool {
+	if pod.Name != mirrorPod.Name || pod.Namespace != mirrorPod.Namespace {
+		return false
+	}
+	hash, ok := mirrorPod.Annotations[ConfigMirrorAnnotationKey]
+	if !ok {
+		return false
+	}
+	return hash == pod.Annotations[ConfigHashAnnotationKey]
+}
+
+// entry is one indexed pod and the order of its last upsert (the stream sequence of the event that stored
+// it, so the order survives a restart).
+type entry struct {
+	pod   *v1.Pod
+	order uint64
+	raw   []byte // the pod's JSON as received (what the snapshot stores), nil when added in process
+}
+
+// Index is the kubelet's pod manager (pkg/kubelet/pod.basicManager): non-mirror pods by UID and by full name,
+// mirror pods by UID and by full name, and the mirror-to-static UID translation.
+//
+// Unlike the kubelet, the full-name maps and the translation are derived from the set of live pods and the
+// order of their upserts, not kept as maps that each call patches. Every kubelet answer is the same in the
+// kubelet's own test cases and whenever at most one pod and one mirror pod share a full name; the derived
+// form fixes the quirks the patched maps have, and makes the index a function of its pods, so a snapshot
+// plus a replay of the events after it gives back exactly the same index:
+//   - removing a static pod drops its translation (the kubelet keeps a stale mirror -> static entry: W-F);
+//   - removing a pod that shares its full name with a newer pod leaves the newer one findable by full name
+//     (the kubelet deletes the full-name entry whoever it points to);
+//   - a pod upserted again under another name or namespace leaves its old full name (the kubelet keeps the
+//     old full-name entry pointing at it).
+//
+// Two pods (or two mirror pods) with one full name both stay indexed by UID until each is deleted, and the
+// full name resolves to the one upserted last, as in the kubelet.
+//
+// Index is safe for concurrent use.
+type Index struct {
+	mu sync.RWMutex
+	// next orders upserts made in process (AddPod without a stream sequence).
+	next             uint64
+	pods             map[types.UID]*entry
+	mirrors          map[types.UID]*entry
+	podsByFullName   map[string][]*entry
+	mirrorByFullName map[string][]*entry
+}
+
+// NewIndex returns an empty index.
+func NewIndex() *Index {
+	ix := &Index{}
+	ix.reset()
+	return ix
+}
+
+func (ix *Index) reset() {
+	ix.pods = make(map[types.UID]*entry)
+	ix.mirrors = make(map[types.UID]*entry)
+	ix.podsByFullName = make(map[string][]*entry)
+	ix.mirrorByFullName = make(map[string][]*entry)
+}
+
+// SetPods replaces every pod with pods, as if each were added in order.
+func (ix *Index) SetPods(pods []*v1.Pod) {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	ix.reset()
+	for _, p := range pods {
+		ix.next++
+		ix.upsertLocked(p, nil, ix.next)
+	}
+}
+
+// AddPod adds or updates pod (AddPod and UpdatePod are the same upsert, as in the kubelet).
+func (ix *Index) AddPod(pod *v1.Pod) { ix.UpdatePod(pod) }
+
+// UpdatePod adds or updates pod.
+func (ix *Index) UpdatePod(pod *v1.Pod) {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	ix.next++
+	ix.upsertLocked(pod, nil, ix.next)
+}
+
+// upsert stores pod with the order of its event; it returns the pod it replaced (same UID), if any.
+func (ix *Index) upsert(pod *v1.Pod, raw []byte, order uint64) *v1.Pod {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	ix.next = max(ix.next, order)
+	return ix.upsertLocked(pod, raw, order)
+}
+
+func (ix *Index) upsertLocked(pod *v1.Pod, raw []byte, order uint64) *v1.Pod {
+	prev := ix.removeLocked(pod.UID)
+	e := &entry{pod: pod, order: order, raw: raw}
+	fn := PodFullName(pod)
+	if IsMirrorPod(pod) {
+		ix.mirrors[pod.UID] = e
+		ix.mirrorByFullName[fn] = append(ix.mirrorByFullName[fn], e)
+	} else {
+		ix.pods[pod.UID] = e
+		ix.podsByFullName[fn] = append(ix.podsByFullName[fn], e)
+	}
+	return prev
+}
+
+// RemovePod removes the pod with pod's UID (mirror or not); an unknown pod is a no-op.
+func (ix *Index) RemovePod(pod *v1.Pod) { ix.remove(pod.UID) }
+
+func (ix *Index) remove(uid types.UID) *v1.Pod {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	return ix.removeLocked(uid)
+}
+
+func (ix *Index) removeLocked(uid types.UID) *v1.Pod {
+	if e, ok := ix.pods[uid]; ok {
+		delete(ix.pods, uid)
+		dropEntry(ix.podsByFullName, PodFullName(e.pod), e)
+		return e.pod
+	}
+	if e, ok := ix.mirrors[uid]; ok {
+		delete(ix.mirrors, uid)
+		dropEntry(ix.mirrorByFullName, PodFullName(e.pod), e)
+		return e.pod
+	}
+	return nil
+}
+
+func dropEntry(m map[string][]*entry, fn string, e *entry) {
+	list := m[fn]
+	i := slices.Index(list, e)
+	if i < 0 {
+		return
+	}
+	list = slices.Delete(list, i, i+1)
+	if len(list) == 0 {
+		delete(m, fn)
+		return
+	}
+	m[fn] = list
+}
+
+// newest is the most recently upserted entry of list.
+func newest(list []*entry) *entry {
+	var best *entry
+	for _, e := range list {
+		if best == nil || e.order > best.order {
+			best = e
+		}
+	}
+	return best
+}
+
+func (ix *Index) podByFullNameLocked(fn string) (*v1.Pod, bool) {
+	if e := newest(ix.podsByFullName[fn]); e != nil {
+		return e.pod, true
+	}
+	return nil, false
+}
+
+func (ix *Index) mirrorByFullNameLocked(fn string) (*v1.Pod, bool) {
+	if e := newest(ix.mirrorByFullName[fn]); e != nil {
+		return e.pod, true
+	}
+	return nil, false
+}
+
+// GetPods returns the non-mirror pods.
+func (ix *Index) GetPods() []*v1.Pod {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	return entriesToPods(ix.pods)
+}
+
+func entriesToPods(m map[types.UID]*entry) []*v1.Pod {
+	out := make([]*v1.Pod, 0, len(m))
+	for _, e := range m {
+		out = append(out, e.pod)
+	}
+	return out
+}
+
+// Len is the number of non-mirror and mirror pods.
+func (ix *Index) Len() (pods, mirrors int) {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	return len(ix.pods), len(ix.mirrors)
+}
+
+// GetPodsAndMirrorPods returns the pods, the mirror pods, and the full names of the orphaned mirror pods
+// (mirror full names with no non-mirror pod of that full name; nil when there are none).
+func (ix *Index) GetPodsAndMirrorPods() (pods, mirrorPods []*v1.Pod, orphanedMirrorPodFullNames []string) {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	pods = entriesToPods(ix.pods)
+	mirrorPods = entriesToPods(ix.mirrors)
+	for fn := range ix.mirrorByFullName {
+		if _, ok := ix.podsByFullName[fn]; !ok {
+			orphanedMirrorPodFullNames = append(orphanedMirrorPodFullNames, fn)
+		}
+	}
+	sort.Strings(orphanedMirrorPodFullNames)
+	return pods, mirrorPods, orphanedMirrorPodFullNames
+}
+
+// GetStaticPodToMirrorPodMap maps every static pod to its mirror pod (nil when it has none).
+func (ix *Index) GetStaticPodToMirrorPodMap() map[*v1.Pod]*v1.Pod {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	out := make(map[*v1.Pod]*v1.Pod)
+	for _, e := range ix.pods {
+		if IsStaticPod(e.pod) {
+			m, _ := ix.mirrorByFullNameLocked(PodFullName(e.pod))
+			out[e.pod] = m
+		}
+	}
+	return out
+}
+
+// GetPodByUID returns the non-mirror pod with uid.
+func (ix *Index) GetPodByUID(uid types.UID) (*v1.Pod, bool) {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	if e, ok := ix.pods[uid]; ok {
+		return e.pod, true
+	}
+	return nil, false
+}
+
+// GetMirrorPodByUID returns the mirror pod with uid.
+func (ix *Index) GetMirrorPodByUID(uid types.UID) (*v1.Pod, bool) {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	if e, ok := ix.mirrors[uid]; ok {
+		return e.pod, true
+	}
+	return nil, false
+}
+
+// GetPodByName returns the non-mirror pod namespace/name.
+func (ix *Index) GetPodByName(namespace, name string) (*v1.Pod, bool) {
+	return ix.GetPodByFullName(BuildPodFullName(name, namespace))
+}
+
+// GetPodByFullName returns the non-mirror pod with the full name.
+func (ix *Index) GetPodByFullName(fullName string) (*v1.Pod, bool) {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	return ix.podByFullNameLocked(fullName)
+}
+
+// GetMirrorPodByPod returns the mirror pod with pod's full name.
+func (ix *Index) GetMirrorPodByPod(pod *v1.Pod) (*v1.Pod, bool) {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	return ix.mirrorByFullNameLocked(PodFullName(pod))
+}
+
+// GetPodByMirrorPod returns the non-mirror pod with mirrorPod's full name.
+func (ix *Index) GetPodByMirrorPod(mirrorPod *v1.Pod) (*v1.Pod, bool) {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	return ix.podByFullNameLocked(PodFullName(mirrorPod))
+}
+
+// GetPodAndMirrorPod returns the complement of a pod: for a mirror pod, the pod with its full name (and
+// wasMirror true); for another pod, the mirror pod with its full name.
+func (ix *Index) GetPodAndMirrorPod(aPod *v1.Pod) (pod, mirrorPod *v1.Pod, wasMirror bool) {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	fn := PodFullName(aPod)
+	if IsMirrorPod(aPod) {
+		p, _ := ix.podByFullNameLocked(fn)
+		return p, aPod, true
+	}
+	m, _ := ix.mirrorByFullNameLocked(fn)
+	return aPod, m, false
+}
+
+// TranslatePodUID returns the UID of the static pod of a mirror pod UID, else uid itself ("" stays "").
+func (ix *Index) TranslatePodUID(uid types.UID) types.UID {
+	if uid == "" {
+		return uid
+	}
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	if static, ok := ix.translateLocked(uid); ok {
+		return static
+	}
+	return uid
+}
+
+// translateLocked maps a mirror pod UID to the UID of the non-mirror pod with its full name.
+func (ix *Index) translateLocked(mirrorUID types.UID) (types.UID, bool) {
+	m, ok := ix.mirrors[mirrorUID]
+	if !ok {
+		return "", false
+	}
+	p, ok := ix.podByFullNameLocked(PodFullName(m.pod))
+	if !ok {
+		return "", false
+	}
+	return p.UID, true
+}
+
+// GetUIDTranslations returns static pod UID -> mirror pod UID (an entry for every static pod, "" when it has
+// no mirror) and mirror pod UID -> static pod UID.
+func (ix *Index) GetUIDTranslations() (podToMirror, mirrorToPod map[types.UID]types.UID) {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	podToMirror = make(map[types.UID]types.UID)
+	mirrorToPod = make(map[types.UID]types.UID)
+	for uid, e := range ix.pods {
+		if IsStaticPod(e.pod) {
+			podToMirror[uid] = ""
+		}
+	}
+	// Mirrors in upsert order, so when two mirrors share a full name the newest one wins podToMirror, as the
+	// kubelet's last write does.
+	mirrors := make([]*entry, 0, len(ix.mirrors))
+	for _, e := range ix.mirrors {
+		mirrors = append(mirrors, e)
+	}
+	sort.Slice(mirrors, func(i, j int) bool { return mirrors[i].order < mirrors[j].order })
+	for _, m := range mirrors {
+		if static, ok := ix.translateLocked(m.pod.UID); ok {
+			mirrorToPod[m.pod.UID] = static
+			podToMirror[static] = m.pod.UID
+		}
+	}
+	return podToMirror, mirrorToPod
+}
+
+// each calls fn for every pod (non-mirror and mirror) with its raw JSON and order, under the read lock.
+func (ix *Index) each(fn func(e *entry, mirror bool)) {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	for _, e := range ix.pods {
+		fn(e, false)
+	}
+	for _, e := range ix.mirrors {
+		fn(e, true)
+	}
+}
+
+// get returns the entry of uid (non-mirror or mirror).
+func (ix *Index) get(uid types.UID) (*entry, bool) {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	if e, ok := ix.pods[uid]; ok {
+		return e, true
+	}
+	e, ok := ix.mirrors[uid]
+	return e, ok
+}
+
+func metaOf(namespace, name string) metav1.ObjectMeta {
+	return metav1.ObjectMeta{Namespace: namespace, Name: name}
+}

@@ -1,0 +1,301 @@
+package podindex
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/events"
+)
+
+// Consumer is the pod index's name in dead letters (imagefleet.dlq.IMAGEFLEET_EVENTS.pod-index-<node>).
+const Consumer = "pod-index"
+
+// Service is the pod index of one node.
+//
+// Input: the node's pod events, read in stream order from IMAGEFLEET_EVENTS with an ordered consumer that
+// starts after the snapshot's applied sequence. Durability: a snapshot in the imagefleet-pods KV bucket
+// (every changed pod, then the applied sequence), flushed every FlushInterval and at shutdown. After a
+// restart of the worker or of NATS, the snapshot is loaded and the events after its sequence are replayed;
+// since the state is a function of its pods, and every pod record in the bucket is at least as new as the
+// sequence (pods are written before the sequence), the result equals a run without the restart.
+// The stream alone is not enough (it keeps events 7 days and 1 GiB), so the snapshot is the source of truth
+// and the stream the log after it.
+//
+// Lock order: Service.mu, then State's locks.
+type Service struct {
+	cfg   Config
+	bus   *bus.Bus
+	state *State
+	store *Store
+	log   *slog.Logger
+
+	// mu is held while an event is applied and its transition events are queued, and while a flush takes the
+	// dirty pods and the queue, so a flush never writes pods whose transition events are not yet stored.
+	mu      sync.Mutex
+	pending []pendingEvents
+	since   int    // events applied since the last flush
+	flushed uint64 // the applied sequence of the last snapshot written
+
+	flushNow chan struct{}
+	ready    chan struct{}
+}
+
+// pendingEvents are transition events published asynchronously and not yet confirmed.
+type pendingEvents struct {
+	evs []events.Event
+	p   *bus.Pending
+}
+
+// New validates cfg and builds the pod index.
+func New(cfg Config, b *bus.Bus) (*Service, error) {
+	if err := cfg.setDefaults(); err != nil {
+		return nil, err
+	}
+	if b == nil {
+		return nil, fmt.Errorf("pod index needs a bus")
+	}
+	return &Service{cfg: cfg, bus: b, state: NewState(), log: cfg.Logger.With("worker", "pod-index", "node", cfg.Node),
+		flushNow: make(chan struct{}, 1), ready: make(chan struct{})}, nil
+}
+
+// State is the in-memory index (for tests and benchmarks; queries go over NATS).
+func (s *Service) State() *State { return s.state }
+
+// Ready is closed once the snapshot is loaded and the queries are served.
+func (s *Service) Ready() <-chan struct{} { return s.ready }
+
+// Run loads the snapshot, answers the pods, refs and inuse queries, applies the node's pod events until ctx
+// ends, then flushes a last snapshot. It returns nil after a clean shutdown.
+func (s *Service) Run(ctx context.Context) error {
+	store, err := OpenStore(ctx, s.bus, s.cfg.Node)
+	if err != nil {
+		return err
+	}
+	s.store = store
+	records, applied, err := store.Load(ctx)
+	if err != nil {
+		return err
+	}
+	if err := s.state.Load(records, applied); err != nil {
+		return fmt.Errorf("load pod index of %s: %w", s.cfg.Node, err)
+	}
+	pods, mirrors := s.state.Index.Len()
+	s.log.Info("pod index loaded", "pods", pods, "mirror_pods", mirrors, "applied_seq", applied)
+
+	var wg sync.WaitGroup
+	errs := make(chan error, 4)
+	serve := func(what string, h bus.Handler) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := s.bus.ServeConcurrent(ctx, events.QuerySubject(s.cfg.Node, what), Consumer, 4, h); err != nil {
+				errs <- err
+			}
+		}()
+	}
+	serve(events.QryPods, s.HandlePods)
+	serve(events.QryRefs, s.HandleRefs)
+	serve(events.QryInUse, s.HandleInUse)
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		s.flushLoop(ctx)
+	}()
+	close(s.ready)
+
+	err = s.tailLoop(ctx, errs)
+	wg.Wait()
+	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	if ferr := s.Flush(fctx); ferr != nil {
+		s.log.Warn("final pod index flush failed", "err", ferr)
+	}
+	return err
+}
+
+// tailLoop applies events until ctx ends, resuming after the last applied sequence after any error.
+func (s *Service) tailLoop(ctx context.Context, errs <-chan error) error {
+	delay := 100 * time.Millisecond
+	filter := events.PodEventSubjects(s.cfg.Node)
+	for {
+		start := s.state.Applied() + 1
+		err := s.bus.Tail(ctx, events.EventsStream, filter, start, s.handleMsg)
+		if ctx.Err() != nil {
+			return nil
+		}
+		select {
+		case err := <-errs:
+			return err
+		default:
+		}
+		if err != nil {
+			s.log.Warn("pod events tail failed, resuming", "from_seq", s.state.Applied()+1, "err", err)
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case err := <-errs:
+			return err
+		case <-time.After(delay):
+		}
+		delay = min(2*delay, 5*time.Second)
+	}
+}
+
+// handleMsg applies one stored pod event. Malformed events are dead-lettered and counted; an error stops the
+// tail, which resumes at the same event.
+func (s *Service) handleMsg(m bus.StreamMsg) error {
+	if m.Seq != 0 && m.Seq <= s.state.Applied() {
+		return nil // already applied (a resumed tail)
+	}
+	ev, err := DecodePodEvent(m.Subject, m.Header, m.Data)
+	if err != nil {
+		return s.Reject(m, err)
+	}
+	return s.Apply(m.Seq, ev)
+}
+
+// Reject dead-letters a malformed event with its reason, counts it and moves past it.
+func (s *Service) Reject(m bus.StreamMsg, reason error) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := s.bus.DeadLetterMsg(ctx, events.EventsStream, Consumer+"-"+events.NodeToken(s.cfg.Node), m, reason); err != nil {
+		return err
+	}
+	eventsRejected.WithLabelValues(s.cfg.Node, RejectReason(reason)).Inc()
+	s.log.Warn("pod event rejected", "subject", m.Subject, "stream_seq", m.Seq, "err", reason)
+	s.state.Skip(m.Seq)
+	s.requestFlush()
+	return nil
+}
+
+// Apply applies one decoded event with stream sequence seq and publishes its registration events.
+func (s *Service) Apply(seq uint64, ev PodEvent) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	trans := s.state.Apply(seq, ev)
+	eventsApplied.WithLabelValues(s.cfg.Node, ev.Action).Inc()
+	s.since++
+	if len(trans) > 0 {
+		evs := make([]events.Event, 0, len(trans))
+		for _, t := range trans {
+			evs = append(evs, s.transitionEvent(seq, ev, t))
+		}
+		p, err := s.bus.PublishAsync(evs)
+		if err != nil {
+			// Kept pending: the next flush publishes them again before it writes the snapshot.
+			s.log.Warn("registration events publish failed", "stream_seq", seq, "err", err)
+		}
+		s.pending = append(s.pending, pendingEvents{evs: evs, p: p})
+	}
+	if s.since >= s.cfg.FlushEvents || len(s.pending) >= 512 {
+		s.requestFlush()
+	}
+	return nil
+}
+
+// transitionEvent builds secret.registered (and the other three). Its id is derived from the pod event's
+// sequence and the object, so replaying an event after a restart stores the same event once.
+func (s *Service) transitionEvent(seq uint64, ev PodEvent, t Transition) events.Event {
+	entity, action := events.EntitySecret, events.ActionUnregistered
+	if t.Kind == events.KindConfigMap {
+		entity = events.EntityConfigMap
+	}
+	count := 0
+	if t.Registered {
+		action, count = events.ActionRegistered, 1
+	}
+	refTransitions.WithLabelValues(s.cfg.Node, t.Kind, action).Inc()
+	data := events.RefChange{Kind: t.Kind, Namespace: t.Namespace, Name: t.Name, Count: count,
+		PodUID: string(t.Pod.uid), PodName: t.Pod.name, StreamSeq: seq}
+	e, _ := events.New(s.cfg.Node, entity, action, data) // a RefChange always marshals
+	h := sha256.Sum256([]byte(s.cfg.Node + "\x00" + strconv.FormatUint(seq, 10) + "\x00" + t.Kind + "\x00" +
+		t.Namespace + "\x00" + t.Name + "\x00" + action + "\x00" + string(t.Pod.uid)))
+	e.ID = hex.EncodeToString(h[:16])
+	return e.WithKube("", "", "", &events.ObjectRef{Kind: "Pod", Namespace: t.Pod.namespace, Name: t.Pod.name, UID: string(t.Pod.uid)})
+}
+
+func (s *Service) requestFlush() {
+	select {
+	case s.flushNow <- struct{}{}:
+	default:
+	}
+}
+
+func (s *Service) flushLoop(ctx context.Context) {
+	tick := time.NewTicker(s.cfg.FlushInterval)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		case <-s.flushNow:
+		}
+		if err := s.Flush(ctx); err != nil && ctx.Err() == nil {
+			s.log.Warn("pod index flush failed", "err", err)
+		}
+	}
+}
+
+// Flush confirms the queued registration events, then writes the changed pods and the applied sequence.
+func (s *Service) Flush(ctx context.Context) error {
+	if s.store == nil {
+		return nil // not running
+	}
+	s.mu.Lock()
+	d, err := s.state.TakeDirty()
+	pending := s.pending
+	s.pending = nil
+	s.since = 0
+	s.mu.Unlock()
+	if err != nil {
+		return err
+	}
+	restore := func() {
+		s.mu.Lock()
+		s.pending = append(pending, s.pending...)
+		s.mu.Unlock()
+		s.state.Redirty(d)
+	}
+	for i, pe := range pending {
+		if pe.p != nil && pe.p.Wait(ctx) == nil {
+			continue
+		}
+		// Not confirmed: publish again (same ids, so stored once).
+		if err := s.bus.PublishAll(ctx, pe.evs); err != nil {
+			pending = pending[i:]
+			restore()
+			return fmt.Errorf("publish registration events: %w", err)
+		}
+	}
+	pending = nil
+	if len(d.Puts)+len(d.Deletes) == 0 && d.Applied == s.flushedSeq() {
+		return nil
+	}
+	if err := s.store.Write(ctx, d); err != nil {
+		restore()
+		return err
+	}
+	s.setFlushed(d.Applied)
+	return nil
+}
+
+func (s *Service) flushedSeq() uint64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.flushed
+}
+
+func (s *Service) setFlushed(seq uint64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.flushed = seq
+}

@@ -1,0 +1,228 @@
+package podindex
+
+import (
+	"encoding/json"
+	"fmt"
+	"sort"
+	"strconv"
+	"sync"
+
+	v1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/imagefleet/imagefleet/events"
+)
+
+// State is one node's pod index and secret/configmap registration, driven by pod events. It is a function of
+// the indexed pods (and the order of their upserts): applying the same events in the same order to two
+// States gives equal States, and so does loading a snapshot then applying the events after it.
+//
+// Lock order: State.mu, then Index.mu or Registry.mu (never both of those at once).
+type State struct {
+	Index *Index
+	Refs  *Registry
+
+	// mu serialises Apply and guards applied and dirty.
+	mu      sync.Mutex
+	applied uint64
+	// dirty are the pods changed since the last TakeDirty (true: present, false: deleted).
+	dirty map[types.UID]bool
+}
+
+// NewState returns an empty state.
+func NewState() *State {
+	return &State{Index: NewIndex(), Refs: NewRegistry(), dirty: make(map[types.UID]bool)}
+}
+
+// IsTerminal reports whether pod is in a terminal phase (Succeeded or Failed): the kubelet unregisters it
+// (SyncTerminatedPod) and image GC no longer needs its images.
+func IsTerminal(pod *v1.Pod) bool {
+	return pod.Status.Phase == v1.PodSucceeded || pod.Status.Phase == v1.PodFailed
+}
+
+// Apply applies one pod event with stream sequence seq and returns the objects whose reference count went
+// 0 -> 1 or 1 -> 0, in order.
+//
+//   - added and updated upsert the pod (the kubelet's AddPod == UpdatePod). A non-mirror pod in a non-terminal
+//     phase is registered (RegisterPod: only added and dropped names change counts); a terminal one is
+//     unregistered. Mirror pods are indexed, never registered (the kubelet registers the static pod it syncs,
+//     not its mirror).
+//   - deleted removes the pod with that UID and unregisters it; an unknown pod is a no-op.
+//
+// A pod upserted under another namespace or name than its UID had is unregistered under the old key first.
+func (s *State) Apply(seq uint64, ev PodEvent) []Transition {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []Transition
+	pod := ev.Pod
+	switch ev.Action {
+	case events.ActionDeleted:
+		if removed := s.Index.remove(pod.UID); removed != nil {
+			out = append(out, s.Refs.UnregisterPod(removed)...)
+		}
+		out = append(out, s.Refs.UnregisterPod(pod)...)
+		s.dirty[pod.UID] = false
+	default:
+		prev := s.Index.upsert(pod, ev.Raw, seq)
+		if prev != nil && refKey(prev) != refKey(pod) {
+			out = append(out, s.Refs.UnregisterPod(prev)...)
+		}
+		out = append(out, s.register(pod)...)
+		s.dirty[pod.UID] = true
+	}
+	if seq > s.applied {
+		s.applied = seq
+	}
+	return out
+}
+
+func (s *State) register(pod *v1.Pod) []Transition {
+	if IsMirrorPod(pod) || IsTerminal(pod) {
+		return s.Refs.UnregisterPod(pod)
+	}
+	return s.Refs.RegisterPod(pod)
+}
+
+// Skip records that seq was handled without changing the state (a rejected event).
+func (s *State) Skip(seq uint64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if seq > s.applied {
+		s.applied = seq
+	}
+}
+
+// Applied is the stream sequence of the last event applied or skipped.
+func (s *State) Applied() uint64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.applied
+}
+
+// InUseImages lists the image references named by the indexed pods that are not in a terminal phase: every
+// init, regular and ephemeral container's image and every image volume's reference, de-duplicated and sorted.
+func (s *State) InUseImages() []string {
+	set := make(map[string]struct{})
+	add := func(ref string) {
+		if ref != "" {
+			set[ref] = struct{}{}
+		}
+	}
+	s.Index.each(func(e *entry, _ bool) {
+		if IsTerminal(e.pod) {
+			return
+		}
+		spec := &e.pod.Spec
+		for i := range spec.InitContainers {
+			add(spec.InitContainers[i].Image)
+		}
+		for i := range spec.Containers {
+			add(spec.Containers[i].Image)
+		}
+		for i := range spec.EphemeralContainers {
+			add(spec.EphemeralContainers[i].Image)
+		}
+		for i := range spec.Volumes {
+			if img := spec.Volumes[i].Image; img != nil {
+				add(img.Reference)
+			}
+		}
+	})
+	out := make([]string, 0, len(set))
+	for ref := range set {
+		out = append(out, ref)
+	}
+	sort.Strings(out)
+	return out
+}
+
+// record is how a pod is kept in the snapshot.
+type record struct {
+	Order uint64          `json:"order"`
+	Pod   json.RawMessage `json:"pod"`
+}
+
+// Dirty is what changed since the last TakeDirty: pods to store (key: UID) and UIDs to delete, as of the
+// stream sequence Applied.
+type Dirty struct {
+	Puts    map[types.UID][]byte
+	Deletes []types.UID
+	Applied uint64
+}
+
+// TakeDirty returns the changes since the last call and clears them.
+func (s *State) TakeDirty() (Dirty, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	d := Dirty{Puts: make(map[types.UID][]byte), Applied: s.applied}
+	for uid, present := range s.dirty {
+		e, ok := s.Index.get(uid)
+		if !present || !ok {
+			d.Deletes = append(d.Deletes, uid)
+			continue
+		}
+		raw := e.raw
+		if raw == nil {
+			var err error
+			if raw, err = json.Marshal(e.pod); err != nil {
+				return Dirty{}, fmt.Errorf("encode pod %s: %w", uid, err)
+			}
+		}
+		buf := make([]byte, 0, len(raw)+40)
+		buf = append(buf, `{"order":`...)
+		buf = strconv.AppendUint(buf, e.order, 10)
+		buf = append(buf, `,"pod":`...)
+		buf = append(buf, raw...)
+		buf = append(buf, '}')
+		d.Puts[uid] = buf
+	}
+	clear(s.dirty)
+	return d, nil
+}
+
+// Redirty marks the changes of d dirty again (their write failed), unless newer changes replaced them.
+func (s *State) Redirty(d Dirty) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for uid := range d.Puts {
+		if _, ok := s.dirty[uid]; !ok {
+			s.dirty[uid] = true
+		}
+	}
+	for _, uid := range d.Deletes {
+		if _, ok := s.dirty[uid]; !ok {
+			s.dirty[uid] = false
+		}
+	}
+}
+
+// Load rebuilds the state from snapshot records (as TakeDirty encodes them) and the sequence they were
+// taken at; pods are re-applied in the order of their upserts.
+func (s *State) Load(records [][]byte, applied uint64) error {
+	type loaded struct {
+		order uint64
+		pod   *v1.Pod
+		raw   []byte
+	}
+	list := make([]loaded, 0, len(records))
+	for _, b := range records {
+		var r record
+		if err := json.Unmarshal(b, &r); err != nil {
+			return fmt.Errorf("decode pod record: %w", err)
+		}
+		pod := &v1.Pod{}
+		if err := json.Unmarshal(r.Pod, pod); err != nil {
+			return fmt.Errorf("decode pod record: %w", err)
+		}
+		list = append(list, loaded{order: r.Order, pod: pod, raw: r.Pod})
+	}
+	sort.Slice(list, func(i, j int) bool { return list[i].order < list[j].order })
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, l := range list {
+		s.Index.upsert(l.pod, l.raw, l.order)
+		s.register(l.pod)
+	}
+	s.applied = applied
+	return nil
+}

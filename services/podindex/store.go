@@ -1,0 +1,119 @@
+package podindex
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/events"
+)
+
+// SnapshotBucket is the KV bucket of pod index snapshots. Keys of a node start with its subject token, so a
+// per-node permission on $KV.imagefleet-pods.<node>.> reaches only that node's index:
+//
+//	<node>.applied      the stream sequence (IMAGEFLEET_EVENTS) of the last pod event the snapshot reflects
+//	<node>.pod.<uid>    one pod: {"order": <sequence of its last upsert>, "pod": <core/v1 Pod>}
+const SnapshotBucket = "imagefleet-pods"
+
+// Store is the durable snapshot of one node's pod index.
+type Store struct {
+	kv   *bus.KV
+	node string
+}
+
+// OpenStore opens (creating if needed) the snapshot bucket for node.
+func OpenStore(ctx context.Context, b *bus.Bus, node string) (*Store, error) {
+	kv, err := b.KV(ctx, bus.KVConfig{Bucket: SnapshotBucket, Description: "pod index snapshots per node"})
+	if err != nil {
+		return nil, err
+	}
+	return &Store{kv: kv, node: node}, nil
+}
+
+func (s *Store) appliedKey() string { return events.NodeToken(s.node) + ".applied" }
+
+func (s *Store) podKey(uid types.UID) string {
+	return events.NodeToken(s.node) + ".pod." + escapeKey(string(uid))
+}
+
+// Load reads the snapshot: the pod records and the sequence they reflect (0 and none for a new node).
+// The applied sequence is read first: pods written after it are at least as new, which replaying the events
+// after it tolerates (see Service).
+func (s *Store) Load(ctx context.Context) (records [][]byte, applied uint64, err error) {
+	v, _, err := s.kv.Get(ctx, s.appliedKey())
+	switch {
+	case errors.Is(err, bus.ErrKeyNotFound):
+	case err != nil:
+		return nil, 0, fmt.Errorf("load pod index of %s: %w", s.node, err)
+	default:
+		if applied, err = strconv.ParseUint(string(v), 10, 64); err != nil {
+			return nil, 0, fmt.Errorf("load pod index of %s: applied sequence %q: %w", s.node, v, err)
+		}
+	}
+	entries, err := s.kv.List(ctx, events.NodeToken(s.node)+".pod.>")
+	if err != nil {
+		return nil, 0, fmt.Errorf("load pod index of %s: %w", s.node, err)
+	}
+	records = make([][]byte, 0, len(entries))
+	for _, e := range entries {
+		records = append(records, e.Value)
+	}
+	return records, applied, nil
+}
+
+// Write stores d: the changed pods first, then the applied sequence.
+func (s *Store) Write(ctx context.Context, d Dirty) error {
+	puts := make(map[string][]byte, len(d.Puts))
+	for uid, b := range d.Puts {
+		puts[s.podKey(uid)] = b
+	}
+	dels := make([]string, 0, len(d.Deletes))
+	for _, uid := range d.Deletes {
+		dels = append(dels, s.podKey(uid))
+	}
+	if len(puts)+len(dels) > 0 {
+		if err := s.kv.Batch(ctx, puts, dels); err != nil {
+			return fmt.Errorf("write pod index of %s: %w", s.node, err)
+		}
+	}
+	if _, err := s.kv.Put(ctx, s.appliedKey(), []byte(strconv.FormatUint(d.Applied, 10))); err != nil {
+		return fmt.Errorf("write pod index of %s: %w", s.node, err)
+	}
+	return nil
+}
+
+// escapeKey turns a UID into one KV key token: bytes outside [-_a-zA-Z0-9] become =XX (hex).
+func escapeKey(id string) string {
+	clean := true
+	for i := 0; i < len(id); i++ {
+		if !keyByte(id[i]) {
+			clean = false
+			break
+		}
+	}
+	if clean && id != "" {
+		return id
+	}
+	var b strings.Builder
+	for i := 0; i < len(id); i++ {
+		c := id[i]
+		if keyByte(c) {
+			b.WriteByte(c)
+			continue
+		}
+		fmt.Fprintf(&b, "=%02X", c)
+	}
+	if b.Len() == 0 {
+		return "=" // an empty UID never reaches the store (the decoder rejects it)
+	}
+	return b.String()
+}
+
+func keyByte(c byte) bool {
+	return c == '-' || c == '_' || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9')
+}
