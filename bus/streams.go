@@ -63,6 +63,11 @@ func (b *Bus) EnsureStreams(ctx context.Context, cfg StreamsConfig) error {
 			Retention:   jetstream.WorkQueuePolicy,
 			Duplicates:  2 * time.Minute,
 			Replicas:    cfg.Replicas,
+			// One subject per node: at most MaxPullRequestsPerNode requests in flight or waiting per node,
+			// and the next publish is refused at once (backpressure, not a blocked caller; kubelet W-G).
+			MaxMsgsPerSubject:    events.MaxPullRequestsPerNode,
+			Discard:              jetstream.DiscardNew,
+			DiscardNewPerSubject: true,
 		},
 		{
 			Name:        DeadLetterStream,

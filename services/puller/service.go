@@ -1,0 +1,227 @@
+package puller
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/events"
+)
+
+// Service is the puller worker of one node: it consumes the node's pull requests from the work queue and
+// answers each with events. Replicas of it share the queue; the server's MaxAckPending on the node's durable
+// consumer bounds the pulls in flight across all of them.
+//
+// Locks: mu guards inflight and deleted; the manager has its own (flights). They are never held together.
+type Service struct {
+	cfg Config
+	bus *bus.Bus
+	m   *manager
+
+	mu       sync.Mutex
+	inflight map[string]*inflightReq // by request id
+	deleted  map[string]time.Time    // pod UID -> when its deletion was heard
+}
+
+type inflightReq struct {
+	podUID string
+	cancel context.CancelCauseFunc
+}
+
+// New validates cfg and builds the puller. Backoff and pull records are in memory until Run moves them to
+// the bus's KV buckets; a handler called before Run (a test) works on the in-memory state.
+func New(cfg Config, rt runtime, b *bus.Bus) (*Service, error) {
+	if err := cfg.setDefaults(); err != nil {
+		return nil, err
+	}
+	if rt == nil || b == nil {
+		return nil, fmt.Errorf("puller needs a runtime and a bus")
+	}
+	return newService(cfg, criImages{rt: rt}, b)
+}
+
+func newService(cfg Config, svc imageService, b *bus.Bus) (*Service, error) {
+	met, err := newMetrics(cfg.Registerer)
+	if err != nil {
+		return nil, err
+	}
+	creds := &fileCredentials{log: cfg.Logger}
+	if cfg.PullSecretsDir != "" {
+		creds.secrets = &secretsDir{dir: cfg.PullSecretsDir}
+	}
+	if cfg.NodeKeyring != "" {
+		k, err := loadNodeKeyring(cfg.NodeKeyring)
+		if err != nil {
+			return nil, err
+		}
+		creds.node = k
+	}
+	mc := managerConfig{tokens: cfg.Tokens(), qps: cfg.RegistryPullQPS, burst: cfg.RegistryBurst,
+		backoff: backoffPolicy{initial: cfg.BackoffInitial, max: cfg.BackoffMax}, verifyPolicy: cfg.CredentialVerificationPolicy,
+		allowlist: cfg.PreloadedImagesAllowlist, now: cfg.Now, log: cfg.Logger.With("worker", "puller", "node", cfg.Node)}
+	return &Service{cfg: cfg, bus: b, m: newManager(mc, svc, creds, newMemBackoff(), newMemRecords(), met),
+		inflight: map[string]*inflightReq{}, deleted: map[string]time.Time{}}, nil
+}
+
+// Run consumes the node's pull requests and listens for cancellations and pod deletions until ctx ends.
+// It returns nil after a clean shutdown: requests in progress are handed back to the queue (another
+// replica, or the next start, takes them at once) and no goroutine is left.
+func (s *Service) Run(ctx context.Context) error {
+	bo, err := openKVBackoff(ctx, s.bus, s.cfg.Node, s.m.cfg.backoff)
+	if err != nil {
+		return err
+	}
+	rs, err := openKVRecords(ctx, s.bus, s.cfg.Node)
+	if err != nil {
+		return err
+	}
+	s.m.backoff, s.m.records.store = bo, rs
+
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var wg sync.WaitGroup
+	errs := make(chan error, 4)
+	goRun := func(f func() error) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := f(); err != nil && ctx.Err() == nil {
+				errs <- err
+				cancel()
+			}
+		}()
+	}
+	goRun(func() error {
+		return s.bus.Subscribe(ctx, events.CommandSubject(s.cfg.Node, events.VerbPullCancel), func(_ string, data []byte) {
+			s.handleCancel(data)
+		})
+	})
+	goRun(func() error {
+		return s.bus.Subscribe(ctx, events.EventSubject(s.cfg.Node, events.EntityPod, events.ActionDeleted), func(_ string, data []byte) {
+			s.handlePodDeleted(data)
+		})
+	})
+	goRun(func() error {
+		tokens := s.cfg.Tokens()
+		cc := bus.ConsumerConfig{Stream: events.PullStream, Durable: Durable(s.cfg.Node),
+			FilterSubjects: []string{events.CommandSubject(s.cfg.Node, events.VerbPull)},
+			MaxAckPending:  tokens, AckWait: s.cfg.AckWait, MaxDeliver: s.cfg.MaxDeliver}
+		if tokens == 0 {
+			cc.MaxAckPending, cc.Concurrency = 1000, 256
+		}
+		return s.bus.Consume(ctx, cc, func(ctx context.Context, m *bus.Msg) error {
+			return s.HandlePull(ctx, m.Data, Delivery{Count: m.NumDelivered, InProgress: m.InProgress})
+		})
+	})
+	goRun(func() error {
+		t := time.NewTicker(time.Minute)
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return nil
+			case <-t.C:
+				s.forgetDeleted(time.Now())
+			}
+		}
+	})
+	<-ctx.Done()
+	wg.Wait()
+	s.m.wait()
+	select {
+	case err := <-errs:
+		return err
+	default:
+		return nil
+	}
+}
+
+// handleCancel cancels the requests a PullCancel names. Every replica hears it; the one running the pull
+// cancels it.
+func (s *Service) handleCancel(data []byte) {
+	var c events.PullCancel
+	if err := events.DecodeStrict(data, &c); err != nil {
+		s.m.cfg.log.Warn("malformed pull cancellation", "err", err)
+		return
+	}
+	if c.PodUID != "" {
+		s.cancelPod(c.PodUID, fmt.Errorf("pod %s: %w", c.PodUID, errPullCancelledOnRequest))
+	}
+	if c.RequestID != "" {
+		s.mu.Lock()
+		r := s.inflight[c.RequestID]
+		s.mu.Unlock()
+		if r != nil {
+			r.cancel(fmt.Errorf("request %s: %w", c.RequestID, errPullCancelledOnRequest))
+		}
+	}
+}
+
+var (
+	errPodDeleted             = errors.New("pod deleted")
+	errPullCancelledOnRequest = errors.New("cancelled on request")
+)
+
+// handlePodDeleted cancels the deleted pod's pulls and remembers its UID, so requests still queued for it
+// are dropped (kubernetes/kubernetes#88662). The body is a core/v1 Pod as JSON.
+func (s *Service) handlePodDeleted(data []byte) {
+	var pod struct {
+		Metadata struct {
+			UID string `json:"uid"`
+		} `json:"metadata"`
+	}
+	if err := json.Unmarshal(data, &pod); err != nil || pod.Metadata.UID == "" {
+		s.m.cfg.log.Warn("pod deleted event without a pod uid", "err", err)
+		return
+	}
+	uid := pod.Metadata.UID
+	s.mu.Lock()
+	s.deleted[uid] = time.Now()
+	s.mu.Unlock()
+	s.cancelPod(uid, fmt.Errorf("pod %s: %w", uid, errPodDeleted))
+}
+
+func (s *Service) cancelPod(uid string, cause error) {
+	s.mu.Lock()
+	var cancels []context.CancelCauseFunc
+	for _, r := range s.inflight {
+		if r.podUID == uid {
+			cancels = append(cancels, r.cancel)
+		}
+	}
+	s.mu.Unlock()
+	for _, c := range cancels {
+		c(cause)
+	}
+}
+
+func (s *Service) podDeleted(uid string) bool {
+	if uid == "" {
+		return false
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	_, ok := s.deleted[uid]
+	return ok
+}
+
+func (s *Service) forgetDeleted(now time.Time) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for uid, t := range s.deleted {
+		if now.Sub(t) > s.cfg.DeletedPodMemory {
+			delete(s.deleted, uid)
+		}
+	}
+}
+
+// InFlight is the number of requests this replica is handling (for tests and status).
+func (s *Service) InFlight() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.inflight)
+}
