@@ -1,0 +1,439 @@
+package gc
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/services/cri"
+)
+
+// Kubernetes event reasons of image GC (pkg/kubelet/events), all Warning on the node.
+const (
+	EventInvalidDiskCapacity = "InvalidDiskCapacity"
+	EventFreeDiskSpaceFailed = "FreeDiskSpaceFailed"
+	EventImageGCFailed       = "ImageGCFailed"
+)
+
+// runtime is the part of the CRI client the GC executor needs.
+type runtime interface {
+	ListContainers(ctx context.Context) ([]cri.Container, error)
+	RemoveImage(ctx context.Context, id string) error
+	ImageFsInfo(ctx context.Context) ([]cri.FsInfo, error)
+}
+
+// collector is one node's image GC: the kubelet's realImageGCManager without its records (the detector
+// keeps them) and with removals in bounded parallel batches, each re-checked for use just before.
+type collector struct {
+	node         string
+	capacity     int64
+	pinned       *refMatcher
+	parallelism  int
+	rt           runtime
+	records      recordSource
+	bus          *bus.Bus
+	inUseTimeout time.Duration
+	statfs       func(path string) (capacity, available int64, err error)
+	now          func() time.Time
+	removed      *prometheus.CounterVec
+	log          *slog.Logger
+}
+
+// pass is one GC pass: its policy and what it did.
+type pass struct {
+	policy Policy
+	dryRun bool
+	res    events.GCResult
+}
+
+// garbageCollect is the kubelet's GarbageCollect(ctx, beganGC), with two changes: a failed age pass does
+// not skip the space pass (both errors are returned), and in a dry run nothing is removed.
+func (c *collector) garbageCollect(ctx context.Context, p *pass, beganGC time.Time) error {
+	freeTime := c.now()
+	p.res.Started = freeTime
+	recs, err := c.records.Detect(ctx, freeTime)
+	if err != nil {
+		return err
+	}
+	cands, skipped := evictionOrder(recs, c.pinned)
+	p.res.Skipped = append(p.res.Skipped, skipped...)
+
+	before := p.res.FreedBytes
+	cands, ageErr := c.freeOldImages(ctx, p, cands, freeTime, beganGC)
+	ageFreed := p.res.FreedBytes - before
+
+	capacity, available, err := c.imageFsStats(ctx, p, recs, ageFreed)
+	if err != nil {
+		return joinErrors(ageErr, err)
+	}
+	if available > capacity {
+		c.log.Info("availability is larger than capacity", "available", available, "capacity", capacity)
+		available = capacity
+	}
+	p.res.CapacityBytes, p.res.AvailableBytes = capacity, available
+	if capacity == 0 {
+		err := errors.New("invalid capacity 0 on image filesystem")
+		c.warn(ctx, p, EventInvalidDiskCapacity, err.Error())
+		return joinErrors(ageErr, err)
+	}
+	usagePercent := 100 - int(available*100/capacity)
+	p.res.UsagePercent = usagePercent
+	if usagePercent < p.policy.HighThresholdPercent {
+		c.notNeeded(p, cands)
+		return ageErr
+	}
+	amountToFree := capacity*int64(100-p.policy.LowThresholdPercent)/100 - available
+	p.res.AmountToFree = amountToFree
+	c.log.Info("disk usage on image filesystem is over the high threshold, trying to free bytes down to the low threshold",
+		"usage", usagePercent, "high_threshold", p.policy.HighThresholdPercent, "amount_to_free", amountToFree,
+		"low_threshold", p.policy.LowThresholdPercent, "dry_run", p.dryRun)
+	freed, err := c.freeSpace(ctx, p, amountToFree, freeTime, cands, ReasonSpace)
+	if err != nil {
+		return joinErrors(ageErr, err)
+	}
+	if freed < amountToFree {
+		msg := fmt.Sprintf("Insufficient free disk space on the node's image filesystem (%d%% of %s used). "+
+			"Failed to free sufficient space by deleting unused images (freed %d bytes). "+
+			"Investigate disk usage, as it could be used by active images, logs, volumes, or other data.",
+			usagePercent, formatSize(capacity), freed)
+		c.warn(ctx, p, EventFreeDiskSpaceFailed, msg)
+		return joinErrors(ageErr, errors.New(msg))
+	}
+	return ageErr
+}
+
+// deleteUnusedImages is the kubelet's DeleteUnusedImages: every eligible image (MinAge still honoured).
+func (c *collector) deleteUnusedImages(ctx context.Context, p *pass) error {
+	c.log.Info("attempting to delete unused images", "dry_run", p.dryRun)
+	freeTime := c.now()
+	p.res.Started = freeTime
+	p.res.AllUnused = true
+	recs, err := c.records.Detect(ctx, freeTime)
+	if err != nil {
+		return err
+	}
+	cands, skipped := evictionOrder(recs, c.pinned)
+	p.res.Skipped = append(p.res.Skipped, skipped...)
+	p.res.AmountToFree = math.MaxInt64
+	_, err = c.freeSpace(ctx, p, math.MaxInt64, freeTime, cands, ReasonUnused)
+	return err
+}
+
+// freeOldImages is the kubelet's MaxAge pass with two fixes (W-B): age is measured from
+// max(lastUsed, firstDetected), so an image pulled but not yet used is as young as its detection, and an
+// image younger than MinAge is kept. Like the kubelet, nothing happens until MaxAge has passed since beganGC.
+// It returns the candidates left for the space pass.
+func (c *collector) freeOldImages(ctx context.Context, p *pass, cands []candidate, freeTime, beganGC time.Time) ([]candidate, error) {
+	maxAge := p.policy.MaxAge
+	if maxAge == 0 || freeTime.Sub(beganGC) <= maxAge {
+		return cands, nil
+	}
+	var old []candidate
+	for _, cd := range cands {
+		last := cd.LastUsed
+		if cd.FirstDetected.After(last) {
+			last = cd.FirstDetected
+		}
+		if freeTime.Sub(last) > maxAge && freeTime.Sub(cd.FirstDetected) >= p.policy.MinAge {
+			old = append(old, cd)
+		}
+	}
+	if len(old) == 0 {
+		return cands, nil
+	}
+	gone := make(map[string]bool, len(old))
+	var errs []error
+	for start := 0; start < len(old); start += c.parallelism {
+		batch := old[start:min(start+c.parallelism, len(old))]
+		for _, o := range c.removeBatch(ctx, p, batch, ReasonAge) {
+			switch {
+			case o.inUse:
+				gone[o.c.ID] = true // in use: not a candidate of the space pass either
+			case o.err != nil:
+				errs = append(errs, o.err) // kept, as the kubelet keeps it
+			default:
+				gone[o.c.ID] = true
+			}
+		}
+	}
+	remaining := make([]candidate, 0, len(cands)-len(gone))
+	for _, cd := range cands {
+		if !gone[cd.ID] {
+			remaining = append(remaining, cd)
+		}
+	}
+	if len(errs) > 0 {
+		return remaining, fmt.Errorf("wanted to free images older than %v, encountered errors in image deletion: %v", maxAge, aggregate(errs))
+	}
+	return remaining, nil
+}
+
+// freeSpace is the kubelet's freeSpace: candidates in eviction order, skipping those used at or after
+// freeTime and those younger than MinAge; a failed removal does not stop the pass; it stops once a removal
+// succeeded and freed >= bytesToFree. Here the removals the kubelet would make one by one are planned
+// ahead and made in batches of up to RemovalParallelism at once: each batch is the prefix of the remaining
+// eligible candidates that would bring freed to bytesToFree if every removal succeeded; when some fail, the
+// next batch continues with the next candidates. If every removal succeeds, the images removed are exactly
+// the kubelet's.
+func (c *collector) freeSpace(ctx context.Context, p *pass, bytesToFree int64, freeTime time.Time, cands []candidate, reason string) (int64, error) {
+	var (
+		freed      int64
+		removedAny bool
+		errs       []error
+		i          int
+	)
+	for i < len(cands) && !(removedAny && freed >= bytesToFree) && ctx.Err() == nil {
+		var batch []candidate
+		planned := freed
+		for i < len(cands) && len(batch) < c.parallelism && (len(batch) == 0 || planned < bytesToFree) {
+			cd := cands[i]
+			i++
+			if !cd.LastUsed.Before(freeTime) {
+				p.res.Skipped = append(p.res.Skipped, events.GCSkipped{ID: cd.ID, Why: WhyInUse})
+				continue
+			}
+			if freeTime.Sub(cd.FirstDetected) < p.policy.MinAge {
+				p.res.Skipped = append(p.res.Skipped, events.GCSkipped{ID: cd.ID, Why: WhyTooYoung})
+				continue
+			}
+			batch = append(batch, cd)
+			planned += cd.Size
+		}
+		if len(batch) == 0 {
+			break
+		}
+		for _, o := range c.removeBatch(ctx, p, batch, reason) {
+			switch {
+			case o.inUse:
+			case o.err != nil:
+				errs = append(errs, o.err)
+			default:
+				freed += o.c.Size
+				removedAny = true
+			}
+		}
+	}
+	c.notNeeded(p, cands[i:])
+	if len(errs) > 0 {
+		return freed, fmt.Errorf("wanted to free %d bytes, but freed %d bytes space with errors in image deletion: %w", bytesToFree, freed, aggregate(errs))
+	}
+	return freed, nil
+}
+
+func (c *collector) notNeeded(p *pass, cands []candidate) {
+	for _, cd := range cands {
+		p.res.Skipped = append(p.res.Skipped, events.GCSkipped{ID: cd.ID, Why: WhyNotNeeded})
+	}
+}
+
+// outcome is what happened to one image of a removal batch.
+type outcome struct {
+	c     candidate
+	inUse bool  // found in use by the re-check: not removed
+	err   error // removal failed
+}
+
+// removeBatch re-checks that the batch is unused (containers listed by the runtime now, and the pod index's
+// image references), then removes the rest at once. "Already gone" counts as removed. Results are recorded
+// in p in batch order; image.removed events are published.
+func (c *collector) removeBatch(ctx context.Context, p *pass, batch []candidate, reason string) []outcome {
+	out := make([]outcome, len(batch))
+	for i := range batch {
+		out[i].c = batch[i]
+	}
+	inUse, err := c.inUseNow(ctx)
+	if err != nil {
+		for i := range out {
+			out[i].err = fmt.Errorf("re-check image %q in use before removal: %w", out[i].c.ID, err)
+		}
+	} else {
+		var wg sync.WaitGroup
+		sem := make(chan struct{}, c.parallelism)
+		for i := range out {
+			if inUse(out[i].c.ImageRecord) {
+				out[i].inUse = true
+				continue
+			}
+			if p.dryRun {
+				continue
+			}
+			wg.Add(1)
+			sem <- struct{}{}
+			go func() {
+				defer wg.Done()
+				defer func() { <-sem }()
+				out[i].err = c.removeImage(ctx, out[i].c, reason)
+			}()
+		}
+		wg.Wait()
+	}
+	var evs []events.Event
+	for _, o := range out {
+		switch {
+		case o.inUse:
+			c.log.Info("image in use at removal time, kept", "image_id", o.c.ID)
+			p.res.Skipped = append(p.res.Skipped, events.GCSkipped{ID: o.c.ID, Why: WhyInUseAtRemoval})
+		case o.err != nil:
+			p.res.Removed = append(p.res.Removed, events.GCRemoved{ID: o.c.ID, RepoTags: o.c.RepoTags, Size: o.c.Size, Reason: reason, Error: o.err.Error()})
+		default:
+			p.res.Removed = append(p.res.Removed, events.GCRemoved{ID: o.c.ID, RepoTags: o.c.RepoTags, Size: o.c.Size, Reason: reason})
+			p.res.FreedBytes += o.c.Size
+			if p.dryRun {
+				continue
+			}
+			c.removed.WithLabelValues(metricReason(reason)).Inc()
+			ev, err := events.New(c.node, events.EntityImage, events.ActionRemoved,
+				events.ImageRemoved{ID: o.c.ID, RepoTags: o.c.RepoTags, Size: o.c.Size, Reason: reason})
+			if err == nil {
+				evs = append(evs, ev)
+			}
+		}
+	}
+	c.publish(ctx, evs...)
+	return out
+}
+
+func (c *collector) removeImage(ctx context.Context, cd candidate, reason string) error {
+	c.log.Info("removing image to free bytes", "image_id", cd.ID, "size", cd.Size, "reason", reason)
+	err := c.rt.RemoveImage(ctx, cd.ID)
+	if errors.Is(err, cri.ErrNotFound) {
+		c.log.Info("image already gone", "image_id", cd.ID)
+		return nil
+	}
+	return err
+}
+
+// inUseNow returns whether an image is in use right now: the image ID of a container the runtime lists
+// (running or exited), the image reference a container was created from, or a reference named by a pod in
+// the pod index (a pod whose container does not exist yet: kubernetes/kubernetes#123631, #18140).
+func (c *collector) inUseNow(ctx context.Context) (func(events.ImageRecord) bool, error) {
+	containers, err := c.rt.ListContainers(ctx)
+	if err != nil {
+		return nil, err
+	}
+	ids := make(map[string]bool, len(containers))
+	var refs []string
+	for _, ct := range containers {
+		ids[ct.ImageID] = true
+		if ct.Image != "" {
+			refs = append(refs, ct.Image)
+		}
+	}
+	podRefs, err := c.podIndexImages(ctx)
+	if err != nil {
+		return nil, err
+	}
+	m, _ := newRefMatcher(append(refs, podRefs...), false)
+	return func(r events.ImageRecord) bool { return ids[r.ID] || m.match(r) }, nil
+}
+
+// podIndexImages asks the pod index for the image references of the node's pods. No pod index running
+// (no responders) means no such references: the check is skipped.
+func (c *collector) podIndexImages(ctx context.Context) ([]string, error) {
+	if c.bus == nil {
+		return nil, nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, c.inUseTimeout)
+	defer cancel()
+	var rep events.InUseReply
+	err := c.bus.Request(ctx, events.QuerySubject(c.node, events.QryInUse), nil, &rep)
+	if errors.Is(err, bus.ErrNoResponders) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("ask the pod index: %w", err)
+	}
+	return rep.Images, nil
+}
+
+// imageFsStats returns the capacity and available bytes of the image filesystem: from the byte quota
+// (used = the sum of the image sizes, less what the age pass removed), or statfs of the runtime's image
+// filesystem mountpoint. In a dry run, what the age pass would have removed is counted as available.
+func (c *collector) imageFsStats(ctx context.Context, p *pass, recs map[string]events.ImageRecord, ageFreed int64) (capacity, available int64, err error) {
+	if c.capacity > 0 {
+		var used int64
+		for _, r := range recs {
+			used += r.Size
+		}
+		return c.capacity, c.capacity - (used - ageFreed), nil
+	}
+	fs, err := c.rt.ImageFsInfo(ctx)
+	if err != nil {
+		return 0, 0, fmt.Errorf("image fs stats: %w", err)
+	}
+	if len(fs) == 0 || fs[0].Mountpoint == "" {
+		return 0, 0, errors.New("image fs stats: the runtime reports no image filesystem mountpoint")
+	}
+	capacity, available, err = c.statfs(fs[0].Mountpoint)
+	if err != nil {
+		return 0, 0, fmt.Errorf("image fs stats: %w", err)
+	}
+	if p.dryRun {
+		available += ageFreed
+	}
+	return capacity, available, nil
+}
+
+// warn publishes a Kubernetes Warning event on the node (not in a dry run).
+func (c *collector) warn(ctx context.Context, p *pass, reason, message string) {
+	if p != nil && p.dryRun {
+		return
+	}
+	ev, err := events.New(c.node, events.EntityNode, events.ActionWarning, events.NodeWarning{Reason: reason, Message: message})
+	if err != nil {
+		return
+	}
+	c.publish(ctx, ev.WithKube(events.Warning, reason, message, &events.ObjectRef{Kind: "Node", Name: c.node}))
+}
+
+// publish publishes events; a failure is logged, not returned: what GC did stays done.
+func (c *collector) publish(ctx context.Context, evs ...events.Event) {
+	if len(evs) == 0 || c.bus == nil {
+		return
+	}
+	if err := c.bus.PublishAll(ctx, evs); err != nil {
+		c.log.Warn("publish events failed", "err", err, "events", len(evs))
+	}
+}
+
+// joinErrors reports both the age pass's and the space pass's errors.
+func joinErrors(first, second error) error {
+	switch {
+	case first == nil:
+		return second
+	case second == nil:
+		return first
+	}
+	return fmt.Errorf("%w; %w", first, second)
+}
+
+// formatSize is the kubelet's formatSize: B, KiB, MiB, GiB, TiB with one decimal.
+func formatSize(sizeBytes int64) string {
+	const (
+		KiB = 1024
+		MiB = 1024 * KiB
+		GiB = 1024 * MiB
+		TiB = 1024 * GiB
+	)
+	size := float64(sizeBytes)
+	switch {
+	case size < KiB:
+		return fmt.Sprintf("%d B", int64(size))
+	case size < MiB:
+		return fmt.Sprintf("%.1f KiB", size/KiB)
+	case size < GiB:
+		return fmt.Sprintf("%.1f MiB", size/MiB)
+	case size < TiB:
+		return fmt.Sprintf("%.1f GiB", size/GiB)
+	default:
+		return fmt.Sprintf("%.1f TiB", size/TiB)
+	}
+}

@@ -1,0 +1,214 @@
+package gc
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/services/cri"
+)
+
+// QueueGroup is the queue group of the gc command: replicas of the executor share the requests.
+const QueueGroup = "gc-executor"
+
+// Deps are the GC executor's dependencies.
+type Deps struct {
+	// Runtime is the CRI client (ListContainers, RemoveImage, ImageFsInfo). Required.
+	Runtime runtime
+	// Bus is the NATS connection. Required.
+	Bus *bus.Bus
+	// Records detects and returns the node's image records (default: the detector over Bus).
+	Records recordSource
+	// Statfs returns capacity and available bytes of a filesystem (default cri.Statfs).
+	Statfs func(path string) (capacity, available int64, err error)
+	// Now is the clock of freeTime and beganGC (default time.Now).
+	Now func() time.Time
+}
+
+// Service is the GC executor of one node.
+type Service struct {
+	cfg Config
+	c   *collector
+	bus *bus.Bus
+	log *slog.Logger
+
+	// mu makes passes one at a time (the kubelet's GC manager is serialised the same way) and guards beganGC.
+	mu      sync.Mutex
+	beganGC time.Time
+
+	// prevFailed is the periodic loop's "previous pass failed" (only the loop goroutine touches it).
+	prevFailed bool
+}
+
+// New validates cfg (see Config.Validate for the messages) and builds the executor.
+func New(cfg Config, deps Deps) (*Service, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	cfg.setDefaults()
+	if deps.Runtime == nil || deps.Bus == nil {
+		return nil, errors.New("gc executor needs a runtime and a bus")
+	}
+	if deps.Records == nil {
+		deps.Records = &busRecords{bus: deps.Bus, node: cfg.Node, timeout: cfg.DetectTimeout}
+	}
+	if deps.Statfs == nil {
+		deps.Statfs = cri.Statfs
+	}
+	if deps.Now == nil {
+		deps.Now = time.Now
+	}
+	counter, err := newRemovedCounter(cfg.Registerer)
+	if err != nil {
+		return nil, fmt.Errorf("register image gc metric: %w", err)
+	}
+	pinned, _ := newRefMatcher(cfg.PinnedImages, true) // validated above
+	log := cfg.Logger.With("worker", QueueGroup, "node", cfg.Node)
+	s := &Service{cfg: cfg, bus: deps.Bus, log: log, beganGC: deps.Now()}
+	s.c = &collector{
+		node: cfg.Node, capacity: cfg.CapacityBytes, pinned: pinned, parallelism: cfg.RemovalParallelism,
+		rt: deps.Runtime, records: deps.Records, bus: deps.Bus, inUseTimeout: cfg.InUseTimeout,
+		statfs: deps.Statfs, now: deps.Now, removed: counter, log: log,
+	}
+	return s, nil
+}
+
+// Run serves imagefleet.cmd.<node>.gc (queue group gc-executor) and runs the periodic GC every Period,
+// starting now, with beganGC captured once here as the kubelet's StartGarbageCollection does. When the
+// policy has HighThresholdPercent 100 and MaxAge 0 the periodic GC is disabled (commands are still
+// served). Run blocks until ctx ends and returns nil after a clean shutdown.
+func (s *Service) Run(ctx context.Context) error {
+	s.mu.Lock()
+	s.beganGC = s.c.now()
+	s.mu.Unlock()
+
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	serveErr := make(chan error, 1)
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		serveErr <- s.bus.Serve(ctx, events.CommandSubject(s.cfg.Node, events.VerbGC), QueueGroup, s.handleGC)
+	}()
+	wait := func() error {
+		select {
+		case <-ctx.Done():
+			return nil
+		case err := <-serveErr:
+			if err != nil {
+				return err
+			}
+			<-ctx.Done()
+			return nil
+		}
+	}
+	if s.cfg.Policy.disabled() {
+		s.log.Info("ImageGCHighThresholdPercent is set 100 and ImageMaximumGCAge is 0, Disable image GC")
+		return wait()
+	}
+	tick := time.NewTicker(s.cfg.Period)
+	defer tick.Stop()
+	for {
+		s.periodic(ctx)
+		select {
+		case <-ctx.Done():
+			return nil
+		case err := <-serveErr:
+			if err != nil {
+				return err
+			}
+			return nil
+		case <-tick.C:
+		}
+	}
+}
+
+// periodic is one tick of the kubelet's image GC loop: a failure is logged; a failure right after another
+// one also posts the ImageGCFailed Warning with the error's text.
+func (s *Service) periodic(ctx context.Context) {
+	_, err := s.GarbageCollect(ctx, events.GCRequest{})
+	if ctx.Err() != nil {
+		return
+	}
+	if err != nil {
+		if s.prevFailed {
+			s.log.Error("Image garbage collection failed multiple times in a row", "err", err)
+			s.c.warn(ctx, nil, EventImageGCFailed, err.Error())
+		} else {
+			s.log.Error("Image garbage collection failed once. Stats initialization may not have completed yet", "err", err)
+		}
+		s.prevFailed = true
+		return
+	}
+	if s.prevFailed {
+		s.log.Info("Image garbage collection succeeded")
+	} else {
+		s.log.Debug("Image garbage collection succeeded")
+	}
+	s.prevFailed = false
+}
+
+// GarbageCollect runs one pass: the kubelet's GarbageCollect, or with req.AllUnused its DeleteUnusedImages,
+// with req's policy overrides and dry run. It publishes gc.finished with the result and returns the result
+// and the pass's error (also in the result's Error). An invalid override is an error wrapping
+// events.ErrMalformed and runs nothing.
+func (s *Service) GarbageCollect(ctx context.Context, req events.GCRequest) (events.GCResult, error) {
+	policy, err := s.policyFor(req)
+	if err != nil {
+		return events.GCResult{}, err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	p := &pass{policy: policy, dryRun: req.DryRun, res: events.GCResult{Node: s.cfg.Node, DryRun: req.DryRun}}
+	start := time.Now()
+	if req.AllUnused {
+		err = s.c.deleteUnusedImages(ctx, p)
+	} else {
+		err = s.c.garbageCollect(ctx, p, s.beganGC)
+	}
+	res := p.res
+	if res.Removed == nil {
+		res.Removed = []events.GCRemoved{}
+	}
+	if res.Skipped == nil {
+		res.Skipped = []events.GCSkipped{}
+	}
+	if res.Started.IsZero() {
+		res.Started = s.c.now()
+	}
+	res.Duration = events.Duration{Duration: time.Since(start)}
+	if err != nil {
+		res.Error = err.Error()
+	}
+	if ev, evErr := events.New(s.cfg.Node, events.EntityGC, events.ActionFinished, res); evErr == nil {
+		s.c.publish(ctx, ev)
+	}
+	return res, err
+}
+
+// policyFor applies req's overrides to the configured policy and checks the result as the kubelet's
+// NewImageGCManager does.
+func (s *Service) policyFor(req events.GCRequest) (Policy, error) {
+	p := s.cfg.Policy
+	if req.HighThresholdPercent != nil {
+		p.HighThresholdPercent = *req.HighThresholdPercent
+	}
+	if req.LowThresholdPercent != nil {
+		p.LowThresholdPercent = *req.LowThresholdPercent
+	}
+	if req.MinAge != nil {
+		p.MinAge = req.MinAge.Duration
+	}
+	if req.MaxAge != nil {
+		p.MaxAge = req.MaxAge.Duration
+	}
+	if err := p.Validate(); err != nil {
+		return Policy{}, fmt.Errorf("%w: %w", events.ErrMalformed, err)
+	}
+	return p, nil
+}
