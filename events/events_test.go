@@ -141,10 +141,10 @@ func TestGCRequestValidationUsesKubeletMessages(t *testing.T) {
 
 func TestDecodeEventRejectsBadEnvelopes(t *testing.T) {
 	for body, want := range map[string]string{
-		`{"type":"nope","id":"1","time":"2026-01-01T00:00:00Z","node":"n"}`:                       "not of the form",
-		`{"type":"imagefleet.image.removed.v1","time":"2026-01-01T00:00:00Z","node":"n"}`:          "has no id",
-		`{"type":"imagefleet.image.removed.v1","id":"1","node":"n"}`:                               "has no time",
-		`{"type":"imagefleet.image.removed.v1","id":"1","time":"2026-01-01T00:00:00Z","node":"N"}`: "DNS-1123",
+		`{"type":"nope","id":"1","time":"2026-01-01T00:00:00Z","node":"n"}`:                                         "not of the form",
+		`{"type":"imagefleet.image.removed.v1","time":"2026-01-01T00:00:00Z","node":"n"}`:                           "has no id",
+		`{"type":"imagefleet.image.removed.v1","id":"1","node":"n"}`:                                                "has no time",
+		`{"type":"imagefleet.image.removed.v1","id":"1","time":"2026-01-01T00:00:00Z","node":"N"}`:                  "DNS-1123",
 		`{"type":"imagefleet.image.removed.v1","id":"1","time":"2026-01-01T00:00:00Z","node":"n","severity":"Bad"}`: "neither Normal nor Warning",
 		`[]`: "malformed",
 	} {

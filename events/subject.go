@@ -2,7 +2,6 @@ package events
 
 import (
 	"fmt"
-	"regexp"
 	"strings"
 )
 
@@ -20,9 +19,6 @@ const (
 	PullSubjects = Prefix + ".cmd.*.pull"
 )
 
-// nodeNameRE is a DNS-1123 subdomain, the form Kubernetes requires for node names.
-var nodeNameRE = regexp.MustCompile(`^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$`)
-
 // ValidateNodeName reports whether name is a valid node name (a DNS-1123 subdomain of at most 253 characters).
 func ValidateNodeName(name string) error {
 	if name == "" {
@@ -31,10 +27,31 @@ func ValidateNodeName(name string) error {
 	if len(name) > 253 {
 		return fmt.Errorf("node name %q is longer than 253 characters", name)
 	}
-	if !nodeNameRE.MatchString(name) {
+	if !isDNS1123Subdomain(name) {
 		return fmt.Errorf("node name %q is not a DNS-1123 subdomain (lower case alphanumerics, '-' and '.')", name)
 	}
 	return nil
+}
+
+// isDNS1123Subdomain matches ^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$ without a
+// regexp: it runs on every published event.
+func isDNS1123Subdomain(s string) bool {
+	start := 0
+	for i := 0; i <= len(s); i++ {
+		if i < len(s) && s[i] != '.' {
+			c := s[i]
+			if !(c >= 'a' && c <= 'z' || c >= '0' && c <= '9' || c == '-') {
+				return false
+			}
+			continue
+		}
+		label := s[start:i]
+		if label == "" || label[0] == '-' || label[len(label)-1] == '-' {
+			return false
+		}
+		start = i + 1
+	}
+	return true
 }
 
 // NodeToken turns a node name into one subject token. Node names may contain dots, which separate NATS
