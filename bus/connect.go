@@ -30,6 +30,10 @@ type Options struct {
 	ConnectTimeout time.Duration
 	// Logger (default slog.Default()).
 	Logger *slog.Logger
+	// JournalDir, when set, journals every published event there before publishing it (see OpenJournal);
+	// JournalMaxBytes bounds the journal file (default 64 MiB).
+	JournalDir      string
+	JournalMaxBytes int64
 }
 
 // Bus is a connection to NATS with JetStream.
@@ -39,6 +43,7 @@ type Bus struct {
 	log *slog.Logger
 
 	reconnects atomic.Int64
+	journal    atomic.Pointer[journal]
 }
 
 // Connect connects to url, retrying with exponential backoff (cenkalti/backoff) until ConnectTimeout or ctx
@@ -69,6 +74,7 @@ func Connect(ctx context.Context, url string, o Options) (*Bus, error) {
 		}),
 		nats.ReconnectHandler(func(nc *nats.Conn) {
 			b.reconnects.Add(1)
+			b.onReconnect()
 			b.log.Info("nats reconnected", "url", nc.ConnectedUrlRedacted())
 		}),
 		nats.ErrorHandler(func(_ *nats.Conn, sub *nats.Subscription, err error) {
@@ -124,6 +130,12 @@ func Connect(ctx context.Context, url string, o Options) (*Bus, error) {
 		return nil, fmt.Errorf("jetstream: %w", err)
 	}
 	b.nc, b.js = nc, js
+	if o.JournalDir != "" {
+		if err := b.OpenJournal(JournalConfig{Dir: o.JournalDir, MaxBytes: o.JournalMaxBytes}); err != nil {
+			nc.Close()
+			return nil, err
+		}
+	}
 	return b, nil
 }
 
@@ -156,6 +168,7 @@ func (b *Bus) Close() {
 	if b == nil || b.nc == nil {
 		return
 	}
+	b.closeJournal()
 	_ = b.nc.Drain()
 	for i := 0; i < 100 && !b.nc.IsClosed(); i++ {
 		time.Sleep(10 * time.Millisecond)

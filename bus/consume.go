@@ -166,16 +166,20 @@ func (b *Bus) handle(ctx context.Context, cfg ConsumerConfig, jm jetstream.Msg, 
 	log := b.log.With("subject", m.Subject, "stream_seq", m.StreamSeq)
 	switch {
 	case err == nil:
+		countHandled(cfg.Durable, "ack", nil)
 		if aErr := jm.DoubleAck(context.WithoutCancel(ctx)); aErr != nil {
 			log.Warn("ack failed", "err", aErr)
 		}
 	case ctx.Err() != nil:
 		// Shutting down: let another replica (or our restart) take it at once.
+		countHandled(cfg.Durable, "nak", err)
 		_ = jm.Nak()
 	case IsPermanent(err) || int(m.NumDelivered) >= cfg.MaxDeliver:
+		countHandled(cfg.Durable, "term", err)
 		b.deadLetter(ctx, cfg, m, err)
 		_ = jm.TermWithReason(truncate(err.Error(), 256))
 	default:
+		countHandled(cfg.Durable, "nak", err)
 		delay := cfg.Backoff[min(int(m.NumDelivered)-1, len(cfg.Backoff)-1)]
 		_ = jm.NakWithDelay(delay)
 	}
@@ -208,7 +212,9 @@ func (b *Bus) deadLetter(ctx context.Context, cfg ConsumerConfig, m *Msg, reason
 	dm.Header.Set(jetstream.MsgIDHeader, cfg.Stream+"-"+strconv.FormatUint(m.StreamSeq, 10))
 	if _, err := b.js.PublishMsg(context.WithoutCancel(ctx), dm); err != nil {
 		b.log.Error("dead letter publish failed", "subject", m.Subject, "err", err)
+		return
 	}
+	deadLetters.WithLabelValues(cfg.Durable).Inc()
 }
 
 // DeadLetter is one message kept in the dead-letter stream.

@@ -54,14 +54,26 @@ func (b *Bus) Publish(ctx context.Context, ev events.Event) error {
 	if err != nil {
 		return err
 	}
+	if j := b.journal.Load(); j != nil {
+		return j.publish(ctx, []events.Event{ev})
+	}
 	if _, err := b.js.PublishMsg(ctx, m); err != nil {
 		return fmt.Errorf("publish %s %s: %w", ev.Type, ev.ID, err)
 	}
+	countPublished(ev.Type)
 	return nil
 }
 
 // PublishAll publishes events asynchronously and waits for every ack; the first error is returned.
 func (b *Bus) PublishAll(ctx context.Context, evs []events.Event) error {
+	if j := b.journal.Load(); j != nil {
+		for _, ev := range evs {
+			if err := ev.Validate(); err != nil {
+				return err
+			}
+		}
+		return j.publish(ctx, evs)
+	}
 	futures := make([]jetstream.PubAckFuture, 0, len(evs))
 	for _, ev := range evs {
 		m, err := EventMsg(ev)
@@ -74,7 +86,13 @@ func (b *Bus) PublishAll(ctx context.Context, evs []events.Event) error {
 		}
 		futures = append(futures, f)
 	}
-	return waitAcks(ctx, futures)
+	if err := waitAcks(ctx, futures); err != nil {
+		return err
+	}
+	for _, ev := range evs {
+		countPublished(ev.Type)
+	}
+	return nil
 }
 
 func waitAcks(ctx context.Context, futures []jetstream.PubAckFuture) error {

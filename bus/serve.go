@@ -61,6 +61,7 @@ func (b *Bus) answer(ctx context.Context, log *slog.Logger, m *nats.Msg, h Handl
 	}
 	var rep events.Reply
 	out, err := safeHandle(ctx, h, m.Data)
+	countServed(subjectOf(m), err != nil)
 	if err != nil {
 		rep.Error = err.Error()
 	} else if out != nil {

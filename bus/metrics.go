@@ -1,0 +1,202 @@
+package bus
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/imagefleet/imagefleet/events"
+)
+
+// Pipeline metrics. They are registered on prometheus.DefaultRegisterer when the package is loaded, beside
+// the kubelet metrics the workers register; the agent's metrics endpoint serves the default gatherer.
+// Labels are bounded: entity and action are the event type's, consumer is a durable name, subject is the
+// subject a worker serves (one per worker and node, not one per request).
+var (
+	eventsPublished = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "imagefleet_bus_events_published_total",
+		Help: "Events stored in the events stream (acked by the server), by entity and action.",
+	}, []string{"entity", "action"})
+	msgsConsumed = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "imagefleet_bus_messages_consumed_total",
+		Help: "Messages delivered to a handler of a durable consumer.",
+	}, []string{"consumer"})
+	msgsAcked = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "imagefleet_bus_messages_acked_total",
+		Help: "Messages acked after their handler succeeded.",
+	}, []string{"consumer"})
+	msgsNaked = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "imagefleet_bus_messages_naked_total",
+		Help: "Messages handed back for redelivery (handler error or shutdown).",
+	}, []string{"consumer"})
+	msgsTerminated = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "imagefleet_bus_messages_terminated_total",
+		Help: "Messages terminated (permanent error or deliveries exhausted).",
+	}, []string{"consumer"})
+	handlerErrors = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "imagefleet_bus_handler_errors_total",
+		Help: "Consumer handler errors, permanent or not.",
+	}, []string{"consumer"})
+	deadLetters = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "imagefleet_bus_dead_letters_total",
+		Help: "Messages stored in the dead-letter stream.",
+	}, []string{"consumer"})
+	requestsServed = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "imagefleet_bus_requests_served_total",
+		Help: "Requests answered, by served subject.",
+	}, []string{"subject"})
+	requestErrors = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "imagefleet_bus_request_errors_total",
+		Help: "Requests answered with an error, by served subject.",
+	}, []string{"subject"})
+	natsReconnects = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "imagefleet_nats_reconnects_total",
+		Help: "Reconnections to NATS.",
+	})
+	journalAppended = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "imagefleet_journal_appended_total",
+		Help: "Events appended to the local event journal.",
+	})
+	journalPending = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "imagefleet_journal_pending_events",
+		Help: "Journaled events not yet acked by the server.",
+	})
+	journalDropped = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "imagefleet_journal_dropped_total",
+		Help: "Pending events dropped because the journal reached its size bound.",
+	})
+	journalFailedAttempts = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "imagefleet_journal_failed_attempts_total",
+		Help: "Publish attempts of journaled events that failed (the events stay pending).",
+	})
+)
+
+func init() {
+	prometheus.MustRegister(eventsPublished, msgsConsumed, msgsAcked, msgsNaked, msgsTerminated, handlerErrors,
+		deadLetters, requestsServed, requestErrors, natsReconnects, journalAppended, journalPending,
+		journalDropped, journalFailedAttempts)
+}
+
+// countPublished counts one stored event of type t.
+func countPublished(t string) {
+	entity, action, _, err := events.ParseType(t)
+	if err != nil {
+		return
+	}
+	eventsPublished.WithLabelValues(entity, action).Inc()
+}
+
+// countHandled counts the outcome of one consumed message: "ack", "nak", "term".
+func countHandled(consumer, outcome string, err error) {
+	msgsConsumed.WithLabelValues(consumer).Inc()
+	if err != nil {
+		handlerErrors.WithLabelValues(consumer).Inc()
+	}
+	switch outcome {
+	case "ack":
+		msgsAcked.WithLabelValues(consumer).Inc()
+	case "nak":
+		msgsNaked.WithLabelValues(consumer).Inc()
+	case "term":
+		msgsTerminated.WithLabelValues(consumer).Inc()
+	}
+}
+
+// countServed counts one answered request on subject.
+func countServed(subject string, failed bool) {
+	requestsServed.WithLabelValues(subject).Inc()
+	if failed {
+		requestErrors.WithLabelValues(subject).Inc()
+	}
+}
+
+// subjectOf is the subject a request was served on: the subscription's (a bounded label), not the request's.
+func subjectOf(m *nats.Msg) string {
+	if m.Sub != nil {
+		return m.Sub.Subject
+	}
+	return m.Subject
+}
+
+// onReconnect is called by the connection's reconnect handler.
+func (b *Bus) onReconnect() {
+	natsReconnects.Inc()
+	b.journalOnReconnect()
+}
+
+// PullQueueCollector exports, for each node, the depth of its pull work queue and the pull tokens in use,
+// read from the node's durable pull consumer on the pull stream at every scrape:
+//
+//	imagefleet_pull_queue_depth{node}      pull commands waiting (the consumer's NumPending)
+//	imagefleet_pull_tokens_in_use{node}    pulls in flight (NumAckPending)
+//	imagefleet_pull_tokens{node}           the node's token limit (MaxAckPending)
+//
+// A node whose consumer does not exist yet is left out of the scrape.
+type PullQueueCollector struct {
+	b        *Bus
+	nodes    []string
+	consumer func(node string) string
+	timeout  time.Duration
+
+	depth, inUse, tokens *prometheus.Desc
+}
+
+// NewPullQueueCollector reads the pull consumer named consumer(node) for each node (for example
+// "puller-" + events.NodeToken(node)).
+func NewPullQueueCollector(b *Bus, nodes []string, consumer func(node string) string) *PullQueueCollector {
+	return &PullQueueCollector{
+		b: b, nodes: nodes, consumer: consumer, timeout: 2 * time.Second,
+		depth:  prometheus.NewDesc("imagefleet_pull_queue_depth", "Pull commands waiting in the node's work queue.", []string{"node"}, nil),
+		inUse:  prometheus.NewDesc("imagefleet_pull_tokens_in_use", "Pulls in flight on the node (unacked pull commands).", []string{"node"}, nil),
+		tokens: prometheus.NewDesc("imagefleet_pull_tokens", "The node's pull token limit (the consumer's MaxAckPending).", []string{"node"}, nil),
+	}
+}
+
+// Describe implements prometheus.Collector.
+func (c *PullQueueCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- c.depth
+	ch <- c.inUse
+	ch <- c.tokens
+}
+
+// Collect implements prometheus.Collector.
+func (c *PullQueueCollector) Collect(ch chan<- prometheus.Metric) {
+	ctx, cancel := context.WithTimeout(context.Background(), c.timeout)
+	defer cancel()
+	for _, node := range c.nodes {
+		q, err := c.b.PullQueue(ctx, c.consumer(node))
+		if err != nil {
+			continue
+		}
+		ch <- prometheus.MustNewConstMetric(c.depth, prometheus.GaugeValue, float64(q.Pending), node)
+		ch <- prometheus.MustNewConstMetric(c.inUse, prometheus.GaugeValue, float64(q.AckPending), node)
+		ch <- prometheus.MustNewConstMetric(c.tokens, prometheus.GaugeValue, float64(q.MaxAckPending), node)
+	}
+}
+
+// QueueState is the state of a durable consumer on the pull stream.
+type QueueState struct {
+	Pending       uint64
+	AckPending    int
+	MaxAckPending int
+}
+
+// ErrNoConsumer means the durable consumer does not exist.
+var ErrNoConsumer = errors.New("no such consumer")
+
+// PullQueue reads the state of the durable consumer on the pull stream.
+func (b *Bus) PullQueue(ctx context.Context, consumer string) (QueueState, error) {
+	cons, err := b.js.Consumer(ctx, events.PullStream, consumer)
+	if err != nil {
+		if errors.Is(err, jetstream.ErrConsumerNotFound) {
+			return QueueState{}, ErrNoConsumer
+		}
+		return QueueState{}, err
+	}
+	info := cons.CachedInfo()
+	return QueueState{Pending: info.NumPending, AckPending: info.NumAckPending, MaxAckPending: info.Config.MaxAckPending}, nil
+}
