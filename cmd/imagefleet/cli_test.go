@@ -1,0 +1,206 @@
+package main_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/services/cri"
+	"github.com/imagefleet/imagefleet/services/cri/hollow"
+)
+
+var binary string
+
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "imagefleet-cli-")
+	if err != nil {
+		panic(err)
+	}
+	binary = filepath.Join(dir, "imagefleet")
+	if out, err := exec.Command("go", "build", "-o", binary, ".").CombinedOutput(); err != nil {
+		fmt.Fprintf(os.Stderr, "build imagefleet: %v\n%s", err, out)
+		os.Exit(1)
+	}
+	code := m.Run()
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
+
+func freePort(t *testing.T) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+// run runs the binary and returns stdout, stderr and the exit code.
+func run(t *testing.T, args ...string) (string, string, int) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), 60*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, binary, args...)
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	err := cmd.Run()
+	code := 0
+	if ee, ok := err.(*exec.ExitError); ok {
+		code = ee.ExitCode()
+	} else if err != nil {
+		t.Fatalf("run %v: %v", args, err)
+	}
+	return stdout.String(), stderr.String(), code
+}
+
+type agent struct {
+	cmd    *exec.Cmd
+	stderr *bytes.Buffer
+}
+
+func startAgent(t *testing.T, args ...string) *agent {
+	t.Helper()
+	cmd := exec.Command(binary, append([]string{"agent"}, args...)...)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	a := &agent{cmd: cmd, stderr: &stderr}
+	t.Cleanup(func() { a.stop(t) })
+	return a
+}
+
+// stop sends SIGTERM and expects a clean exit.
+func (a *agent) stop(t *testing.T) {
+	if a.cmd.ProcessState != nil {
+		return
+	}
+	_ = a.cmd.Process.Signal(syscall.SIGTERM)
+	done := make(chan error, 1)
+	go func() { done <- a.cmd.Wait() }()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Errorf("agent exit: %v\n%s", err, a.stderr)
+		}
+	case <-time.After(20 * time.Second):
+		_ = a.cmd.Process.Kill()
+		<-done
+		t.Errorf("agent did not stop within 20s after SIGTERM\n%s", a.stderr)
+	}
+}
+
+func poll(t *testing.T, what string, f func() error) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		err := f()
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: %v", what, err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// TestAgentOnEmbeddedNATS drives the real binary: the agent with its embedded nats-server (the default), the
+// detect, records and images commands in JSON, and a restart that keeps firstDetected.
+func TestAgentOnEmbeddedNATS(t *testing.T) {
+	rt := hollow.New(hollow.Options{Name: "cli"})
+	small, _ := rt.AddImage(cri.Image{RepoTags: []string{"docker.io/library/busybox:1.36"}, Size: 100})
+	big, _ := rt.AddImage(cri.Image{RepoTags: []string{"docker.io/library/nginx:1.27"}, Size: 300})
+	mid, _ := rt.AddImage(cri.Image{RepoTags: []string{"docker.io/library/redis:7"}, Size: 200})
+	if _, err := rt.AddContainer(cri.Container{Name: "web", ImageID: big.ID, State: cri.ContainerExited}); err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	endpoint, stop, err := rt.StartUnix(t.Context(), filepath.Join(dir, "cri.sock"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stop()
+	port := freePort(t)
+	nats := fmt.Sprintf("nats://127.0.0.1:%d", port)
+	agentArgs := []string{"--node", "node-1.cli", "--cri", endpoint, "--embedded-nats", fmt.Sprintf("127.0.0.1:%d", port),
+		"--data-dir", filepath.Join(dir, "data"), "--workers", "detector,cache"}
+	a := startAgent(t, agentArgs...)
+
+	var recs []events.ImageRecord
+	poll(t, "detect", func() error {
+		out, errOut, code := run(t, "detect", "--node", "node-1.cli", "--nats", nats, "-o", "json", "--timeout", "2s")
+		if code != 0 {
+			return fmt.Errorf("exit %d: %s", code, errOut)
+		}
+		return json.Unmarshal([]byte(out), &recs)
+	})
+	if len(recs) != 3 || recs[0].ID != big.ID || recs[1].ID != mid.ID || recs[2].ID != small.ID {
+		t.Fatalf("records = %+v", recs)
+	}
+	if !recs[0].InUse || recs[0].LastUsed.IsZero() || recs[1].InUse || recs[0].FirstDetected.IsZero() {
+		t.Fatalf("in use / times wrong: %+v", recs)
+	}
+	first := recs[2].FirstDetected
+
+	var imgs []events.Image
+	poll(t, "images", func() error {
+		out, errOut, code := run(t, "images", "--node", "node-1.cli", "--nats", nats, "-o", "json", "--limit", "2")
+		if code != 0 {
+			return fmt.Errorf("exit %d: %s", code, errOut)
+		}
+		return json.Unmarshal([]byte(out), &imgs)
+	})
+	if len(imgs) != 2 || imgs[0].Size != 300 || imgs[1].Size != 200 {
+		t.Fatalf("images = %+v", imgs)
+	}
+	out, _, code := run(t, "records", "--node", "node-1.cli", "--nats", nats)
+	if code != 0 || !strings.Contains(out, "FIRST DETECTED") || !strings.Contains(out, "docker.io/library/redis:7") {
+		t.Fatalf("records text (exit %d):\n%s", code, out)
+	}
+
+	// Restart on the same data dir: the records come back from the embedded server's JetStream store.
+	a.stop(t)
+	time.Sleep(10 * time.Millisecond)
+	startAgent(t, agentArgs...)
+	poll(t, "detect after restart", func() error {
+		out, errOut, code := run(t, "detect", "--node", "node-1.cli", "--nats", nats, "-o", "json", "--timeout", "2s")
+		if code != 0 {
+			return fmt.Errorf("exit %d: %s", code, errOut)
+		}
+		return json.Unmarshal([]byte(out), &recs)
+	})
+	if len(recs) != 3 || !recs[2].FirstDetected.Equal(first) {
+		t.Fatalf("after restart firstDetected of %s = %v, want %v", recs[2].ID, recs[2].FirstDetected, first)
+	}
+}
+
+func TestBadFlagsExitNonZero(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"agent", "--node", "Bad_Name"}, "not a DNS-1123 subdomain"},
+		{[]string{"agent", "--node", "n1", "--workers", "bogus"}, `unknown worker "bogus"`},
+		{[]string{"records"}, "--node is required"},
+		{[]string{"images", "--node", "n1", "-o", "yaml"}, `output "yaml": must be text or json`},
+		{[]string{"detect", "--node", "n1", "--nats", "nats://127.0.0.1:1", "--timeout", "300ms"}, "connect to nats"},
+	} {
+		_, errOut, code := run(t, tc.args...)
+		if code == 0 || !strings.Contains(errOut, tc.want) {
+			t.Errorf("%v: exit %d, stderr %q, want %q", tc.args, code, errOut, tc.want)
+		}
+	}
+}
