@@ -1,0 +1,456 @@
+package podindex
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"go.uber.org/goleak"
+	v1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/bus/bustest"
+	"github.com/imagefleet/imagefleet/events"
+)
+
+const testNode = "node-a.example"
+
+func TestNewValidatesConfig(t *testing.T) {
+	_, b := bustest.Start(t)
+	tests := []struct {
+		name    string
+		cfg     Config
+		wantErr string
+	}{
+		{"no node", Config{}, "pod index: node name is required"},
+		{"bad node", Config{Node: "Node_A"}, `pod index: node name "Node_A" is not a DNS-1123 subdomain`},
+		{"negative flush", Config{Node: "n", FlushInterval: -time.Second}, "pod index: flush interval -1s must not be negative"},
+		{"negative flush events", Config{Node: "n", FlushEvents: -1}, "pod index: flush events -1 must not be negative"},
+		{"ok", Config{Node: "n"}, ""},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := New(tc.cfg, b)
+			if tc.wantErr == "" {
+				if err != nil {
+					t.Fatal(err)
+				}
+				return
+			}
+			if err == nil || !strings.HasPrefix(err.Error(), tc.wantErr) {
+				t.Fatalf("error %v, want %q", err, tc.wantErr)
+			}
+		})
+	}
+	if _, err := New(Config{Node: "n"}, nil); err == nil {
+		t.Fatal("nil bus accepted")
+	}
+}
+
+// startBus starts a server and a connection whose lazily started goroutines (request mux, async publish
+// acks) already run, so goleak sees only what the worker leaves.
+func startBus(t *testing.T) *bus.Bus {
+	t.Helper()
+	_, b := bustest.Start(t)
+	if _, err := b.PublishMsgs(t.Context(), []bus.RawMsg{{Subject: events.EventSubject("warm-up", "x", "y"), Data: []byte("{}")}}); err != nil {
+		t.Fatal(err)
+	}
+	_ = b.Request(t.Context(), "warm.up", nil, nil)
+	return b
+}
+
+// ignoreServer ignores the embedded nats-server's own goroutines (the streams, KV buckets and consumers the
+// worker created live in the server, not in the worker).
+func ignoreServer(opts ...goleak.Option) []goleak.Option {
+	for _, f := range []string{
+		"(*consumer).loopAndGatherMsgs", "(*consumer).processInboundAcks", "(*consumer).processInboundNextMsgReqs",
+		"(*stream).signalConsumersLoop", "(*fileStore).flushStreamStateLoop", "(*stream).internalLoop",
+		"(*consumer).deleteNotActive", "(*fileStore).syncBlocks", "(*msgBlock).spinUpFlushLoop",
+	} {
+		opts = append(opts, goleak.IgnoreTopFunction("github.com/nats-io/nats-server/v2/server."+f))
+	}
+	return opts
+}
+
+func testPod(ns, name, uid string, secrets []string, cms []string, image string) *v1.Pod {
+	p := &v1.Pod{
+		TypeMeta:   metav1.TypeMeta{Kind: "Pod", APIVersion: "v1"},
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, UID: types.UID(uid)},
+		Spec:       v1.PodSpec{Containers: []v1.Container{{Name: "c", Image: image}}},
+		Status:     v1.PodStatus{Phase: v1.PodRunning},
+	}
+	for _, s := range secrets {
+		p.Spec.Volumes = append(p.Spec.Volumes, v1.Volume{Name: "s-" + s, VolumeSource: v1.VolumeSource{Secret: &v1.SecretVolumeSource{SecretName: s}}})
+	}
+	for _, c := range cms {
+		p.Spec.Containers[0].EnvFrom = append(p.Spec.Containers[0].EnvFrom, v1.EnvFromSource{ConfigMapRef: &v1.ConfigMapEnvSource{LocalObjectReference: v1.LocalObjectReference{Name: c}}})
+	}
+	return p
+}
+
+func publish(t testing.TB, b *bus.Bus, node, action string, pods ...*v1.Pod) uint64 {
+	t.Helper()
+	msgs := make([]bus.RawMsg, 0, len(pods))
+	for _, p := range pods {
+		m, err := PodEventMsg(node, action, p, "", time.Now())
+		if err != nil {
+			t.Fatal(err)
+		}
+		msgs = append(msgs, m)
+	}
+	seq, err := b.PublishMsgs(context.Background(), msgs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return seq
+}
+
+func startService(t *testing.T, b *bus.Bus, cfg Config) (*Service, func()) {
+	t.Helper()
+	s, err := New(cfg, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- s.Run(ctx) }()
+	select {
+	case <-s.Ready():
+	case err := <-done:
+		t.Fatalf("run: %v", err)
+	case <-time.After(15 * time.Second):
+		t.Fatal("not ready after 15s")
+	}
+	return s, func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("run returned %v", err)
+		}
+	}
+}
+
+func waitFor(t testing.TB, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(15 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not reached within 15s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func TestServiceIndexesQueriesAndRestarts(t *testing.T) {
+	b := startBus(t)
+	defer goleak.VerifyNone(t, ignoreServer(goleak.IgnoreCurrent())...)
+	ctx := t.Context()
+	s, stop := startService(t, b, Config{Node: testNode, FlushInterval: 50 * time.Millisecond})
+
+	web := testPod("prod", "web", "uid-web", []string{"tls", "db"}, []string{"cfg"}, "nginx:1.27")
+	job := testPod("prod", "job", "uid-job", []string{"db"}, nil, "busybox:1")
+	static := testPod("kube-system", "etcd-node-a", "uid-static", nil, nil, "etcd:3.5")
+	static.Annotations = map[string]string{ConfigSourceAnnotationKey: "file", ConfigHashAnnotationKey: "h1"}
+	mirror := testPod("kube-system", "etcd-node-a", "uid-mirror", nil, nil, "etcd:3.5")
+	mirror.Annotations = map[string]string{ConfigSourceAnnotationKey: "api", ConfigMirrorAnnotationKey: "h1", ConfigHashAnnotationKey: "h1"}
+	orphan := testPod("kube-system", "gone-node-a", "uid-orphan", nil, nil, "gone:1")
+	orphan.Annotations = map[string]string{ConfigMirrorAnnotationKey: "h2"}
+
+	// The mirror pod arrives before its static pod.
+	publish(t, b, testNode, events.ActionAdded, web, job, mirror, orphan)
+	publish(t, b, testNode, events.ActionAdded, static)
+	jobDone := job.DeepCopy()
+	jobDone.Status.Phase = v1.PodSucceeded
+	last := publish(t, b, testNode, events.ActionUpdated, jobDone)
+	waitFor(t, "all applied", func() bool { return s.State().Applied() >= last })
+
+	var refs events.RefsReply
+	if err := b.Request(ctx, events.QuerySubject(testNode, events.QryRefs), nil, &refs); err != nil {
+		t.Fatal(err)
+	}
+	wantRefs := []events.Ref{
+		{Kind: "ConfigMap", Namespace: "prod", Name: "cfg", Count: 1},
+		{Kind: "Secret", Namespace: "prod", Name: "db", Count: 1},
+		{Kind: "Secret", Namespace: "prod", Name: "tls", Count: 1},
+	}
+	if !reflect.DeepEqual(refs.Refs, wantRefs) {
+		t.Fatalf("refs = %+v\nwant %+v", refs.Refs, wantRefs)
+	}
+
+	queries := []struct {
+		name         string
+		q            events.PodsQuery
+		wantPods     []string
+		wantMirrors  []string
+		wantOrphaned []string
+	}{
+		{"by mirror uid translates", events.PodsQuery{UID: "uid-mirror"}, []string{"uid-static"}, []string{"uid-mirror"}, nil},
+		{"by name", events.PodsQuery{Namespace: "prod", Name: "web"}, []string{"uid-web"}, nil, nil},
+		{"orphaned", events.PodsQuery{Orphaned: true}, nil, []string{"uid-orphan"}, []string{"gone-node-a_kube-system"}},
+		{"all", events.PodsQuery{}, []string{"uid-static", "uid-job", "uid-web"}, []string{"uid-mirror", "uid-orphan"}, nil},
+		{"unknown", events.PodsQuery{UID: "nope"}, nil, nil, nil},
+	}
+	for _, tc := range queries {
+		t.Run(tc.name, func(t *testing.T) {
+			var rep events.PodsReply
+			if err := b.Request(ctx, events.QuerySubject(testNode, events.QryPods), tc.q, &rep); err != nil {
+				t.Fatal(err)
+			}
+			if got := rawUIDs(t, rep.Pods); !reflect.DeepEqual(got, tc.wantPods) {
+				t.Errorf("pods %v, want %v", got, tc.wantPods)
+			}
+			if got := rawUIDs(t, rep.MirrorPods); !reflect.DeepEqual(got, tc.wantMirrors) {
+				t.Errorf("mirror pods %v, want %v", got, tc.wantMirrors)
+			}
+			if tc.wantOrphaned != nil && !reflect.DeepEqual(rep.OrphanedMirrorPods, tc.wantOrphaned) {
+				t.Errorf("orphaned %v, want %v", rep.OrphanedMirrorPods, tc.wantOrphaned)
+			}
+			if rep.MirrorToPod["uid-mirror"] != "uid-static" || rep.PodToMirror["uid-static"] != "uid-mirror" {
+				t.Errorf("translations %v %v", rep.MirrorToPod, rep.PodToMirror)
+			}
+		})
+	}
+	rep, err := b.RequestRaw(ctx, events.QuerySubject(testNode, events.QryPods), []byte(`{"uid":"a","orphaned":true}`))
+	if err != nil || !strings.Contains(rep.Error, "not several") {
+		t.Fatalf("bad query answered %+v, %v", rep, err)
+	}
+
+	var inuse events.InUseReply
+	if err := b.Request(ctx, events.QuerySubject(testNode, events.QryInUse), nil, &inuse); err != nil {
+		t.Fatal(err)
+	}
+	if want := []string{"etcd:3.5", "gone:1", "nginx:1.27"}; !reflect.DeepEqual(inuse.Images, want) {
+		t.Fatalf("in use %v, want %v (the succeeded job's busybox is not)", inuse.Images, want)
+	}
+
+	// Registration events: tls, db, cfg registered by web; db registered by job then (job succeeded)... db is
+	// still referenced by web, so only the 0 -> 1 transitions of web appear.
+	waitFor(t, "registration events", func() bool { return len(refEvents(t, b)) == 3 })
+	got := refEvents(t, b)
+	for _, want := range []string{"secret.registered prod/tls", "secret.registered prod/db", "configmap.registered prod/cfg"} {
+		if !contains(got, want) {
+			t.Errorf("registration events %v lack %q", got, want)
+		}
+	}
+
+	before := snapshot(t, s.State())
+	stop()
+
+	// Restart the worker: the same state, from the snapshot (and nothing replayed twice).
+	publish(t, b, testNode, events.ActionDeleted, web)
+	s2, stop2 := startService(t, b, Config{Node: testNode, FlushInterval: 50 * time.Millisecond})
+	defer stop2()
+	waitFor(t, "delete applied after restart", func() bool {
+		_, ok := s2.State().Index.GetPodByUID("uid-web")
+		return !ok
+	})
+	after := snapshot(t, s2.State())
+	if len(after.refs) != 0 {
+		t.Fatalf("refs after deleting web: %+v", after.refs)
+	}
+	before.refs, after.refs = nil, nil
+	delete(before.pods, "uid-web")
+	if !reflect.DeepEqual(before.pods, after.pods) || !reflect.DeepEqual(before.mirrors, after.mirrors) {
+		t.Fatalf("state after restart differs:\n%+v\n%+v", before, after)
+	}
+	waitFor(t, "unregistration events", func() bool { return len(refEvents(t, b)) == 6 })
+}
+
+func TestMalformedEventsAreDeadLettered(t *testing.T) {
+	b := startBus(t)
+	defer goleak.VerifyNone(t, ignoreServer(goleak.IgnoreCurrent())...)
+	ctx := t.Context()
+	s, stop := startService(t, b, Config{Node: testNode})
+	defer stop()
+	rejected := func(reason string) float64 { return testutil.ToFloat64(eventsRejected.WithLabelValues(testNode, reason)) }
+	base := map[string]float64{}
+	for _, r := range []string{ReasonBadPod, ReasonNoUID, ReasonBadType} {
+		base[r] = rejected(r)
+	}
+	subj := func(action string) string { return events.EventSubject(testNode, events.EntityPod, action) }
+	bad := []bus.RawMsg{
+		{Subject: subj(events.ActionAdded), Data: []byte(`{"metadata":`)},
+		{Subject: subj(events.ActionAdded), Data: []byte(`{"metadata":{"name":"x","namespace":"ns"}}`)},
+		{Subject: subj("exploded"), Data: []byte(`{"metadata":{"name":"x","namespace":"ns","uid":"u"}}`)},
+		{Subject: subj(events.ActionAdded), Data: []byte(`{"kind":"Secret","metadata":{"name":"x","namespace":"ns","uid":"u"}}`)},
+	}
+	if _, err := b.PublishMsgs(ctx, bad); err != nil {
+		t.Fatal(err)
+	}
+	good := testPod("ns", "ok", "uid-ok", nil, nil, "img:1")
+	last := publish(t, b, testNode, events.ActionAdded, good)
+	waitFor(t, "the good event after the bad ones", func() bool { return s.State().Applied() >= last })
+	if _, ok := s.State().Index.GetPodByUID("uid-ok"); !ok {
+		t.Fatal("the worker did not keep going after bad input")
+	}
+	dl, err := b.DeadLetters(ctx, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var reasons []string
+	for _, d := range dl {
+		reasons = append(reasons, d.Reason)
+	}
+	want := []string{
+		"malformed pod event: body is not a core/v1 Pod",
+		"malformed pod event: pod ns/x has no metadata.uid",
+		`malformed pod event: unknown pod event type "exploded"`,
+		`malformed pod event: body is a "Secret", not a Pod`,
+	}
+	if len(reasons) != len(want) {
+		t.Fatalf("dead letters %q, want %d", reasons, len(want))
+	}
+	for i := range want {
+		if !strings.HasPrefix(reasons[i], want[i]) {
+			t.Errorf("dead letter %d reason %q, want prefix %q", i, reasons[i], want[i])
+		}
+	}
+	if got := rejected(ReasonBadPod) - base[ReasonBadPod]; got != 2 {
+		t.Errorf("bad_pod counted %v, want 2", got)
+	}
+	if got := rejected(ReasonNoUID) - base[ReasonNoUID]; got != 1 {
+		t.Errorf("no_uid counted %v, want 1", got)
+	}
+	if got := rejected(ReasonBadType) - base[ReasonBadType]; got != 1 {
+		t.Errorf("bad_type counted %v, want 1", got)
+	}
+}
+
+func TestDecodePodEvent(t *testing.T) {
+	subj := events.EventSubject(testNode, events.EntityPod, events.ActionAdded)
+	okBody := `{"metadata":{"name":"a","namespace":"ns","uid":"u"}}`
+	tests := []struct {
+		name       string
+		subject    string
+		header     map[string][]string
+		body       string
+		wantReason string
+	}{
+		{"ok", subj, nil, okBody, ""},
+		{"ok with ce-type", subj, map[string][]string{"ce-type": {"imagefleet.pod.added.v1"}}, okBody, ""},
+		{"unknown fields are ignored", subj, nil, `{"metadata":{"name":"a","namespace":"ns","uid":"u"},"future":1}`, ""},
+		{"ce-type disagrees", subj, map[string][]string{"ce-type": {"imagefleet.pod.deleted.v1"}}, okBody, ReasonBadType},
+		{"not a pod subject", "imagefleet.evt.n.image.added", nil, okBody, ReasonBadSubject},
+		{"unknown action", "imagefleet.evt.n.pod.exploded", nil, okBody, ReasonBadType},
+		{"empty body", subj, nil, ``, ReasonBadPod},
+		{"wrong type", subj, nil, `{"metadata":{"name":5}}`, ReasonBadPod},
+		{"no name", subj, nil, `{"metadata":{"namespace":"ns","uid":"u"}}`, ReasonBadPod},
+		{"no namespace", subj, nil, `{"metadata":{"name":"a","uid":"u"}}`, ReasonBadPod},
+		{"no uid", subj, nil, `{"metadata":{"name":"a","namespace":"ns"}}`, ReasonNoUID},
+		{"wrong apiVersion", subj, nil, `{"apiVersion":"v2","metadata":{"name":"a","namespace":"ns","uid":"u"}}`, ReasonBadPod},
+		{"too large", subj, nil, `{"x":"` + strings.Repeat("a", events.MaxMessageBytes) + `"}`, ReasonTooLarge},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			ev, err := DecodePodEvent(tc.subject, tc.header, []byte(tc.body))
+			if tc.wantReason == "" {
+				if err != nil || ev.Pod.UID != "u" || ev.Action != events.ActionAdded {
+					t.Fatalf("decode = %+v, %v", ev, err)
+				}
+				return
+			}
+			if err == nil || RejectReason(err) != tc.wantReason || !errors.Is(err, events.ErrMalformed) {
+				t.Fatalf("error %v (reason %q), want reason %q wrapping ErrMalformed", err, RejectReason(err), tc.wantReason)
+			}
+		})
+	}
+}
+
+func FuzzDecodePodEvent(f *testing.F) {
+	f.Add("added", "", []byte(`{"metadata":{"name":"a","namespace":"ns","uid":"u"}}`))
+	f.Add("deleted", "imagefleet.pod.deleted.v1", []byte(`{"kind":"Pod","apiVersion":"v1","metadata":{"name":"a","namespace":"ns","uid":"u"},"spec":{"containers":[{"name":"c","image":"x"}]}}`))
+	f.Add("updated", "x", []byte(`{"metadata":{"name":"a"}}`))
+	f.Add("bogus", "", []byte(`null`))
+	f.Fuzz(func(t *testing.T, action, ceType string, body []byte) {
+		h := map[string][]string{}
+		if ceType != "" {
+			h["ce-type"] = []string{ceType}
+		}
+		ev, err := DecodePodEvent("imagefleet.evt.n.pod."+action, h, body)
+		if err != nil {
+			if !errors.Is(err, events.ErrMalformed) || RejectReason(err) == "other" {
+				t.Fatalf("error %v is not a classified DecodeError", err)
+			}
+			return
+		}
+		if ev.Pod == nil || ev.Pod.UID == "" || ev.Pod.Name == "" || ev.Pod.Namespace == "" {
+			t.Fatalf("accepted an incomplete pod: %+v", ev.Pod)
+		}
+		// An accepted event applies without panicking and is undone by its delete.
+		s := NewState()
+		s.Apply(1, PodEvent{Action: events.ActionAdded, Pod: ev.Pod, Raw: ev.Raw})
+		s.Apply(2, PodEvent{Action: events.ActionDeleted, Pod: ev.Pod})
+		if p, m := s.Index.Len(); p+m != 0 || len(s.Refs.Refs()) != 0 {
+			t.Fatalf("add then delete left %d pods, %d mirrors, refs %v", p, m, s.Refs.Refs())
+		}
+	})
+}
+
+// stateSnap is a comparable view of a State.
+type stateSnap struct {
+	pods, mirrors map[string]string // uid -> ns/name
+	refs          []events.Ref
+	translations  map[string]string
+}
+
+func snapshot(t testing.TB, s *State) stateSnap {
+	t.Helper()
+	pods, mirrors, _ := s.Index.GetPodsAndMirrorPods()
+	out := stateSnap{pods: map[string]string{}, mirrors: map[string]string{}, refs: s.Refs.Refs(), translations: map[string]string{}}
+	for _, p := range pods {
+		out.pods[string(p.UID)] = p.Namespace + "/" + p.Name + "/" + string(p.Status.Phase)
+	}
+	for _, p := range mirrors {
+		out.mirrors[string(p.UID)] = p.Namespace + "/" + p.Name
+	}
+	_, m2p := s.Index.GetUIDTranslations()
+	for k, v := range m2p {
+		out.translations[string(k)] = string(v)
+	}
+	return out
+}
+
+func rawUIDs(t *testing.T, raws []json.RawMessage) []string {
+	t.Helper()
+	var out []string
+	for _, r := range raws {
+		var p v1.Pod
+		if err := json.Unmarshal(r, &p); err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, string(p.UID))
+	}
+	return out
+}
+
+func refEvents(t testing.TB, b *bus.Bus) []string {
+	t.Helper()
+	var out []string
+	for _, entity := range []string{events.EntitySecret, events.EntityConfigMap} {
+		err := b.ReadStream(context.Background(), events.EventsStream, events.EventSubject(testNode, entity, "*"), 0, func(m bus.StreamMsg) bool {
+			ev, err := events.DecodeEvent(m.Data)
+			if err != nil {
+				t.Errorf("decode %s: %v", m.Subject, err)
+				return false
+			}
+			var rc events.RefChange
+			if err := ev.DecodeData(&rc); err != nil {
+				t.Errorf("decode %s data: %v", m.Subject, err)
+				return false
+			}
+			entity, action, _, _ := events.ParseType(ev.Type)
+			out = append(out, entity+"."+action+" "+rc.Namespace+"/"+rc.Name)
+			return true
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	return out
+}
