@@ -1,0 +1,117 @@
+package bus
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// ErrConflict is returned by KV.Create when the key exists, by KV.Update when the key changed since the
+// given revision, and wrapped by nothing else.
+var ErrConflict = errors.New("conflict")
+
+func isWrongLastSeq(err error) bool {
+	var apiErr *jetstream.APIError
+	if !errors.As(err, &apiErr) {
+		return false
+	}
+	return apiErr.ErrorCode == jetstream.JSErrCodeStreamWrongLastSequence ||
+		apiErr.ErrorCode == jetstream.JSErrCodeStreamWrongLastSequenceConstant
+}
+
+// Create stores value under key only if the key does not exist (or was deleted); otherwise it returns an
+// error wrapping ErrConflict.
+func (k *KV) Create(ctx context.Context, key string, value []byte) (uint64, error) {
+	rev, err := k.kv.Create(ctx, key, value)
+	if err != nil {
+		if errors.Is(err, jetstream.ErrKeyExists) || isWrongLastSeq(err) {
+			return 0, fmt.Errorf("kv create %s/%s: %w", k.kv.Bucket(), key, ErrConflict)
+		}
+		return 0, fmt.Errorf("kv create %s/%s: %w", k.kv.Bucket(), key, err)
+	}
+	return rev, nil
+}
+
+// Update stores value under key only if the key's latest revision is rev (compare and set); otherwise it
+// returns an error wrapping ErrConflict.
+func (k *KV) Update(ctx context.Context, key string, value []byte, rev uint64) (uint64, error) {
+	nrev, err := k.kv.Update(ctx, key, value, rev)
+	if err != nil {
+		if errors.Is(err, jetstream.ErrKeyExists) || errors.Is(err, jetstream.ErrKeyRevisionMismatch) || isWrongLastSeq(err) {
+			return 0, fmt.Errorf("kv update %s/%s: %w", k.kv.Bucket(), key, ErrConflict)
+		}
+		return 0, fmt.Errorf("kv update %s/%s: %w", k.kv.Bucket(), key, err)
+	}
+	return nrev, nil
+}
+
+// PublishFirst stores msg in its stream only if its subject holds no message yet (the server checks it:
+// Nats-Expected-Last-Subject-Sequence 0). It returns true when msg was stored, or when a retry of the same
+// msg (same MsgID, within the stream's duplicate window) finds it stored; false when another message holds
+// the subject. Two writers racing for one subject: exactly one gets true.
+func (b *Bus) PublishFirst(ctx context.Context, msg RawMsg) (bool, error) {
+	m := msg.natsMsg()
+	m.Header.Set(jetstream.ExpectedLastSubjSeqHeader, "0")
+	if _, err := b.js.PublishMsg(ctx, m); err != nil {
+		if isWrongLastSeq(err) {
+			return false, nil
+		}
+		return false, fmt.Errorf("publish first to %s: %w", msg.Subject, err)
+	}
+	return true, nil
+}
+
+// PublishStored stores msg in its stream and waits for the ack (one message; see PublishMsgs for many).
+func (b *Bus) PublishStored(ctx context.Context, msg RawMsg) (uint64, error) {
+	ack, err := b.js.PublishMsg(ctx, msg.natsMsg())
+	if err != nil {
+		return 0, fmt.Errorf("publish to %s: %w", msg.Subject, err)
+	}
+	return ack.Sequence, nil
+}
+
+// IsTransient reports whether err is a connection or JetStream availability problem that a retry after a
+// moment can fix (a server of the cluster went away, a stream leader is being elected).
+func IsTransient(err error) bool {
+	return errors.Is(err, nats.ErrTimeout) || errors.Is(err, context.DeadlineExceeded) ||
+		errors.Is(err, nats.ErrNoResponders) || errors.Is(err, jetstream.ErrNoStreamResponse) ||
+		errors.Is(err, nats.ErrConnectionClosed) || errors.Is(err, nats.ErrDisconnected) ||
+		errors.Is(err, nats.ErrConnectionReconnecting) || errors.Is(err, jetstream.ErrJetStreamNotEnabled)
+}
+
+// ServerName is the name of the server this connection is on now ("" when disconnected).
+func (b *Bus) ServerName() string {
+	if b.nc == nil || !b.nc.IsConnected() {
+		return ""
+	}
+	return b.nc.ConnectedServerName()
+}
+
+// Stats are the messages and bytes this connection sent and received.
+type Stats struct {
+	InMsgs, OutMsgs, InBytes, OutBytes uint64
+}
+
+// Stats returns the connection's traffic counters.
+func (b *Bus) Stats() Stats {
+	s := b.nc.Stats()
+	return Stats{InMsgs: s.InMsgs, OutMsgs: s.OutMsgs, InBytes: s.InBytes, OutBytes: s.OutBytes}
+}
+
+// ErrBucketNotFound is returned by KVExisting when the bucket does not exist.
+var ErrBucketNotFound = errors.New("bucket not found")
+
+// KVExisting opens a bucket without creating or changing it (a reader must not reset the writer's TTL).
+func (b *Bus) KVExisting(ctx context.Context, bucket string) (*KV, error) {
+	kv, err := b.js.KeyValue(ctx, bucket)
+	if err != nil {
+		if errors.Is(err, jetstream.ErrBucketNotFound) {
+			return nil, fmt.Errorf("key-value bucket %s: %w", bucket, ErrBucketNotFound)
+		}
+		return nil, fmt.Errorf("key-value bucket %s: %w", bucket, err)
+	}
+	return &KV{b: b, kv: kv}, nil
+}

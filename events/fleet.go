@@ -1,0 +1,276 @@
+package events
+
+import (
+	"fmt"
+	"strings"
+	"time"
+)
+
+// Fleet subjects, buckets and streams.
+//
+//	imagefleet.fleet.inventory.query             request/reply, queue group fleet-inventory
+//	imagefleet.fleet.rollout.<id>.started        a rollout's plan (RolloutStarted)
+//	imagefleet.fleet.rollout.<id>.claim.<node>   the orchestrator is about to act on node (RolloutClaim)
+//	imagefleet.fleet.rollout.<id>.batch          a batch started (RolloutBatch)
+//	imagefleet.fleet.rollout.<id>.node.<node>    one node's outcome (RolloutNodeResult)
+//	imagefleet.fleet.rollout.<id>.finished       the result (RolloutResult)
+const (
+	// NodesBucket holds each node's last heartbeat with a TTL: a node whose key expired stopped heartbeating.
+	NodesBucket = "imagefleet-nodes"
+	// NodesSeenBucket holds each node's last heartbeat without a TTL, so a node that stops is shown as lost
+	// instead of vanishing.
+	NodesSeenBucket = "imagefleet-nodes-seen"
+	// InventoryBucket holds the fleet inventory: one key per node and image, <node token>.<image id hex>.
+	InventoryBucket = "imagefleet-inventory"
+	// RolloutStream stores every rollout's event stream (imagefleet.fleet.rollout.>).
+	RolloutStream = "IMAGEFLEET_ROLLOUTS"
+	// RolloutSubjects is the subject filter of RolloutStream.
+	RolloutSubjects = Prefix + ".fleet.rollout.>"
+	// InventoryQuerySubject is the inventory's query subject; every replica answers in one queue group.
+	InventoryQuerySubject = Prefix + ".fleet.inventory.query"
+	// ImageEventsFilter matches every image event of every node (the inventory's input).
+	ImageEventsFilter = Prefix + ".evt.*." + EntityImage + ".>"
+)
+
+// Rollout event kinds (the subject token after the rollout id).
+const (
+	RolloutStartedKind  = "started"
+	RolloutClaimKind    = "claim"
+	RolloutBatchKind    = "batch"
+	RolloutNodeKind     = "node"
+	RolloutFinishedKind = "finished"
+)
+
+// Rollout kinds.
+const (
+	RolloutGC   = "gc"
+	RolloutPull = "pull"
+)
+
+// RolloutSubject is imagefleet.fleet.rollout.<id>.<kind>, or .<kind>.<node token> when node is set.
+func RolloutSubject(id, kind, node string) string {
+	s := Prefix + ".fleet.rollout." + id + "." + kind
+	if node != "" {
+		s += "." + NodeToken(node)
+	}
+	return s
+}
+
+// RolloutFilter matches every event of rollout id.
+func RolloutFilter(id string) string { return Prefix + ".fleet.rollout." + id + ".>" }
+
+// ValidateRolloutID checks a rollout id: one subject token of lower-case letters, digits and '-', at most 64.
+func ValidateRolloutID(id string) error {
+	if id == "" {
+		return fmt.Errorf("rollout id is empty")
+	}
+	if len(id) > 64 {
+		return fmt.Errorf("rollout id %q is longer than 64 characters", id)
+	}
+	for _, r := range id {
+		if (r < 'a' || r > 'z') && (r < '0' || r > '9') && r != '-' {
+			return fmt.Errorf("rollout id %q may hold only lower-case letters, digits and '-'", id)
+		}
+	}
+	return nil
+}
+
+// ImageFsUsage is a node's image filesystem as its heartbeat reports it.
+type ImageFsUsage struct {
+	Mountpoint string `json:"mountpoint,omitempty"`
+	// UsedBytes is what the runtime's ImageFsInfo reports.
+	UsedBytes int64 `json:"usedBytes"`
+	// CapacityBytes and AvailableBytes come from statfs of the mountpoint (0 when it cannot be read).
+	CapacityBytes  int64 `json:"capacityBytes"`
+	AvailableBytes int64 `json:"availableBytes"`
+}
+
+// NodeInfo is a node's heartbeat: what it is and how its image filesystem is doing.
+type NodeInfo struct {
+	Node           string            `json:"node"`
+	Labels         map[string]string `json:"labels,omitempty"`
+	RuntimeName    string            `json:"runtimeName,omitempty"`
+	RuntimeVersion string            `json:"runtimeVersion,omitempty"`
+	ImageFs        ImageFsUsage      `json:"imageFs"`
+	AgentVersion   string            `json:"agentVersion,omitempty"`
+	Workers        []string          `json:"workers,omitempty"`
+	// Started is when the agent started; Heartbeat when this heartbeat was sent; Period the heartbeat period.
+	Started   time.Time `json:"started"`
+	Heartbeat time.Time `json:"heartbeat"`
+	Period    Duration  `json:"period"`
+	// Error is the last problem reading the runtime (the heartbeat is still sent).
+	Error string `json:"error,omitempty"`
+}
+
+// Node states in the registry.
+const (
+	NodeReady = "Ready"
+	NodeLost  = "Lost"
+)
+
+// NodeStatus is a node as `imagefleet fleet nodes` shows it.
+type NodeStatus struct {
+	NodeInfo
+	State string `json:"state"`
+	// Age is how long ago the last heartbeat was sent.
+	Age Duration `json:"age"`
+}
+
+// InventoryQuery is the body of imagefleet.fleet.inventory.query.
+type InventoryQuery struct {
+	// What: "images" (every image with totals), "where" (the nodes holding Image), "nodes" (totals per node).
+	What string `json:"what"`
+	// Image is an image ID (or a unique prefix of at least 6 hex digits), a tag or a digest reference.
+	Image string `json:"image,omitempty"`
+	// Limit caps the answer (0: no cap).
+	Limit int `json:"limit,omitempty"`
+}
+
+// Inventory query kinds.
+const (
+	InventoryImages = "images"
+	InventoryWhere  = "where"
+	InventoryNodes  = "nodes"
+)
+
+// Validate checks the query.
+func (q InventoryQuery) Validate() error {
+	switch q.What {
+	case InventoryImages, InventoryNodes:
+	case InventoryWhere:
+		if strings.TrimSpace(q.Image) == "" {
+			return fmt.Errorf("a where query needs an image")
+		}
+	default:
+		return fmt.Errorf("what %q must be images, where or nodes", q.What)
+	}
+	if q.Limit < 0 {
+		return fmt.Errorf("limit %d must not be negative", q.Limit)
+	}
+	return nil
+}
+
+// Placement is one image on one node.
+type Placement struct {
+	Node        string    `json:"node"`
+	ID          string    `json:"id"`
+	RepoTags    []string  `json:"repoTags,omitempty"`
+	RepoDigests []string  `json:"repoDigests,omitempty"`
+	Size        int64     `json:"size"`
+	Pinned      bool      `json:"pinned,omitempty"`
+	InUse       bool      `json:"inUse,omitempty"`
+	LastUsed    time.Time `json:"lastUsed"`
+	// Seq is the stream sequence of the event that wrote this placement.
+	Seq uint64 `json:"seq"`
+	// Gone marks a removed or vanished image (kept as a tombstone so a late, older event cannot bring it back).
+	Gone bool `json:"gone,omitempty"`
+}
+
+// InventoryImage is one image across the fleet.
+type InventoryImage struct {
+	ID          string    `json:"id"`
+	RepoTags    []string  `json:"repoTags,omitempty"`
+	RepoDigests []string  `json:"repoDigests,omitempty"`
+	Size        int64     `json:"size"`
+	Nodes       int       `json:"nodes"`
+	TotalBytes  int64     `json:"totalBytes"`
+	LastUsed    time.Time `json:"lastUsed"`
+}
+
+// InventoryNode is one node's totals.
+type InventoryNode struct {
+	Node       string `json:"node"`
+	Images     int    `json:"images"`
+	TotalBytes int64  `json:"totalBytes"`
+}
+
+// InventoryReply answers an inventory query; only the part the query asked for is set.
+type InventoryReply struct {
+	Images     []InventoryImage `json:"images,omitempty"`
+	Placements []Placement      `json:"placements,omitempty"`
+	Nodes      []InventoryNode  `json:"nodes,omitempty"`
+	// Total counts the entries before Limit; TotalBytes sums them.
+	Total      int   `json:"total"`
+	TotalBytes int64 `json:"totalBytes"`
+	// Replica names the replica that answered.
+	Replica string `json:"replica,omitempty"`
+}
+
+// RolloutStarted is the plan of a rollout: the nodes chosen, in the order they are acted on.
+type RolloutStarted struct {
+	ID           string     `json:"id"`
+	Kind         string     `json:"kind"`
+	Selector     string     `json:"selector,omitempty"`
+	InitialBatch int        `json:"initialBatch"`
+	NodeTimeout  Duration   `json:"nodeTimeout"`
+	DryRun       bool       `json:"dryRun"`
+	Image        string     `json:"image,omitempty"`
+	GC           *GCRequest `json:"gc,omitempty"`
+	Nodes        []string   `json:"nodes"`
+	// Skipped are nodes that matched the selector but were not planned (lost).
+	Skipped []RolloutNodeError `json:"skipped,omitempty"`
+	Time    time.Time          `json:"time"`
+}
+
+// RolloutClaim records that run Owner is about to act on Node: a node with a claim is never acted on again
+// in this rollout.
+type RolloutClaim struct {
+	Node  string    `json:"node"`
+	Owner string    `json:"owner"`
+	Batch int       `json:"batch"`
+	Time  time.Time `json:"time"`
+}
+
+// RolloutBatch records that a batch started.
+type RolloutBatch struct {
+	Index int       `json:"index"`
+	Size  int       `json:"size"`
+	Nodes []string  `json:"nodes"`
+	Time  time.Time `json:"time"`
+}
+
+// PullOutcome is what a node's puller reported for a fleet pull.
+type PullOutcome struct {
+	ImageRef string `json:"imageRef,omitempty"`
+	Error    string `json:"error,omitempty"`
+	Message  string `json:"message,omitempty"`
+}
+
+// RolloutNodeResult is one node's outcome.
+type RolloutNodeResult struct {
+	Node     string       `json:"node"`
+	Batch    int          `json:"batch"`
+	OK       bool         `json:"ok"`
+	Error    string       `json:"error,omitempty"`
+	GC       *GCResult    `json:"gc,omitempty"`
+	Pull     *PullOutcome `json:"pull,omitempty"`
+	Duration Duration     `json:"duration"`
+	// Resumed marks an outcome carried over from an earlier run of the same rollout (not acted on again).
+	Resumed bool `json:"resumed,omitempty"`
+}
+
+// RolloutNodeError names a node and why it failed or was skipped.
+type RolloutNodeError struct {
+	Node  string `json:"node"`
+	Error string `json:"error"`
+}
+
+// RolloutResult is the result of a rollout (`fleet gc -o json`, `fleet pull -o json`).
+type RolloutResult struct {
+	ID     string `json:"id"`
+	Kind   string `json:"kind"`
+	DryRun bool   `json:"dryRun"`
+	// Batches are the sizes of the batches started, in order.
+	Batches   []int              `json:"batches"`
+	Succeeded int                `json:"succeeded"`
+	Failed    []RolloutNodeError `json:"failed"`
+	// NotStarted counts planned nodes no batch reached (a batch failed before).
+	NotStarted int                 `json:"notStarted"`
+	Skipped    []RolloutNodeError  `json:"skipped,omitempty"`
+	Nodes      []RolloutNodeResult `json:"nodes"`
+	// FreedBytes sums the bytes GC freed, or in a dry run would free, on the nodes that answered.
+	FreedBytes int64     `json:"freedBytes"`
+	Error      string    `json:"error,omitempty"`
+	Started    time.Time `json:"started"`
+	Duration   Duration  `json:"duration"`
+}

@@ -1,0 +1,193 @@
+package fleet
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/events"
+)
+
+// requester is the part of the bus a GC rollout needs.
+type requester interface {
+	Request(ctx context.Context, subject string, req any, resp any) error
+}
+
+// GCAction asks each node's GC executor (imagefleet.cmd.<node>.gc) to run req. A node whose executor
+// answers with an error, or whose GC reports the kubelet's failure (GCResult.Error), has failed. A request
+// nobody received (no responders: the node's agent is reconnecting, or not running) is sent again until the
+// node timeout: it cannot have been acted on.
+func GCAction(b requester, req events.GCRequest) NodeAction {
+	return func(ctx context.Context, node string) events.RolloutNodeResult {
+		var res events.GCResult
+		subject := events.CommandSubject(node, events.VerbGC)
+		for {
+			err := b.Request(ctx, subject, req, &res)
+			if err == nil {
+				break
+			}
+			if errors.Is(err, bus.ErrNoResponders) && ctx.Err() == nil {
+				select {
+				case <-ctx.Done():
+				case <-time.After(250 * time.Millisecond):
+				}
+				if ctx.Err() == nil {
+					continue
+				}
+			}
+			return events.RolloutNodeResult{Node: node, Error: err.Error()}
+		}
+		nr := events.RolloutNodeResult{Node: node, OK: res.Error == "", GC: &res}
+		if res.Error != "" {
+			nr.Error = res.Error
+		}
+		return nr
+	}
+}
+
+// PullRequestID is the pull request id a rollout uses for node: <rollout id>.<node token>, or a hash of it
+// when that is longer than a request id may be. The work queue and the result events de-duplicate on it,
+// so a retried publish is pulled and reported once.
+func PullRequestID(rolloutID, node string) string {
+	id := rolloutID + "." + events.NodeToken(node)
+	if len(id) <= 128 {
+		return id
+	}
+	sum := sha256.Sum256([]byte(id))
+	return rolloutID + "." + hex.EncodeToString(sum[:16])
+}
+
+// PullWatch runs a fleet pre-pull: it publishes one pull request per node to the node's work queue and
+// waits for the result event the node's puller publishes (pull.pulled or pull.failed, matched by request
+// id). One ordered consumer on every node's pull events serves the whole rollout; results are read from
+// the replicated events stream, so a lost connection or a lost server loses none.
+type PullWatch struct {
+	b         *bus.Bus
+	rolloutID string
+	image     string
+	policy    string
+
+	mu      sync.Mutex
+	results map[string]events.PullResult
+	waiters map[string]chan events.PullResult
+
+	cancel context.CancelFunc
+	done   chan struct{}
+}
+
+// StartPullWatch starts following pull results from the current end of the events stream.
+func StartPullWatch(ctx context.Context, b *bus.Bus, rolloutID, image, policy string) (*PullWatch, error) {
+	var start uint64
+	if err := retryTransient(ctx, func() error {
+		info, err := b.Stream(ctx, events.EventsStream)
+		start = info.LastSeq + 1
+		return err
+	}); err != nil {
+		return nil, fmt.Errorf("pull rollout: %w", err)
+	}
+	wctx, cancel := context.WithCancel(ctx)
+	w := &PullWatch{b: b, rolloutID: rolloutID, image: image, policy: policy,
+		results: map[string]events.PullResult{}, waiters: map[string]chan events.PullResult{},
+		cancel: cancel, done: make(chan struct{})}
+	go w.follow(wctx, start)
+	return w, nil
+}
+
+// Stop stops following and waits for the follower to end.
+func (w *PullWatch) Stop() {
+	w.cancel()
+	<-w.done
+}
+
+func (w *PullWatch) follow(ctx context.Context, next uint64) {
+	defer close(w.done)
+	filter := events.Prefix + ".evt.*." + events.EntityPull + ".>"
+	for ctx.Err() == nil {
+		err := w.b.Follow(ctx, events.EventsStream, filter, next, func(m bus.StreamMsg) bool {
+			next = m.Seq + 1
+			ev, err := events.DecodeEvent(m.Data)
+			if err != nil {
+				return true
+			}
+			_, action, _, _ := events.ParseType(ev.Type)
+			if action != events.ActionPulled && action != events.ActionFailed {
+				return true
+			}
+			var r events.PullResult
+			if ev.DecodeData(&r) != nil || r.RequestID == "" {
+				return true
+			}
+			w.deliver(r)
+			return true
+		})
+		if err != nil && ctx.Err() == nil {
+			select { // the stream's server went away: resume after the last result seen
+			case <-ctx.Done():
+			case <-time.After(250 * time.Millisecond):
+			}
+		}
+	}
+}
+
+func (w *PullWatch) deliver(r events.PullResult) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if ch, ok := w.waiters[r.RequestID]; ok {
+		delete(w.waiters, r.RequestID)
+		ch <- r
+		return
+	}
+	w.results[r.RequestID] = r
+}
+
+func (w *PullWatch) wait(id string) chan events.PullResult {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	ch := make(chan events.PullResult, 1)
+	if r, ok := w.results[id]; ok {
+		delete(w.results, id)
+		ch <- r
+		return ch
+	}
+	w.waiters[id] = ch
+	return ch
+}
+
+// Action is the rollout's node action.
+func (w *PullWatch) Action() NodeAction {
+	return func(ctx context.Context, node string) events.RolloutNodeResult {
+		id := PullRequestID(w.rolloutID, node)
+		ch := w.wait(id)
+		req := events.PullRequest{ID: id, Image: w.image, Policy: w.policy, Enqueued: time.Now().UTC()}
+		if err := retryTransient(ctx, func() error {
+			_, err := w.b.PublishCommand(ctx, events.CommandSubject(node, events.VerbPull), id, req, nil)
+			return err
+		}); err != nil {
+			return events.RolloutNodeResult{Node: node, Error: err.Error()}
+		}
+		select {
+		case r := <-ch:
+			out := &events.PullOutcome{ImageRef: r.ImageRef, Error: r.Error, Message: r.Message}
+			nr := events.RolloutNodeResult{Node: node, OK: r.Error == "", Pull: out}
+			if r.Error != "" {
+				nr.Error = r.Error
+				if r.Message != "" {
+					nr.Error += ": " + r.Message
+				}
+			}
+			return nr
+		case <-ctx.Done():
+			// Withdraw the request so a puller that starts later does not act on a node the rollout has
+			// already counted as failed.
+			if raw, err := jsonMarshal(events.PullCancel{RequestID: id}); err == nil {
+				_ = w.b.PublishRaw(events.CommandSubject(node, events.VerbPullCancel), raw)
+			}
+			return events.RolloutNodeResult{Node: node, Error: ctx.Err().Error()}
+		}
+	}
+}

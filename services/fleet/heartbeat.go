@@ -1,0 +1,186 @@
+package fleet
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"maps"
+	"time"
+
+	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/services/cri"
+)
+
+// HeartbeatConfig configures the heartbeat worker.
+type HeartbeatConfig struct {
+	// Node is the node name (required).
+	Node string
+	// Labels are the node's labels, matched by rollout selectors (default none).
+	Labels map[string]string
+	// Period is the heartbeat period (default 10s).
+	Period time.Duration
+	// TTL is how long the heartbeat key lives without a new heartbeat (default 3 periods). It is the TTL of
+	// the imagefleet-nodes bucket, fixed by whichever agent creates it first.
+	TTL time.Duration
+	// AgentVersion is reported as is (default "dev").
+	AgentVersion string
+	// Workers are the agent's worker names, reported as is.
+	Workers []string
+	// Replicas of the registry buckets (default 1; 3 on a 3-server cluster).
+	Replicas int
+	// Statfs returns the capacity and available bytes of the filesystem holding a path (default cri.Statfs).
+	Statfs func(path string) (capacity, available int64, err error)
+	// Clock returns now (default time.Now).
+	Clock func() time.Time
+	// Logger (default slog.Default()).
+	Logger *slog.Logger
+}
+
+// heartbeatRuntime is the part of the CRI client the heartbeat reads.
+type heartbeatRuntime interface {
+	Version(ctx context.Context) (name, version string, err error)
+	ImageFsInfo(ctx context.Context) ([]cri.FsInfo, error)
+}
+
+// Heartbeat announces its node into the registry every period.
+type Heartbeat struct {
+	cfg     HeartbeatConfig
+	rt      heartbeatRuntime
+	b       *bus.Bus
+	started time.Time
+}
+
+// NewHeartbeat validates cfg and returns the worker.
+func NewHeartbeat(cfg HeartbeatConfig, rt heartbeatRuntime, b *bus.Bus) (*Heartbeat, error) {
+	if err := events.ValidateNodeName(cfg.Node); err != nil {
+		return nil, fmt.Errorf("heartbeat: %w", err)
+	}
+	if cfg.Period < 0 {
+		return nil, fmt.Errorf("heartbeat period %v must not be negative", cfg.Period)
+	}
+	if cfg.Period == 0 {
+		cfg.Period = 10 * time.Second
+	}
+	if cfg.TTL == 0 {
+		cfg.TTL = time.Duration(DefaultLostAfterPeriods) * cfg.Period
+	}
+	if cfg.TTL < cfg.Period {
+		return nil, fmt.Errorf("heartbeat ttl %v must be at least the period %v", cfg.TTL, cfg.Period)
+	}
+	for k, v := range cfg.Labels {
+		if _, err := ParseLabels(k + "=" + v); err != nil {
+			return nil, fmt.Errorf("heartbeat: %w", err)
+		}
+	}
+	if rt == nil || b == nil {
+		return nil, fmt.Errorf("heartbeat needs a runtime and a bus")
+	}
+	if cfg.AgentVersion == "" {
+		cfg.AgentVersion = "dev"
+	}
+	if cfg.Statfs == nil {
+		cfg.Statfs = cri.Statfs
+	}
+	if cfg.Clock == nil {
+		cfg.Clock = time.Now
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	cfg.Labels = maps.Clone(cfg.Labels)
+	return &Heartbeat{cfg: cfg, rt: rt, b: b, started: cfg.Clock().UTC()}, nil
+}
+
+// Run heartbeats until ctx ends. A failed heartbeat is logged and retried at the next period: the node is
+// shown as lost meanwhile, which is the truth.
+func (h *Heartbeat) Run(ctx context.Context) error {
+	alive, seen, err := h.buckets(ctx)
+	if err != nil {
+		return err
+	}
+	t := time.NewTicker(h.cfg.Period)
+	defer t.Stop()
+	for {
+		if _, err := h.beat(ctx, alive, seen); err != nil && ctx.Err() == nil {
+			h.cfg.Logger.Warn("heartbeat failed", "node", h.cfg.Node, "err", err)
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-t.C:
+		}
+	}
+}
+
+func (h *Heartbeat) buckets(ctx context.Context) (alive, seen *bus.KV, err error) {
+	alive, err = h.b.KV(ctx, bus.KVConfig{Bucket: events.NodesBucket, TTL: h.cfg.TTL, Replicas: h.cfg.Replicas,
+		Description: "imagefleet node heartbeats; a key expires when its node stops"})
+	if err != nil {
+		return nil, nil, fmt.Errorf("heartbeat: %w", err)
+	}
+	seen, err = h.b.KV(ctx, bus.KVConfig{Bucket: events.NodesSeenBucket, Replicas: h.cfg.Replicas,
+		Description: "imagefleet nodes' last heartbeat, kept so a lost node is shown"})
+	if err != nil {
+		return nil, nil, fmt.Errorf("heartbeat: %w", err)
+	}
+	return alive, seen, nil
+}
+
+// Beat sends one heartbeat now and returns it.
+func (h *Heartbeat) Beat(ctx context.Context) (events.NodeInfo, error) {
+	alive, seen, err := h.buckets(ctx)
+	if err != nil {
+		return events.NodeInfo{}, err
+	}
+	return h.beat(ctx, alive, seen)
+}
+
+// Info reads the runtime and builds the heartbeat (runtime problems go into Error, not into err).
+func (h *Heartbeat) Info(ctx context.Context) events.NodeInfo {
+	info := events.NodeInfo{Node: h.cfg.Node, Labels: h.cfg.Labels, AgentVersion: h.cfg.AgentVersion,
+		Workers: h.cfg.Workers, Started: h.started, Period: events.Duration{Duration: h.cfg.Period}}
+	var problems []string
+	name, version, err := h.rt.Version(ctx)
+	if err != nil {
+		problems = append(problems, err.Error())
+	}
+	info.RuntimeName, info.RuntimeVersion = name, version
+	fss, err := h.rt.ImageFsInfo(ctx)
+	switch {
+	case err != nil:
+		problems = append(problems, err.Error())
+	case len(fss) > 0:
+		info.ImageFs.Mountpoint = fss[0].Mountpoint
+		info.ImageFs.UsedBytes = int64(fss[0].UsedBytes)
+		if fss[0].Mountpoint != "" {
+			c, a, err := h.cfg.Statfs(fss[0].Mountpoint)
+			if err != nil {
+				problems = append(problems, err.Error())
+			}
+			info.ImageFs.CapacityBytes, info.ImageFs.AvailableBytes = c, a
+		}
+	}
+	if len(problems) > 0 {
+		info.Error = fmt.Sprint(problems)
+	}
+	info.Heartbeat = h.cfg.Clock().UTC()
+	return info
+}
+
+func (h *Heartbeat) beat(ctx context.Context, alive, seen *bus.KV) (events.NodeInfo, error) {
+	info := h.Info(ctx)
+	raw, err := json.Marshal(info)
+	if err != nil {
+		return info, fmt.Errorf("marshal heartbeat: %w", err)
+	}
+	key := events.NodeToken(h.cfg.Node)
+	if _, err := seen.Put(ctx, key, raw); err != nil {
+		return info, fmt.Errorf("heartbeat: %w", err)
+	}
+	if _, err := alive.Put(ctx, key, raw); err != nil {
+		return info, fmt.Errorf("heartbeat: %w", err)
+	}
+	return info, nil
+}

@@ -1,0 +1,442 @@
+package fleet
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/events"
+)
+
+// NodeAction acts on one node (a GC, a pull) and reports the outcome. It must return once ctx ends: ctx
+// carries the node timeout.
+type NodeAction func(ctx context.Context, node string) events.RolloutNodeResult
+
+// RolloutConfig configures one rollout.
+type RolloutConfig struct {
+	// ID names the rollout (default: generated). Running again with the ID of an earlier rollout resumes
+	// it: its plan is kept, nodes with an outcome are not acted on again, and nodes claimed without an
+	// outcome count as failed (they may have been acted on: at most once).
+	ID string
+	// Kind is gc or pull (required).
+	Kind string
+	// Nodes are the nodes to act on, in order (required; see PlanNodes to pick them from the registry).
+	Nodes []string
+	// Skipped are nodes the selection left out and why (reported as is).
+	Skipped []events.RolloutNodeError
+	// Selector is the selector the nodes were picked with (recorded as is).
+	Selector string
+	// InitialBatch is the size of the first batch (default SlowStartInitialBatchSize = 1).
+	InitialBatch int
+	// NodeTimeout bounds each node's action; a node that does not answer in time has failed (default 60s).
+	NodeTimeout time.Duration
+	// DryRun, GC and Image are recorded in the plan (the action does the work).
+	DryRun bool
+	GC     *events.GCRequest
+	Image  string
+	// Replicas of the rollout stream (default 1; 3 on a 3-server cluster).
+	Replicas int
+	// Progress, when set, is called after each node's outcome and each batch start (from several
+	// goroutines; it must be safe for that).
+	Progress func(Progress)
+	// Clock returns now (default time.Now).
+	Clock func() time.Time
+	// Logger (default slog.Default()).
+	Logger *slog.Logger
+}
+
+// Progress is a rollout's progress as it happens.
+type Progress struct {
+	// Batch is set when a batch starts.
+	Batch *events.RolloutBatch
+	// Node is set when a node's outcome is known.
+	Node *events.RolloutNodeResult
+	// Done and Total count nodes.
+	Done, Total int
+}
+
+// validate checks cfg with exact messages and fills the defaults.
+func (c *RolloutConfig) validate() error {
+	if c.ID == "" {
+		c.ID = NewRolloutID(c.Kind)
+	}
+	if err := events.ValidateRolloutID(c.ID); err != nil {
+		return err
+	}
+	switch c.Kind {
+	case events.RolloutGC, events.RolloutPull:
+	default:
+		return fmt.Errorf("rollout kind %q must be gc or pull", c.Kind)
+	}
+	if c.InitialBatch < 0 {
+		return fmt.Errorf("initial batch %d must be at least 1", c.InitialBatch)
+	}
+	if c.InitialBatch == 0 {
+		c.InitialBatch = SlowStartInitialBatchSize
+	}
+	if c.NodeTimeout < 0 {
+		return fmt.Errorf("node timeout %v must not be negative", c.NodeTimeout)
+	}
+	if c.NodeTimeout == 0 {
+		c.NodeTimeout = 60 * time.Second
+	}
+	seen := map[string]bool{}
+	for _, n := range c.Nodes {
+		if err := events.ValidateNodeName(n); err != nil {
+			return err
+		}
+		if seen[n] {
+			return fmt.Errorf("node %s is listed twice", n)
+		}
+		seen[n] = true
+	}
+	if c.Kind == events.RolloutPull && c.Image == "" {
+		return fmt.Errorf("a pull rollout needs an image")
+	}
+	if c.Clock == nil {
+		c.Clock = time.Now
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return nil
+}
+
+// NewRolloutID returns a fresh rollout id: <kind>-<utc time>-<random>.
+func NewRolloutID(kind string) string {
+	var b [3]byte
+	_, _ = rand.Read(b[:])
+	if kind == "" {
+		kind = "rollout"
+	}
+	return kind + "-" + time.Now().UTC().Format("20060102-150405") + "-" + hex.EncodeToString(b[:])
+}
+
+// EnsureRolloutStream creates or updates the rollout stream.
+func EnsureRolloutStream(ctx context.Context, b *bus.Bus, replicas int) error {
+	return b.EnsureStream(ctx, bus.StreamConfig{Name: events.RolloutStream, Subjects: []string{events.RolloutSubjects},
+		MaxAge: 30 * 24 * time.Hour, MaxBytes: 1 << 30, Replicas: replicas})
+}
+
+// rolloutState is what the rollout stream already holds about a rollout.
+type rolloutState struct {
+	started *events.RolloutStarted
+	claims  map[string]events.RolloutClaim
+	results map[string]events.RolloutNodeResult
+}
+
+// LoadRollout reads everything recorded about rollout id.
+func LoadRollout(ctx context.Context, b *bus.Bus, id string) (*events.RolloutStarted, map[string]events.RolloutClaim, map[string]events.RolloutNodeResult, error) {
+	st, err := loadRollout(ctx, b, id)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	return st.started, st.claims, st.results, nil
+}
+
+func loadRollout(ctx context.Context, b *bus.Bus, id string) (rolloutState, error) {
+	st := rolloutState{claims: map[string]events.RolloutClaim{}, results: map[string]events.RolloutNodeResult{}}
+	err := b.ReadStream(ctx, events.RolloutStream, events.RolloutFilter(id), 0, func(m bus.StreamMsg) bool {
+		rest := strings.TrimPrefix(m.Subject, events.Prefix+".fleet.rollout."+id+".")
+		kind, _, _ := strings.Cut(rest, ".")
+		switch kind {
+		case events.RolloutStartedKind:
+			var s events.RolloutStarted
+			if json.Unmarshal(m.Data, &s) == nil && st.started == nil {
+				st.started = &s
+			}
+		case events.RolloutClaimKind:
+			var c events.RolloutClaim
+			if json.Unmarshal(m.Data, &c) == nil {
+				if _, ok := st.claims[c.Node]; !ok {
+					st.claims[c.Node] = c
+				}
+			}
+		case events.RolloutNodeKind:
+			var r events.RolloutNodeResult
+			if json.Unmarshal(m.Data, &r) == nil {
+				if _, ok := st.results[r.Node]; !ok {
+					st.results[r.Node] = r
+				}
+			}
+		}
+		return true
+	})
+	if err != nil {
+		return st, fmt.Errorf("load rollout %s: %w", id, err)
+	}
+	return st, nil
+}
+
+// Rollout runs an action over nodes in slow-start batches and records it in the rollout stream.
+type Rollout struct {
+	cfg   RolloutConfig
+	b     *bus.Bus
+	act   NodeAction
+	owner string
+}
+
+// NewRollout validates cfg and prepares the rollout.
+func NewRollout(cfg RolloutConfig, b *bus.Bus, act NodeAction) (*Rollout, error) {
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	if b == nil || act == nil {
+		return nil, fmt.Errorf("rollout needs a bus and an action")
+	}
+	var tok [8]byte
+	_, _ = rand.Read(tok[:])
+	return &Rollout{cfg: cfg, b: b, act: act, owner: hex.EncodeToString(tok[:])}, nil
+}
+
+// ID returns the rollout's id.
+func (r *Rollout) ID() string { return r.cfg.ID }
+
+// Run runs the rollout and returns its result. A failed node is in the result, not an error; the error is
+// for the rollout itself (the stream cannot be written, ctx ended).
+func (r *Rollout) Run(ctx context.Context) (events.RolloutResult, error) {
+	cfg := r.cfg
+	began := cfg.Clock()
+	res := events.RolloutResult{ID: cfg.ID, Kind: cfg.Kind, DryRun: cfg.DryRun, Started: began.UTC(),
+		Failed: []events.RolloutNodeError{}, Nodes: []events.RolloutNodeResult{}, Batches: []int{}}
+	if err := retryTransient(ctx, func() error { return EnsureRolloutStream(ctx, r.b, cfg.Replicas) }); err != nil {
+		return res, err
+	}
+	st, err := loadRollout(ctx, r.b, cfg.ID)
+	if err != nil {
+		return res, err
+	}
+	plan := events.RolloutStarted{ID: cfg.ID, Kind: cfg.Kind, Selector: cfg.Selector, InitialBatch: cfg.InitialBatch,
+		NodeTimeout: events.Duration{Duration: cfg.NodeTimeout}, DryRun: cfg.DryRun, Image: cfg.Image, GC: cfg.GC,
+		Nodes: append([]string{}, cfg.Nodes...), Skipped: cfg.Skipped, Time: began.UTC()}
+	if st.started == nil {
+		var won bool
+		err := retryTransient(ctx, func() error {
+			var err error
+			won, err = r.publishFirst(ctx, events.RolloutSubject(cfg.ID, events.RolloutStartedKind, ""), "started."+r.owner, plan)
+			return err
+		})
+		if err != nil {
+			return res, err
+		}
+		if !won { // another orchestrator started this rollout first: follow its plan
+			if st, err = loadRollout(ctx, r.b, cfg.ID); err != nil {
+				return res, err
+			}
+		}
+	}
+	if st.started != nil {
+		if st.started.Kind != cfg.Kind {
+			return res, fmt.Errorf("rollout %s is a %s rollout, not %s", cfg.ID, st.started.Kind, cfg.Kind)
+		}
+		plan = *st.started
+		cfg.InitialBatch = plan.InitialBatch
+		res.DryRun = plan.DryRun
+		cfg.Logger.Info("resuming rollout", "rollout", cfg.ID, "nodes", len(plan.Nodes), "done", len(st.results))
+	}
+	res.Skipped = plan.Skipped
+	nodes := plan.Nodes
+
+	var mu sync.Mutex
+	outcomes := make(map[string]events.RolloutNodeResult, len(nodes))
+	done := 0
+	var recordErr error
+	report := func(nr events.RolloutNodeResult) {
+		mu.Lock()
+		outcomes[nr.Node] = nr
+		done++
+		p := Progress{Node: &nr, Done: done, Total: len(nodes)}
+		mu.Unlock()
+		if cfg.Progress != nil {
+			cfg.Progress(p)
+		}
+	}
+	batchIndex := 0
+	onBatch := func(start, size int) {
+		batchIndex++
+		b := events.RolloutBatch{Index: batchIndex, Size: size, Nodes: append([]string{}, nodes[start:start+size]...), Time: cfg.Clock().UTC()}
+		// The batch record is informational (followers show it); losing it does not change any outcome.
+		if err := retryTransient(ctx, func() error {
+			_, err := r.publish(ctx, events.RolloutSubject(cfg.ID, events.RolloutBatchKind, ""), fmt.Sprintf("batch.%d.%s", batchIndex, r.owner), b)
+			return err
+		}); err != nil {
+			cfg.Logger.Warn("record rollout batch failed", "rollout", cfg.ID, "err", err)
+		}
+		if cfg.Progress != nil {
+			mu.Lock()
+			p := Progress{Batch: &b, Done: done, Total: len(nodes)}
+			mu.Unlock()
+			cfg.Progress(p)
+		}
+	}
+	batchOf := batchIndexer(len(nodes), cfg.InitialBatch)
+	succeeded, batches, _ := slowStartBatchHook(len(nodes), cfg.InitialBatch, onBatch, func(i int) error {
+		node := nodes[i]
+		nr, err := r.node(ctx, st, node, batchOf(i))
+		if err != nil {
+			mu.Lock()
+			if recordErr == nil {
+				recordErr = err
+			}
+			mu.Unlock()
+			nr = events.RolloutNodeResult{Node: node, Batch: batchOf(i), Error: err.Error()}
+		}
+		report(nr)
+		if !nr.OK {
+			return fmt.Errorf("node %s: %s", node, nr.Error)
+		}
+		return nil
+	})
+	res.Batches = append(res.Batches, batches...)
+	res.Succeeded = succeeded
+	for _, n := range nodes {
+		nr, ok := outcomes[n]
+		if !ok {
+			res.NotStarted++
+			continue
+		}
+		res.Nodes = append(res.Nodes, nr)
+		if !nr.OK {
+			res.Failed = append(res.Failed, events.RolloutNodeError{Node: n, Error: nr.Error})
+		}
+		res.FreedBytes += nodeBytes(nr)
+	}
+	res.Duration = events.Duration{Duration: cfg.Clock().Sub(began)}
+	if recordErr != nil {
+		res.Error = recordErr.Error()
+	}
+	if ctx.Err() != nil {
+		return res, fmt.Errorf("rollout %s: %w", cfg.ID, ctx.Err())
+	}
+	if err := retryTransient(ctx, func() error {
+		_, err := r.publish(ctx, events.RolloutSubject(cfg.ID, events.RolloutFinishedKind, ""), "finished."+r.owner, res)
+		return err
+	}); err != nil {
+		return res, err
+	}
+	if recordErr != nil {
+		return res, recordErr
+	}
+	return res, nil
+}
+
+// nodeBytes is what a node's GC freed, or in a dry run would free: the sizes of the images it removed
+// (or would remove) without error.
+func nodeBytes(nr events.RolloutNodeResult) int64 {
+	if nr.GC == nil {
+		return 0
+	}
+	var n int64
+	for _, rm := range nr.GC.Removed {
+		if rm.Error == "" {
+			n += rm.Size
+		}
+	}
+	return n
+}
+
+// node runs the action on one node at most once per rollout. The error is for recording problems only;
+// the node's own failure is in the result.
+func (r *Rollout) node(ctx context.Context, st rolloutState, node string, batch int) (events.RolloutNodeResult, error) {
+	cfg := r.cfg
+	if prev, ok := st.results[node]; ok {
+		prev.Resumed = true
+		return prev, nil
+	}
+	if c, ok := st.claims[node]; ok {
+		return events.RolloutNodeResult{Node: node, Batch: batch, Resumed: true,
+			Error: fmt.Sprintf("claimed by run %s at %s without a recorded outcome; not acted on again", c.Owner, c.Time.Format(time.RFC3339))}, nil
+	}
+	claim := events.RolloutClaim{Node: node, Owner: r.owner, Batch: batch, Time: cfg.Clock().UTC()}
+	var claimed bool
+	if err := retryTransient(ctx, func() error {
+		var err error
+		claimed, err = r.publishFirst(ctx, events.RolloutSubject(cfg.ID, events.RolloutClaimKind, node), "claim."+events.NodeToken(node)+"."+r.owner, claim)
+		return err
+	}); err != nil {
+		return events.RolloutNodeResult{}, fmt.Errorf("claim node %s: %w", node, err)
+	}
+	if !claimed {
+		return events.RolloutNodeResult{Node: node, Batch: batch, Resumed: true,
+			Error: "claimed by another run of this rollout; not acted on again"}, nil
+	}
+	began := cfg.Clock()
+	actx, cancel := context.WithTimeout(ctx, cfg.NodeTimeout)
+	nr := r.act(actx, node)
+	if actx.Err() == context.DeadlineExceeded && !nr.OK && ctx.Err() == nil {
+		nr.Error = fmt.Sprintf("no answer within the node timeout %v", cfg.NodeTimeout)
+	}
+	cancel()
+	nr.Node, nr.Batch = node, batch
+	nr.Duration = events.Duration{Duration: cfg.Clock().Sub(began)}
+	if !nr.OK && nr.Error == "" {
+		nr.Error = "failed without an error message"
+	}
+	if err := retryTransient(ctx, func() error {
+		_, err := r.publish(ctx, events.RolloutSubject(cfg.ID, events.RolloutNodeKind, node), "node."+events.NodeToken(node), nr)
+		return err
+	}); err != nil {
+		return nr, fmt.Errorf("record outcome of node %s: %w", node, err)
+	}
+	return nr, nil
+}
+
+func (r *Rollout) publish(ctx context.Context, subject, id string, v any) (uint64, error) {
+	raw, err := json.Marshal(v)
+	if err != nil {
+		return 0, fmt.Errorf("marshal %s: %w", subject, err)
+	}
+	return r.b.PublishStored(ctx, bus.RawMsg{Subject: subject, MsgID: r.cfg.ID + "." + id, Data: raw,
+		Header: map[string]string{"content-type": "application/json"}})
+}
+
+func (r *Rollout) publishFirst(ctx context.Context, subject, id string, v any) (bool, error) {
+	raw, err := json.Marshal(v)
+	if err != nil {
+		return false, fmt.Errorf("marshal %s: %w", subject, err)
+	}
+	return r.b.PublishFirst(ctx, bus.RawMsg{Subject: subject, MsgID: r.cfg.ID + "." + id, Data: raw,
+		Header: map[string]string{"content-type": "application/json"}})
+}
+
+// retryTransient retries f while it fails with a transient bus error (a cluster server went away, a stream
+// leader election), for up to 30 s. Every write it wraps is idempotent (Nats-Msg-Id).
+func retryTransient(ctx context.Context, f func() error) error {
+	deadline := time.Now().Add(30 * time.Second)
+	wait := 50 * time.Millisecond
+	for {
+		err := f()
+		if err == nil || !bus.IsTransient(err) || ctx.Err() != nil || time.Now().After(deadline) {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return errors.Join(err, ctx.Err())
+		case <-time.After(wait):
+		}
+		wait = min(2*wait, time.Second)
+	}
+}
+
+// batchIndexer maps a call index to its 1-based batch number under the slow-start plan.
+func batchIndexer(count, initial int) func(int) int {
+	plan := PlanBatches(count, initial)
+	return func(i int) int {
+		end := 0
+		for b, size := range plan {
+			end += size
+			if i < end {
+				return b + 1
+			}
+		}
+		return len(plan)
+	}
+}

@@ -1,0 +1,66 @@
+package fleet
+
+import "sync"
+
+// SlowStartInitialBatchSize is the ReplicaSet controller's initial batch size (batches of 1, 2, 4, 8 ...).
+const SlowStartInitialBatchSize = 1
+
+// SlowStartBatch calls fn count times in batches that grow exponentially, exactly like the ReplicaSet
+// controller's slowStartBatch (pkg/controller/replicaset/replica_set.go): the first batch has
+// min(count, initialBatchSize) calls, each next one min(2*previous, remaining); the calls of a batch run
+// concurrently and the batch is waited for; if any call of a batch fails, no further batch starts and the
+// first error of that batch (the first to arrive) is returned with the number of successful calls.
+// fn gets the index of its call, 0..count-1, in batch order, so callers can map calls to items.
+// count 0 (or initialBatchSize 0) calls nothing and returns (0, nil).
+func SlowStartBatch(count, initialBatchSize int, fn func(i int) error) (int, error) {
+	successes, _, err := slowStartBatch(count, initialBatchSize, fn)
+	return successes, err
+}
+
+// slowStartBatch is SlowStartBatch that also returns the sizes of the batches it started.
+func slowStartBatch(count, initialBatchSize int, fn func(i int) error) (successes int, batches []int, err error) {
+	return slowStartBatchHook(count, initialBatchSize, nil, fn)
+}
+
+// slowStartBatchHook is slowStartBatch calling onBatch(first index, size) before each batch starts.
+func slowStartBatchHook(count, initialBatchSize int, onBatch func(start, size int), fn func(i int) error) (successes int, batches []int, err error) {
+	remaining := count
+	next := 0
+	for batchSize := min(remaining, initialBatchSize); batchSize > 0; batchSize = min(2*batchSize, remaining) {
+		batches = append(batches, batchSize)
+		if onBatch != nil {
+			onBatch(next, batchSize)
+		}
+		errCh := make(chan error, batchSize)
+		var wg sync.WaitGroup
+		wg.Add(batchSize)
+		for j := range batchSize {
+			go func(i int) {
+				defer wg.Done()
+				if err := fn(i); err != nil {
+					errCh <- err
+				}
+			}(next + j)
+		}
+		wg.Wait()
+		next += batchSize
+		curSuccesses := batchSize - len(errCh)
+		successes += curSuccesses
+		if len(errCh) > 0 {
+			return successes, batches, <-errCh
+		}
+		remaining -= batchSize
+	}
+	return successes, batches, nil
+}
+
+// PlanBatches returns the batch sizes SlowStartBatch uses for count calls when every call succeeds.
+func PlanBatches(count, initialBatchSize int) []int {
+	var out []int
+	remaining := count
+	for batchSize := min(remaining, initialBatchSize); batchSize > 0; batchSize = min(2*batchSize, remaining) {
+		out = append(out, batchSize)
+		remaining -= batchSize
+	}
+	return out
+}

@@ -1,0 +1,125 @@
+package fleet
+
+import (
+	"errors"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+)
+
+// TestSlowStartBatch reproduces the ReplicaSet controller's TestSlowStartBatch (initial batch 1, count 10):
+// fn increments a shared counter and fails once the counter exceeds callLimit.
+func TestSlowStartBatch(t *testing.T) {
+	fakeErr := errors.New("fake error")
+	callCnt := 0
+	var mu sync.Mutex
+	fn := func(callLimit int) func(int) error {
+		return func(int) error {
+			mu.Lock()
+			defer mu.Unlock()
+			callCnt++
+			if callCnt > callLimit {
+				return fakeErr
+			}
+			return nil
+		}
+	}
+	cases := []struct {
+		name             string
+		count, callLimit int
+		wantSuccesses    int
+		wantErr          error
+		wantCalls        int
+		wantBatches      []int
+	}{
+		{"callLimit = 0 (all fail)", 10, 0, 0, fakeErr, 1, []int{1}},
+		{"callLimit = count (all succeed)", 10, 10, 10, nil, 10, []int{1, 2, 4, 3}},
+		{"callLimit < count (some succeed)", 10, 5, 5, fakeErr, 7, []int{1, 2, 4}},
+		{"count = 0", 0, 0, 0, nil, 0, nil},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			callCnt = 0
+			successes, batches, err := slowStartBatch(tc.count, SlowStartInitialBatchSize, fn(tc.callLimit))
+			if successes != tc.wantSuccesses {
+				t.Errorf("successes = %d, want %d", successes, tc.wantSuccesses)
+			}
+			if !errors.Is(err, tc.wantErr) || (tc.wantErr == nil) != (err == nil) {
+				t.Errorf("err = %v, want %v", err, tc.wantErr)
+			}
+			if callCnt != tc.wantCalls {
+				t.Errorf("calls = %d, want %d", callCnt, tc.wantCalls)
+			}
+			if !slices.Equal(batches, tc.wantBatches) {
+				t.Errorf("batches = %v, want %v", batches, tc.wantBatches)
+			}
+			// The exported form agrees.
+			callCnt = 0
+			s2, err2 := SlowStartBatch(tc.count, SlowStartInitialBatchSize, fn(tc.callLimit))
+			if s2 != successes || (err2 == nil) != (err == nil) {
+				t.Errorf("SlowStartBatch = %d, %v; slowStartBatch = %d, %v", s2, err2, successes, err)
+			}
+		})
+	}
+}
+
+func TestSlowStartBatchIndicesAndConcurrency(t *testing.T) {
+	// Every index is called once, in batch order; the calls of one batch overlap (a batch of 4 waits until
+	// all 4 are running, which would deadlock if they ran one by one).
+	const count = 7
+	var seen [count]atomic.Int32
+	gate := map[int]*sync.WaitGroup{}
+	for _, b := range [][2]int{{0, 1}, {1, 2}, {3, 4}} {
+		wg := &sync.WaitGroup{}
+		wg.Add(b[1])
+		for i := b[0]; i < b[0]+b[1]; i++ {
+			gate[i] = wg
+		}
+	}
+	n, err := SlowStartBatch(count, 1, func(i int) error {
+		seen[i].Add(1)
+		gate[i].Done()
+		gate[i].Wait()
+		return nil
+	})
+	if n != count || err != nil {
+		t.Fatalf("SlowStartBatch = %d, %v", n, err)
+	}
+	for i := range seen {
+		if seen[i].Load() != 1 {
+			t.Errorf("index %d called %d times", i, seen[i].Load())
+		}
+	}
+}
+
+func TestPlanBatches(t *testing.T) {
+	cases := []struct {
+		name           string
+		count, initial int
+		want           []int
+	}{
+		{"ten from one", 10, 1, []int{1, 2, 4, 3}},
+		{"one node", 1, 1, []int{1}},
+		{"none", 0, 1, nil},
+		{"initial larger than count", 3, 5, []int{3}},
+		{"initial two", 20, 2, []int{2, 4, 8, 6}},
+		{"thousand", 1000, 1, []int{1, 2, 4, 8, 16, 32, 64, 128, 256, 489}},
+		{"zero initial", 5, 0, nil},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			got := PlanBatches(tc.count, tc.initial)
+			if !slices.Equal(got, tc.want) {
+				t.Fatalf("PlanBatches(%d, %d) = %v, want %v", tc.count, tc.initial, got, tc.want)
+			}
+			sum := 0
+			for _, b := range got {
+				sum += b
+			}
+			if tc.initial > 0 && sum != tc.count {
+				t.Fatalf("batches sum to %d, want %d", sum, tc.count)
+			}
+		})
+	}
+}
