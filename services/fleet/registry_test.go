@@ -1,0 +1,213 @@
+package fleet_test
+
+import (
+	"context"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/imagefleet/imagefleet/bus/bustest"
+	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/services/fleet"
+	"github.com/imagefleet/imagefleet/services/fleet/fleettest"
+)
+
+func TestNodeStates(t *testing.T) {
+	now := time.Date(2026, 1, 1, 12, 0, 0, 0, time.UTC)
+	period := events.Duration{Duration: 10 * time.Second}
+	hb := func(node string, ago time.Duration) events.NodeInfo {
+		return events.NodeInfo{Node: node, Heartbeat: now.Add(-ago), Period: period}
+	}
+	cases := []struct {
+		name      string
+		info      events.NodeInfo
+		alive     bool
+		lostAfter time.Duration
+		want      string
+	}{
+		{"fresh", hb("n1", 2*time.Second), true, 0, events.NodeReady},
+		{"exactly three periods", hb("n1", 30*time.Second), true, 0, events.NodeReady},
+		{"past three periods", hb("n1", 31*time.Second), true, 0, events.NodeLost},
+		{"ttl expired though recent", hb("n1", time.Second), false, 0, events.NodeLost},
+		{"explicit lost-after", hb("n1", 5*time.Second), true, 4 * time.Second, events.NodeLost},
+		{"clock skew into the future", hb("n1", -time.Minute), true, 0, events.NodeReady},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			got := fleet.NodeStates([]events.NodeInfo{tc.info}, map[string]bool{tc.info.Node: tc.alive}, now, tc.lostAfter)
+			if len(got) != 1 || got[0].State != tc.want {
+				t.Fatalf("state = %+v, want %s", got, tc.want)
+			}
+			if got[0].Age.Duration < 0 {
+				t.Fatalf("negative age %v", got[0].Age)
+			}
+		})
+	}
+}
+
+func TestHeartbeatRegistryAndLostDetection(t *testing.T) {
+	bustest.VerifyNoLeaks(t) // after the server and connection are closed: Run left nothing behind
+	_, b := bustest.Start(t)
+	now := time.Date(2026, 1, 1, 12, 0, 0, 0, time.UTC)
+	clock := func() time.Time { return now }
+	rt := fleettest.NewFakeRuntime()
+	statfs := func(string) (int64, int64, error) { return 100 << 30, 60 << 30, nil }
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 2)
+	for _, n := range []struct{ name, zone string }{{"node-a.example", "a"}, {"node-b", "b"}} {
+		hb, err := fleet.NewHeartbeat(fleet.HeartbeatConfig{Node: n.name, Labels: map[string]string{"zone": n.zone},
+			Period: 10 * time.Second, Workers: []string{"heartbeat"}, Statfs: statfs, Clock: clock}, rt, b)
+		if err != nil {
+			t.Fatal(err)
+		}
+		go func() { done <- hb.Run(ctx) }()
+	}
+	var reg *fleet.Registry
+	waitFor(t, "both nodes registered", func() bool {
+		var err error
+		if reg, err = fleet.OpenRegistry(t.Context(), b, fleet.RegistryOptions{Clock: clock}); err != nil {
+			return false
+		}
+		nodes, err := reg.Nodes(t.Context())
+		return err == nil && len(nodes) == 2
+	})
+	nodes, _ := reg.Nodes(t.Context())
+	if nodes[0].Node != "node-a.example" || nodes[0].State != events.NodeReady || nodes[0].Labels["zone"] != "a" ||
+		nodes[0].RuntimeName != "fake" || nodes[0].ImageFs.CapacityBytes != 100<<30 || nodes[0].ImageFs.Mountpoint != "/fake/images" {
+		t.Fatalf("node a: %+v", nodes[0])
+	}
+	// Selection by label, Ready only.
+	sel, _ := fleet.ParseSelector("zone in (a)")
+	chosen, skipped := fleet.SelectNodes(nodes, sel, false)
+	if !slices.Equal(chosen, []string{"node-a.example"}) || len(skipped) != 0 {
+		t.Fatalf("chosen %v skipped %v", chosen, skipped)
+	}
+	cancel()
+	for range 2 {
+		if err := <-done; err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Time passes without heartbeats: a reader 31 s later shows both nodes as lost, not gone.
+	later := func() time.Time { return now.Add(31 * time.Second) }
+	reg, _ = fleet.OpenRegistry(t.Context(), b, fleet.RegistryOptions{Clock: later})
+	nodes, err := reg.Nodes(t.Context())
+	if err != nil || len(nodes) != 2 {
+		t.Fatalf("nodes after silence: %v %+v", err, nodes)
+	}
+	for _, n := range nodes {
+		if n.State != events.NodeLost || n.Age.Duration != 31*time.Second {
+			t.Errorf("%s: state %s age %v", n.Node, n.State, n.Age)
+		}
+	}
+	chosen, skipped = fleet.SelectNodes(nodes, sel, false)
+	if len(chosen) != 0 || len(skipped) != 1 || !strings.Contains(skipped[0].Error, "node is Lost (last heartbeat 31s ago)") {
+		t.Fatalf("chosen %v skipped %+v", chosen, skipped)
+	}
+	chosen, _ = fleet.SelectNodes(nodes, sel, true)
+	if !slices.Equal(chosen, []string{"node-a.example"}) {
+		t.Fatalf("include lost: %v", chosen)
+	}
+	// Forget drops a node for good.
+	if err := reg.Forget(t.Context(), "node-b"); err != nil {
+		t.Fatal(err)
+	}
+	if nodes, _ := reg.Nodes(t.Context()); len(nodes) != 1 {
+		t.Fatalf("after forget: %+v", nodes)
+	}
+}
+
+func TestRegistryEmptyWithoutBuckets(t *testing.T) {
+	_, b := bustest.Start(t)
+	reg, err := fleet.OpenRegistry(t.Context(), b, fleet.RegistryOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	nodes, err := reg.Nodes(t.Context())
+	if err != nil || len(nodes) != 0 {
+		t.Fatalf("nodes = %v, %v", nodes, err)
+	}
+}
+
+func TestHeartbeatConfigValidation(t *testing.T) {
+	_, b := bustest.Start(t)
+	rt := fleettest.NewFakeRuntime()
+	cases := []struct {
+		name    string
+		cfg     fleet.HeartbeatConfig
+		wantErr string
+	}{
+		{"no node", fleet.HeartbeatConfig{}, "node name is empty"},
+		{"negative period", fleet.HeartbeatConfig{Node: "n1", Period: -time.Second}, "heartbeat period -1s must not be negative"},
+		{"ttl under period", fleet.HeartbeatConfig{Node: "n1", Period: 10 * time.Second, TTL: time.Second}, "heartbeat ttl 1s must be at least the period 10s"},
+		{"bad label", fleet.HeartbeatConfig{Node: "n1", Labels: map[string]string{"bad key": "v"}}, `label key "bad key"`},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			if _, err := fleet.NewHeartbeat(tc.cfg, rt, b); err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+				t.Fatalf("err = %v, want %q", err, tc.wantErr)
+			}
+		})
+	}
+}
+
+func TestParseLabelsAndSelector(t *testing.T) {
+	cases := []struct {
+		name, in string
+		want     map[string]string
+		wantErr  string
+	}{
+		{"two", "zone=a, tier=edge", map[string]string{"zone": "a", "tier": "edge"}, ""},
+		{"empty", "", map[string]string{}, ""},
+		{"prefixed key", "topology.kubernetes.io/zone=eu-1", map[string]string{"topology.kubernetes.io/zone": "eu-1"}, ""},
+		{"no value", "zone", nil, `label "zone" is not key=value`},
+		{"duplicate", "a=1,a=2", nil, `label "a" given twice`},
+		{"bad value", "a=b c", nil, `label value "b c" of a`},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := fleet.ParseLabels(tc.in)
+			if tc.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+					t.Fatalf("err = %v, want %q", err, tc.wantErr)
+				}
+				return
+			}
+			if err != nil || len(got) != len(tc.want) {
+				t.Fatalf("got %v, %v", got, err)
+			}
+			for k, v := range tc.want {
+				if got[k] != v {
+					t.Fatalf("got %v", got)
+				}
+			}
+		})
+	}
+	sels := []struct {
+		sel    string
+		labels map[string]string
+		match  bool
+	}{
+		{"", map[string]string{"a": "1"}, true},
+		{"zone=a", map[string]string{"zone": "a"}, true},
+		{"zone=a", map[string]string{"zone": "b"}, false},
+		{"zone!=a", map[string]string{}, true},
+		{"zone in (a,b),tier", map[string]string{"zone": "b", "tier": "x"}, true},
+		{"!gpu", map[string]string{"gpu": "1"}, false},
+	}
+	for _, s := range sels {
+		sel, err := fleet.ParseSelector(s.sel)
+		if err != nil {
+			t.Fatalf("%q: %v", s.sel, err)
+		}
+		nodes := []events.NodeStatus{{NodeInfo: events.NodeInfo{Node: "n1", Labels: s.labels}, State: events.NodeReady}}
+		chosen, _ := fleet.SelectNodes(nodes, sel, false)
+		if (len(chosen) == 1) != s.match {
+			t.Errorf("selector %q on %v: chosen %v, want match %v", s.sel, s.labels, chosen, s.match)
+		}
+	}
+	if _, err := fleet.ParseSelector("zone=(a"); err == nil {
+		t.Error("bad selector parsed")
+	}
+}
