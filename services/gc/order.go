@@ -1,8 +1,9 @@
 package gc
 
 import (
+	"cmp"
 	"slices"
-	"time"
+	"strings"
 
 	"github.com/imagefleet/imagefleet/events"
 )
@@ -34,7 +35,8 @@ type candidate struct {
 // by firstDetected ascending (and, where the kubelet leaves the order unspecified, by ID). The excluded
 // records are returned as skipped, sorted by ID.
 func evictionOrder(recs map[string]events.ImageRecord, pinned *refMatcher) ([]candidate, []events.GCSkipped) {
-	cands := make([]candidate, 0, len(recs))
+	all := make([]events.ImageRecord, 0, len(recs))
+	keys := make([]evictionKey, 0, len(recs))
 	var skipped []events.GCSkipped
 	for _, r := range recs {
 		switch {
@@ -45,41 +47,54 @@ func evictionOrder(recs map[string]events.ImageRecord, pinned *refMatcher) ([]ca
 		case pinned.match(r):
 			skipped = append(skipped, events.GCSkipped{ID: r.ID, Why: WhyPinnedByPolicy})
 		default:
-			cands = append(cands, candidate{r})
+			keys = append(keys, evictionKey{
+				lastSec: r.LastUsed.Unix(), lastNsec: int32(r.LastUsed.Nanosecond()),
+				firstSec: r.FirstDetected.Unix(), firstNsec: int32(r.FirstDetected.Nanosecond()),
+				i: int32(len(all)),
+			})
+			all = append(all, r)
 		}
 	}
-	slices.SortFunc(cands, compareEviction)
-	slices.SortFunc(skipped, func(a, b events.GCSkipped) int { return compareStrings(a.ID, b.ID) })
+	// Sort small keys, not records: a record is ten times the size of its key.
+	slices.SortFunc(keys, func(a, b evictionKey) int {
+		if c := cmp.Compare(a.lastSec, b.lastSec); c != 0 {
+			return c
+		}
+		if c := cmp.Compare(a.lastNsec, b.lastNsec); c != 0 {
+			return c
+		}
+		if c := cmp.Compare(a.firstSec, b.firstSec); c != 0 {
+			return c
+		}
+		if c := cmp.Compare(a.firstNsec, b.firstNsec); c != 0 {
+			return c
+		}
+		return strings.Compare(all[a.i].ID, all[b.i].ID)
+	})
+	cands := make([]candidate, len(keys))
+	for j, k := range keys {
+		cands[j] = candidate{all[k.i]}
+	}
+	slices.SortFunc(skipped, func(a, b events.GCSkipped) int { return strings.Compare(a.ID, b.ID) })
 	return cands, skipped
 }
 
-// compareEviction is the kubelet's byLastUsedAndDetected with the ID as a last, deterministic tie-break.
+// evictionKey is the sort key of one candidate: lastUsed, firstDetected (as seconds and nanoseconds, which
+// order like time.Time.Compare for every time, the zero time included), and its index.
+type evictionKey struct {
+	lastSec, firstSec   int64
+	lastNsec, firstNsec int32
+	i                   int32
+}
+
+// compareEviction is the kubelet's byLastUsedAndDetected with the ID as a last, deterministic tie-break
+// (the order evictionOrder produces).
 func compareEviction(a, b candidate) int {
-	if c := compareTime(a.LastUsed, b.LastUsed); c != 0 {
+	if c := a.LastUsed.Compare(b.LastUsed); c != 0 {
 		return c
 	}
-	if c := compareTime(a.FirstDetected, b.FirstDetected); c != 0 {
+	if c := a.FirstDetected.Compare(b.FirstDetected); c != 0 {
 		return c
 	}
-	return compareStrings(a.ID, b.ID)
-}
-
-func compareTime(a, b time.Time) int {
-	switch {
-	case a.Before(b):
-		return -1
-	case b.Before(a):
-		return 1
-	}
-	return 0
-}
-
-func compareStrings(a, b string) int {
-	switch {
-	case a < b:
-		return -1
-	case a > b:
-		return 1
-	}
-	return 0
+	return strings.Compare(a.ID, b.ID)
 }
