@@ -61,7 +61,7 @@ func New(cfg Config, b *bus.Bus) (*Service, error) {
 	if b == nil {
 		return nil, fmt.Errorf("pod index needs a bus")
 	}
-	return &Service{cfg: cfg, bus: b, state: NewState(), log: cfg.Logger.With("worker", "pod-index", "node", cfg.Node),
+	return &Service{cfg: cfg, bus: b, state: NewState(), log: cfg.Logger.With("worker", "pod-index"),
 		flushNow: make(chan struct{}, 1), ready: make(chan struct{})}, nil
 }
 

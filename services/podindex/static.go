@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"hash/fnv"
 	"io"
@@ -96,7 +97,7 @@ func NewStaticSource(cfg StaticConfig, pub publisher, req requester) (*StaticSou
 		return nil, fmt.Errorf("static pod source needs a publisher")
 	}
 	cfg.ManifestPath = strings.TrimRight(cfg.ManifestPath, string(os.PathSeparator))
-	return &StaticSource{cfg: cfg, pub: pub, req: req, log: cfg.Logger.With("worker", "static-pods", "node", cfg.Node),
+	return &StaticSource{cfg: cfg, pub: pub, req: req, log: cfg.Logger.With("worker", "static-pods"),
 		known: map[types.UID][]byte{}, seen: map[types.UID]string{}}, nil
 }
 
@@ -160,12 +161,25 @@ func (s *StaticSource) resume(ctx context.Context) {
 	if s.req == nil {
 		return
 	}
-	rctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	// The index usually starts with the source (same agent): give it a few seconds to answer.
+	rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	var rep events.PodsReply
-	if err := s.req.Request(rctx, events.QuerySubject(s.cfg.Node, events.QryPods), events.PodsQuery{}, &rep); err != nil {
-		s.log.Info("static pod source starts without the index's pods", "err", err)
-		return
+	for {
+		err := s.req.Request(rctx, events.QuerySubject(s.cfg.Node, events.QryPods), events.PodsQuery{}, &rep)
+		if err == nil {
+			break
+		}
+		if !errors.Is(err, bus.ErrNoResponders) || rctx.Err() != nil {
+			s.log.Info("static pod source starts without the index's pods", "err", err)
+			return
+		}
+		select {
+		case <-rctx.Done():
+			s.log.Info("static pod source starts without the index's pods", "err", err)
+			return
+		case <-time.After(100 * time.Millisecond):
+		}
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
