@@ -79,7 +79,9 @@ func New(cfg Config, deps Deps) (*Service, error) {
 }
 
 // Run serves imagefleet.cmd.<node>.gc (queue group gc-executor) and runs the periodic GC every Period,
-// starting now, with beganGC captured once here as the kubelet's StartGarbageCollection does. When the
+// with beganGC captured once here as the kubelet's StartGarbageCollection does. Unlike the kubelet (whose
+// first pass at start usually fails once, "Stats initialization may not have completed yet"), the first
+// periodic pass runs one Period after start; a pass can be asked for at any time with the gc command. When the
 // policy has HighThresholdPercent 100 and MaxAge 0 the periodic GC is disabled (commands are still
 // served). Run blocks until ctx ends and returns nil after a clean shutdown.
 func (s *Service) Run(ctx context.Context) error {
@@ -114,7 +116,6 @@ func (s *Service) Run(ctx context.Context) error {
 	tick := time.NewTicker(s.cfg.Period)
 	defer tick.Stop()
 	for {
-		s.periodic(ctx)
 		select {
 		case <-ctx.Done():
 			return nil
@@ -125,6 +126,7 @@ func (s *Service) Run(ctx context.Context) error {
 			return nil
 		case <-tick.C:
 		}
+		s.periodic(ctx)
 	}
 }
 
