@@ -22,6 +22,9 @@ type Options struct {
 	CredsFile string
 	// NKeyFile is an nkey seed file.
 	NKeyFile string
+	// InboxPrefix is the prefix of reply subjects (default _INBOX.<nkey public key> with NKeyFile, else
+	// _INBOX): per-user inboxes let a server config keep users from reading each other's replies.
+	InboxPrefix string
 	// User and Password, for user/password auth.
 	User, Password string
 	// TLS: CA file, client certificate and key.
@@ -44,6 +47,7 @@ type Bus struct {
 
 	reconnects atomic.Int64
 	journal    atomic.Pointer[journal]
+	perms      violations
 }
 
 // Connect connects to url, retrying with exponential backoff (cenkalti/backoff) until ConnectTimeout or ctx
@@ -82,6 +86,7 @@ func Connect(ctx context.Context, url string, o Options) (*Bus, error) {
 			if sub != nil {
 				subject = sub.Subject
 			}
+			b.notePermission(err)
 			b.log.Warn("nats async error", "subject", subject, "err", err)
 		}),
 	}
@@ -94,6 +99,11 @@ func Connect(ctx context.Context, url string, o Options) (*Bus, error) {
 			return nil, fmt.Errorf("read nkey seed: %w", err)
 		}
 		opts = append(opts, opt)
+	}
+	if prefix, err := inboxPrefix(o); err != nil {
+		return nil, err
+	} else if prefix != "" {
+		opts = append(opts, nats.CustomInboxPrefix(prefix))
 	}
 	if o.User != "" {
 		opts = append(opts, nats.UserInfo(o.User, o.Password))

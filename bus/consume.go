@@ -101,6 +101,11 @@ func (b *Bus) Consume(ctx context.Context, cfg ConsumerConfig, h MsgHandler) err
 	if cfg.DeliverNew {
 		cc.DeliverPolicy = jetstream.DeliverNewPolicy
 	}
+	if len(cc.FilterSubjects) == 1 {
+		// One filter goes in the create request's subject, so a server config can allow a user to create
+		// this consumer with this filter only (deploy/natsconf). The server stores both forms alike.
+		cc.FilterSubject, cc.FilterSubjects = cc.FilterSubjects[0], nil
+	}
 	cons, err := b.js.CreateOrUpdateConsumer(ctx, cfg.Stream, cc)
 	if err != nil {
 		return fmt.Errorf("consumer %s on %s: %w", cfg.Durable, cfg.Stream, err)

@@ -481,6 +481,12 @@ func (j *journal) sendPending(ctx context.Context) error {
 			return nil
 		}
 		if err := j.sendBatch(ctx, batch); err != nil {
+			if errors.Is(err, ErrPermissionViolation) {
+				// The server refuses this event for this user: retrying cannot help, and it would hold every
+				// later event back. Drop it, loudly.
+				j.dropFront(err)
+				continue
+			}
 			j.mu.Lock()
 			for _, e := range batch {
 				e.finish()
@@ -529,13 +535,35 @@ func (j *journal) sendBatch(ctx context.Context, batch []*journalEntry) error {
 			case err := <-f.Err():
 				return fmt.Errorf("publish %s: %w", batch[i].ev.ID, err)
 			case <-ctx.Done():
-				return fmt.Errorf("publish %s: %w", batch[i].ev.ID, ctx.Err())
+				subject, _ := batch[i].ev.Subject()
+				return fmt.Errorf("publish %s: %w", batch[i].ev.ID, j.b.explainPermission(subject, ctx.Err()))
 			}
 			countPublished(batch[i].ev.Type)
 		}
 		j.ackFront(batch[i])
 	}
 	return nil
+}
+
+// dropFront drops the oldest pending event, refused by the server.
+func (j *journal) dropFront(reason error) {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	if len(j.pending) == 0 {
+		return
+	}
+	e := j.pending[0]
+	j.pending = j.pending[1:]
+	j.pendingBytes -= e.line
+	j.acked = e.end
+	e.finish()
+	j.stats.Dropped++
+	journalDropped.Inc()
+	journalPending.Dec()
+	j.log.Error("journal: dropping an event the server refuses", "event_id", e.ev.ID, "err", reason)
+	if err := j.writeCursorLocked(); err != nil {
+		j.log.Warn("journal: write cursor failed", "err", err)
+	}
 }
 
 // ackFront marks e (the oldest pending event) acked and advances the cursor.

@@ -58,7 +58,7 @@ func (b *Bus) Publish(ctx context.Context, ev events.Event) error {
 		return j.publish(ctx, []events.Event{ev})
 	}
 	if _, err := b.js.PublishMsg(ctx, m); err != nil {
-		return fmt.Errorf("publish %s %s: %w", ev.Type, ev.ID, err)
+		return fmt.Errorf("publish %s %s: %w", ev.Type, ev.ID, b.explainPermission(m.Subject, err))
 	}
 	countPublished(ev.Type)
 	return nil
@@ -125,7 +125,7 @@ func (b *Bus) PublishCommand(ctx context.Context, subject, msgID string, body an
 	}
 	ack, err := b.js.PublishMsg(ctx, m)
 	if err != nil {
-		return 0, fmt.Errorf("publish command to %s: %w", subject, err)
+		return 0, fmt.Errorf("publish command to %s: %w", subject, b.explainPermission(subject, err))
 	}
 	return ack.Sequence, nil
 }

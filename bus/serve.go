@@ -115,7 +115,7 @@ func (b *Bus) Request(ctx context.Context, subject string, req any, resp any) er
 		if errors.Is(err, nats.ErrNoResponders) {
 			return fmt.Errorf("request %s: %w (is the worker running?)", subject, ErrNoResponders)
 		}
-		return fmt.Errorf("request %s: %w", subject, err)
+		return fmt.Errorf("request %s: %w", subject, b.explainPermission(subject, err))
 	}
 	var rep events.Reply
 	if err := json.Unmarshal(m.Data, &rep); err != nil {

@@ -1,0 +1,114 @@
+package bus
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"regexp"
+	"strings"
+	"sync"
+
+	"github.com/nats-io/nkeys"
+)
+
+// InboxRoot is the root of reply subjects. A client authenticated with an nkey uses InboxRoot.<its public
+// key> as its inbox prefix, so a server config can let each user subscribe to its own replies only
+// (_INBOX.<key>.>) instead of every client's (_INBOX.>): see deploy/natsconf. Configs that allow _INBOX.>
+// still match.
+const InboxRoot = "_INBOX"
+
+// inboxPrefix is the inbox prefix for o: o.InboxPrefix, else _INBOX.<nkey public key> with an nkey seed file,
+// else "" (the client's default, _INBOX).
+func inboxPrefix(o Options) (string, error) {
+	if o.InboxPrefix != "" || o.NKeyFile == "" {
+		return o.InboxPrefix, nil
+	}
+	pub, err := NKeyPublic(o.NKeyFile)
+	if err != nil {
+		return "", err
+	}
+	return InboxRoot + "." + pub, nil
+}
+
+// NKeyPublic reads an nkey seed file and returns the public key (the seed is not kept).
+func NKeyPublic(seedFile string) (string, error) {
+	raw, err := os.ReadFile(seedFile)
+	if err != nil {
+		return "", fmt.Errorf("read nkey seed: %w", err)
+	}
+	kp, err := nkeys.ParseDecoratedNKey(raw)
+	wipe(raw)
+	if err != nil {
+		return "", fmt.Errorf("parse nkey seed %s: %w", seedFile, err)
+	}
+	defer kp.Wipe()
+	pub, err := kp.PublicKey()
+	if err != nil {
+		return "", fmt.Errorf("nkey public key: %w", err)
+	}
+	return pub, nil
+}
+
+func wipe(b []byte) {
+	for i := range b {
+		b[i] = 'x'
+	}
+}
+
+// ErrPermissionViolation is wrapped by errors of publishes, requests and subscriptions the server refused
+// for the connection's user (the server's "Permissions Violation for Publish to ..." async error).
+var ErrPermissionViolation = errors.New("permissions violation")
+
+// violationRE parses the server's text, as nats.go forwards it to the async error handler.
+var violationRE = regexp.MustCompile(`(?i)permissions violation for (publish|subscription) to "([^"]+)"`)
+
+// violations remembers the subjects the server refused, so a publish or request that timed out can say why.
+type violations struct {
+	mu   sync.Mutex
+	last map[string]string // "publish <subject>" or "subscription <subject>" -> the server's text
+}
+
+// notePermission records a permission violation reported by the server (other errors are ignored).
+func (b *Bus) notePermission(err error) {
+	if err == nil {
+		return
+	}
+	m := violationRE.FindStringSubmatch(err.Error())
+	if m == nil {
+		return
+	}
+	b.perms.mu.Lock()
+	defer b.perms.mu.Unlock()
+	if b.perms.last == nil {
+		b.perms.last = map[string]string{}
+	}
+	if len(b.perms.last) > 1024 {
+		clear(b.perms.last)
+	}
+	b.perms.last[strings.ToLower(m[1])+" "+m[2]] = m[0]
+}
+
+// PermissionViolation returns an error wrapping ErrPermissionViolation if the server refused a publish to,
+// or a subscription to, subject on this connection; nil otherwise.
+func (b *Bus) PermissionViolation(subject string) error {
+	b.perms.mu.Lock()
+	defer b.perms.mu.Unlock()
+	for _, k := range []string{"publish " + subject, "subscription " + subject} {
+		if text, ok := b.perms.last[k]; ok {
+			return fmt.Errorf("%w: the server refused it (%s); check this user's permissions", ErrPermissionViolation, text)
+		}
+	}
+	return nil
+}
+
+// explainPermission wraps err with the server's permission violation for subject, when there is one: a
+// refused publish or request otherwise only times out.
+func (b *Bus) explainPermission(subject string, err error) error {
+	if err == nil {
+		return nil
+	}
+	if pv := b.PermissionViolation(subject); pv != nil {
+		return fmt.Errorf("%w (%w)", pv, err)
+	}
+	return err
+}

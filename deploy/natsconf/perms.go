@@ -1,0 +1,168 @@
+package natsconf
+
+import (
+	"github.com/imagefleet/imagefleet/events"
+)
+
+// Roles of the identities in the generated config.
+const (
+	RoleNode      = "node"
+	RoleFleet     = "fleet"
+	RoleInventory = "inventory"
+	RoleAdmin     = "admin"
+)
+
+// Well-known names the permissions refer to. They mirror the workers' constants (services/* may not be
+// imported here without pulling the whole agent into the config generator).
+const (
+	// PullerDurable is the pull consumer of a node: "puller-" + node token (services/puller.Durable).
+	PullerDurablePrefix = "puller-"
+	// InventoryDurable is the fleet inventory's durable consumer on the events stream.
+	InventoryDurable = "fleet-inventory"
+)
+
+// NodeBuckets are the key-value buckets where each node owns the keys under its node token.
+var NodeBuckets = []string{
+	"imagefleet-records",      // detector: image records
+	"imagefleet-pods",         // pod index snapshots
+	"imagefleet-pull-backoff", // puller: backoff per pod and image
+	"imagefleet-pull-records", // puller: KEP-2535 pulled records
+}
+
+// NodeKeyBuckets are buckets where a node owns exactly one key, its node token (heartbeats).
+var NodeKeyBuckets = []string{events.NodesBucket, events.NodesSeenBucket}
+
+// Permissions of one user: what it may publish and subscribe to. AllowResponses lets it answer requests
+// (publish once to the reply subject of a request it received) without a publish permission on inboxes.
+type Permissions struct {
+	Publish        []string
+	Subscribe      []string
+	AllowResponses bool
+}
+
+// inbox is the reply-subject root of the user with public key pub (bus.InboxRoot + "." + pub): bus.Connect
+// uses it for clients authenticated with an nkey.
+func inbox(pub string) string { return "_INBOX." + pub + ".>" }
+
+// NodePermissions are the permissions of node's agent (every node worker: detector, cache, gc, puller,
+// pod index, heartbeat) authenticated with the nkey whose public key is pub.
+//
+// A node may publish its own events, answer requests to its own commands and queries (and ask them itself:
+// gc asks the pod index which images are in use), use the JetStream API for its own pull consumer only
+// (the consumer-create subject carries the filter, so it cannot be created over another node's commands),
+// write and read its own keys in the node buckets, and read its own events back (the pod index's ordered
+// consumer, filtered to its node). It may not create, change or delete streams, buckets or other consumers:
+// an operator (the admin user) creates them.
+func NodePermissions(node, pub string) Permissions {
+	t := events.NodeToken(node)
+	durable := PullerDurablePrefix + t
+	pullFilter := events.CommandSubject(node, events.VerbPull)
+	pub1 := []string{
+		events.Prefix + ".evt." + t + ".>",
+		events.Prefix + ".cmd." + t + ".>",
+		events.Prefix + ".qry." + t + ".>",
+		"$JS.API.INFO",
+		"$JS.API.STREAM.INFO.*",
+		// The node's pull consumer: create (only with its own filter), info, fetch, ack.
+		"$JS.API.CONSUMER.CREATE." + events.PullStream + "." + durable + "." + pullFilter,
+		"$JS.API.CONSUMER.INFO." + events.PullStream + "." + durable,
+		"$JS.API.CONSUMER.MSG.NEXT." + events.PullStream + "." + durable,
+		"$JS.ACK." + events.PullStream + "." + durable + ".>",
+		// Reading its own events back (ordered consumers, filtered to the node).
+		"$JS.API.CONSUMER.CREATE." + events.EventsStream + ".*." + events.NodeEvents(node),
+		"$JS.API.CONSUMER.MSG.NEXT." + events.EventsStream + ".*",
+		"$JS.API.CONSUMER.INFO." + events.EventsStream + ".*",
+		// Dead letters of the node's consumers (bus.Consume keeps terminated messages there).
+		events.Prefix + ".dlq.>",
+	}
+	for _, b := range NodeBuckets {
+		pub1 = append(pub1,
+			"$KV."+b+"."+t+".>",
+			"$JS.API.DIRECT.GET.KV_"+b+".$KV."+b+"."+t+".>",
+			"$JS.API.CONSUMER.CREATE.KV_"+b+".*.$KV."+b+"."+t+".>",
+			"$JS.API.CONSUMER.MSG.NEXT.KV_"+b+".*",
+		)
+	}
+	for _, b := range NodeKeyBuckets {
+		pub1 = append(pub1, "$KV."+b+"."+t, "$JS.API.DIRECT.GET.KV_"+b+".$KV."+b+"."+t)
+	}
+	return Permissions{
+		Publish: pub1,
+		Subscribe: []string{
+			events.Prefix + ".cmd." + t + ".>",
+			events.Prefix + ".qry." + t + ".>",
+			inbox(pub),
+		},
+		AllowResponses: true,
+	}
+}
+
+// FleetPermissions are the fleet orchestrator's: it commands and queries every node (waves of GC and
+// pre-pulls), reads the node registry and the inventory, and owns the rollout stream and the fleet
+// subjects. It may not publish node events nor write node state.
+func FleetPermissions(pub string) Permissions {
+	p := []string{
+		events.Prefix + ".cmd.>",
+		events.Prefix + ".qry.>",
+		events.Prefix + ".fleet.>",
+		"$JS.API.INFO",
+		"$JS.API.STREAM.INFO.*",
+		"$JS.API.STREAM.CREATE." + events.RolloutStream,
+		"$JS.API.STREAM.UPDATE." + events.RolloutStream,
+		"$JS.API.CONSUMER.*." + events.RolloutStream + ".>",
+		"$JS.ACK." + events.RolloutStream + ".>",
+		"$JS.API.STREAM.MSG.GET." + events.RolloutStream,
+		// Reading events (results of the waves) through ordered consumers.
+		"$JS.API.CONSUMER.CREATE." + events.EventsStream + ".>",
+		"$JS.API.CONSUMER.MSG.NEXT." + events.EventsStream + ".*",
+		"$JS.API.CONSUMER.INFO." + events.EventsStream + ".*",
+	}
+	for _, b := range append(append([]string{}, NodeKeyBuckets...), events.InventoryBucket) {
+		p = append(p,
+			"$JS.API.DIRECT.GET.KV_"+b+".>",
+			"$JS.API.CONSUMER.CREATE.KV_"+b+".>",
+			"$JS.API.CONSUMER.MSG.NEXT.KV_"+b+".*",
+		)
+	}
+	for _, b := range NodeKeyBuckets {
+		// The registry creates the heartbeat buckets if the nodes have not yet.
+		p = append(p, "$JS.API.STREAM.CREATE.KV_"+b, "$JS.API.STREAM.UPDATE.KV_"+b)
+	}
+	return Permissions{
+		Publish:        p,
+		Subscribe:      []string{events.Prefix + ".fleet.>", inbox(pub)},
+		AllowResponses: true,
+	}
+}
+
+// InventoryPermissions are the fleet inventory worker's: it consumes every node's image events through
+// its durable consumer, keeps the inventory bucket, and answers inventory queries.
+func InventoryPermissions(pub string) Permissions {
+	b := events.InventoryBucket
+	return Permissions{
+		Publish: []string{
+			"$JS.API.INFO",
+			"$JS.API.STREAM.INFO.*",
+			"$JS.API.CONSUMER.CREATE." + events.EventsStream + "." + InventoryDurable,
+			"$JS.API.CONSUMER.CREATE." + events.EventsStream + "." + InventoryDurable + ".>",
+			"$JS.API.CONSUMER.INFO." + events.EventsStream + "." + InventoryDurable,
+			"$JS.API.CONSUMER.MSG.NEXT." + events.EventsStream + "." + InventoryDurable,
+			"$JS.ACK." + events.EventsStream + "." + InventoryDurable + ".>",
+			"$JS.API.STREAM.CREATE.KV_" + b,
+			"$JS.API.STREAM.UPDATE.KV_" + b,
+			"$KV." + b + ".>",
+			"$JS.API.DIRECT.GET.KV_" + b + ".>",
+			"$JS.API.CONSUMER.CREATE.KV_" + b + ".>",
+			"$JS.API.CONSUMER.MSG.NEXT.KV_" + b + ".*",
+			events.Prefix + ".dlq.>",
+		},
+		Subscribe:      []string{events.InventoryQuerySubject, inbox(pub)},
+		AllowResponses: true,
+	}
+}
+
+// AdminPermissions are everything: the operator's CLI (streams, dead-letter replay) and the process that
+// creates the streams and buckets.
+func AdminPermissions(string) Permissions {
+	return Permissions{Publish: []string{">"}, Subscribe: []string{">"}}
+}

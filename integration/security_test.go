@@ -1,0 +1,342 @@
+package integration_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/deploy/natsconf"
+	"github.com/imagefleet/imagefleet/events"
+)
+
+// secured is a nats-server started from a generated config (accounts, one nkey per node, TLS with client
+// certificates), with the identities' seed files.
+type secured struct {
+	srv   *natsServer
+	certs natsconf.Certs
+	seeds map[string]string
+}
+
+func startSecured(t *testing.T, nodes ...string) *secured {
+	t.Helper()
+	dir := t.TempDir()
+	certs, err := natsconf.GenerateCerts(dir+"/tls", nil, time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := natsconf.Generate(dir, natsconf.Options{Nodes: nodes, Listen: "127.0.0.1:4222",
+		TLS: &natsconf.TLSFiles{CA: certs.CA, Cert: certs.ServerCert, Key: certs.ServerKey}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &secured{srv: startNATS(t, res.ConfigFile), certs: certs, seeds: map[string]string{}}
+	for _, id := range res.Identities {
+		s.seeds[id.Name] = id.SeedFile
+	}
+	// The admin creates the streams and buckets: node users may not.
+	admin := s.connect(t, natsconf.RoleAdmin)
+	if err := admin.EnsureStreams(t.Context(), bus.StreamsConfig{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := admin.KV(t.Context(), bus.KVConfig{Bucket: "imagefleet-records"}); err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+func (s *secured) options(name string) bus.Options {
+	return bus.Options{Name: "test-" + name, NKeyFile: s.seeds[name], TLSCA: s.certs.CA, TLSCert: s.certs.ClientCert,
+		TLSKey: s.certs.ClientKey, ConnectTimeout: 5 * time.Second}
+}
+
+func (s *secured) connect(t *testing.T, name string) *bus.Bus {
+	t.Helper()
+	b, err := bus.Connect(t.Context(), "tls://"+s.srv.addr, s.options(name))
+	if err != nil {
+		t.Fatalf("connect as %s: %v", name, err)
+	}
+	t.Cleanup(b.Close)
+	return b
+}
+
+// wantViolation checks that err wraps bus.ErrPermissionViolation and says so in words.
+func wantViolation(t *testing.T, what string, err error) {
+	t.Helper()
+	if err == nil {
+		t.Errorf("%s: no error, want a permissions violation", what)
+		return
+	}
+	if !errors.Is(err, bus.ErrPermissionViolation) || !strings.Contains(strings.ToLower(err.Error()), "permissions violation") {
+		t.Errorf("%s: error %q, want a permissions violation", what, err)
+	}
+}
+
+// waitViolation polls until the server reported a violation for subject on b.
+func waitViolation(t *testing.T, b *bus.Bus, subject string) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for b.PermissionViolation(subject) == nil {
+		if time.Now().After(deadline) {
+			t.Errorf("no permissions violation reported for %s", subject)
+			return
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	wantViolation(t, subject, b.PermissionViolation(subject))
+}
+
+func short(t *testing.T) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(t.Context(), 1500*time.Millisecond)
+}
+
+func TestSecurityConnectionNeedsKeyAndClientCertificate(t *testing.T) {
+	s := startSecured(t, "node-a")
+	url := "tls://" + s.srv.addr
+	for _, tc := range []struct {
+		name string
+		opts bus.Options
+	}{
+		{name: "no nkey", opts: bus.Options{TLSCA: s.certs.CA, TLSCert: s.certs.ClientCert, TLSKey: s.certs.ClientKey}},
+		{name: "no client certificate", opts: bus.Options{NKeyFile: s.seeds["node-a"], TLSCA: s.certs.CA}},
+		{name: "plain text", opts: bus.Options{NKeyFile: s.seeds["node-a"]}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			tc.opts.ConnectTimeout = 500 * time.Millisecond
+			u := url
+			if tc.name == "plain text" {
+				u = "nats://" + s.srv.addr
+			}
+			b, err := bus.Connect(t.Context(), u, tc.opts)
+			if err == nil {
+				b.Close()
+				t.Fatal("connected; want refused")
+			}
+		})
+	}
+}
+
+// TestSecurityNodeIsolation: node A's credentials publish A's events, serve A's commands, consume A's pull
+// queue and write A's records; they cannot command node B, read B's commands, consume B's queue, write B's
+// records, publish B's events, or read other users' replies. Each refusal surfaces as a permissions
+// violation.
+func TestSecurityNodeIsolation(t *testing.T) {
+	const nodeA, nodeB = "node-a", "node-b.example"
+	s := startSecured(t, nodeA, nodeB)
+	a := s.connect(t, nodeA)
+	bb := s.connect(t, nodeB)
+	admin := s.connect(t, natsconf.RoleAdmin)
+	ctx := t.Context()
+
+	// B serves its commands; nothing A does may reach it.
+	var bGot atomic.Int64
+	serveCtx, stopServe := context.WithCancel(ctx)
+	defer stopServe()
+	go func() {
+		_ = bb.Serve(serveCtx, events.CommandSubject(nodeB, events.VerbGC), "gc", func(context.Context, []byte) (any, error) {
+			bGot.Add(1)
+			return "ran", nil
+		})
+	}()
+	go func() {
+		_ = a.Serve(serveCtx, events.CommandSubject(nodeA, events.VerbDetect), "detect", func(context.Context, []byte) (any, error) {
+			return "detected", nil
+		})
+	}()
+	waitServing(t, admin, events.CommandSubject(nodeB, events.VerbGC))
+	waitServing(t, admin, events.CommandSubject(nodeA, events.VerbDetect))
+
+	t.Run("own events", func(t *testing.T) {
+		ev, _ := events.New(nodeA, events.EntityImage, events.ActionDetected, nil)
+		if err := a.Publish(ctx, ev); err != nil {
+			t.Fatalf("publish own event: %v", err)
+		}
+	})
+	t.Run("another node's events", func(t *testing.T) {
+		ev, _ := events.New(nodeB, events.EntityImage, events.ActionRemoved, nil)
+		c, cancel := short(t)
+		defer cancel()
+		wantViolation(t, "publish B's event", a.Publish(c, ev))
+		if got := storedEventIDs(t, ctx, admin, events.NodeEvents(nodeB)); got[ev.ID] != 0 {
+			t.Error("B's event forged by A was stored")
+		}
+	})
+	t.Run("own commands answered", func(t *testing.T) {
+		var out string
+		c, cancel := short(t)
+		defer cancel()
+		if err := admin.Request(c, events.CommandSubject(nodeA, events.VerbDetect), nil, &out); err != nil || out != "detected" {
+			t.Fatalf("admin -> A detect: %q, %v", out, err)
+		}
+	})
+	t.Run("command another node", func(t *testing.T) {
+		base := bGot.Load()
+		c, cancel := short(t)
+		defer cancel()
+		wantViolation(t, "A requests B's gc", a.Request(c, events.CommandSubject(nodeB, events.VerbGC), nil, nil))
+		c2, cancel2 := short(t)
+		defer cancel2()
+		_, err := a.PublishCommand(c2, events.CommandSubject(nodeB, events.VerbPull), "", map[string]string{"image": "x"}, nil)
+		wantViolation(t, "A queues a pull on B", err)
+		if n := bGot.Load() - base; n != 0 {
+			t.Errorf("B ran %d commands sent by A", n)
+		}
+	})
+	t.Run("read another node's commands", func(t *testing.T) {
+		subCtx, cancel := context.WithCancel(ctx)
+		var got atomic.Int64
+		done := make(chan struct{})
+		subject := "imagefleet.cmd." + events.NodeToken(nodeB) + ".>"
+		go func() {
+			defer close(done)
+			_ = a.Subscribe(subCtx, subject, func(string, []byte) { got.Add(1) })
+		}()
+		waitViolation(t, a, subject)
+		c, cancelReq := short(t)
+		var out string
+		if err := admin.Request(c, events.CommandSubject(nodeB, events.VerbGC), nil, &out); err != nil {
+			t.Errorf("admin -> B gc: %v", err)
+		}
+		cancelReq()
+		cancel()
+		<-done
+		if got.Load() != 0 {
+			t.Errorf("A read %d of B's commands", got.Load())
+		}
+	})
+	t.Run("read other users' replies", func(t *testing.T) {
+		subCtx, cancel := context.WithCancel(ctx)
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			_ = a.Subscribe(subCtx, "_INBOX.>", func(string, []byte) {})
+		}()
+		waitViolation(t, a, "_INBOX.>")
+		cancel()
+		<-done
+	})
+	t.Run("own pull queue only", func(t *testing.T) {
+		if _, err := admin.PublishCommand(ctx, events.CommandSubject(nodeA, events.VerbPull), "p1", map[string]string{"image": "busybox"}, nil); err != nil {
+			t.Fatal(err)
+		}
+		cctx, cancel := context.WithCancel(ctx)
+		got := make(chan string, 1)
+		done := make(chan error, 1)
+		go func() {
+			done <- a.Consume(cctx, bus.ConsumerConfig{Stream: events.PullStream, Durable: natsconf.PullerDurablePrefix + events.NodeToken(nodeA),
+				FilterSubjects: []string{events.CommandSubject(nodeA, events.VerbPull)}, MaxAckPending: 2},
+				func(_ context.Context, m *bus.Msg) error {
+					select {
+					case got <- string(m.Data):
+					default:
+					}
+					return nil
+				})
+		}()
+		select {
+		case body := <-got:
+			if !strings.Contains(body, "busybox") {
+				t.Errorf("A's pull command = %s", body)
+			}
+		case err := <-done:
+			t.Fatalf("consume own pull queue: %v", err)
+		case <-time.After(10 * time.Second):
+			t.Fatal("A's pull command not delivered to A's consumer")
+		}
+		cancel()
+		<-done
+
+		c, cancel2 := short(t)
+		defer cancel2()
+		durB := natsconf.PullerDurablePrefix + events.NodeToken(nodeB)
+		err := a.Consume(c, bus.ConsumerConfig{Stream: events.PullStream, Durable: durB,
+			FilterSubjects: []string{events.CommandSubject(nodeB, events.VerbPull)}}, func(context.Context, *bus.Msg) error { return nil })
+		if err == nil {
+			t.Fatal("A created a consumer on B's pull queue")
+		}
+		waitViolation(t, a, "$JS.API.CONSUMER.CREATE."+events.PullStream+"."+durB+"."+events.CommandSubject(nodeB, events.VerbPull))
+		// Nor a consumer of its own name over the whole queue (no filter).
+		c3, cancel3 := short(t)
+		defer cancel3()
+		if err := a.Consume(c3, bus.ConsumerConfig{Stream: events.PullStream, Durable: natsconf.PullerDurablePrefix + events.NodeToken(nodeA) + "-all"},
+			func(context.Context, *bus.Msg) error { return nil }); err == nil {
+			t.Error("A created an unfiltered consumer on the pull queue")
+		}
+	})
+	t.Run("own records only", func(t *testing.T) {
+		kv, err := a.KVExisting(ctx, "imagefleet-records")
+		if err != nil {
+			t.Fatal(err)
+		}
+		own := events.NodeToken(nodeA) + ".sha256_1"
+		if _, err := kv.Put(ctx, own, []byte("{}")); err != nil {
+			t.Fatalf("put own record: %v", err)
+		}
+		if v, _, err := kv.Get(ctx, own); err != nil || string(v) != "{}" {
+			t.Fatalf("get own record: %q %v", v, err)
+		}
+		c, cancel := short(t)
+		defer cancel()
+		other := events.NodeToken(nodeB) + ".sha256_1"
+		_, err = kv.Put(c, other, []byte("{}"))
+		if err == nil {
+			t.Fatal("A wrote B's record")
+		}
+		waitViolation(t, a, "$KV.imagefleet-records."+other)
+	})
+	t.Run("no stream changes", func(t *testing.T) {
+		c, cancel := short(t)
+		defer cancel()
+		if err := a.EnsureStream(c, bus.StreamConfig{Name: "EVIL", Subjects: []string{"evil.>"}}); err == nil {
+			t.Error("a node created a stream")
+		}
+	})
+}
+
+// TestSecurityFleetAndInventory: the fleet user commands any node and cannot forge node events; the
+// inventory user cannot command nodes.
+func TestSecurityFleetAndInventory(t *testing.T) {
+	const node = "node-a"
+	s := startSecured(t, node)
+	a := s.connect(t, node)
+	fleet := s.connect(t, natsconf.RoleFleet)
+	inv := s.connect(t, natsconf.RoleInventory)
+	ctx := t.Context()
+	serveCtx, stop := context.WithCancel(ctx)
+	defer stop()
+	go func() {
+		_ = a.Serve(serveCtx, events.CommandSubject(node, events.VerbGC), "gc", func(context.Context, []byte) (any, error) { return "ok", nil })
+	}()
+	waitServing(t, fleet, events.CommandSubject(node, events.VerbGC))
+	if _, err := fleet.PublishCommand(ctx, events.CommandSubject(node, events.VerbPull), "f1", map[string]string{"image": "x"}, nil); err != nil {
+		t.Errorf("fleet queues a pull: %v", err)
+	}
+	ev, _ := events.New(node, events.EntityImage, events.ActionRemoved, nil)
+	c, cancel := short(t)
+	defer cancel()
+	wantViolation(t, "fleet forges a node event", fleet.Publish(c, ev))
+	c2, cancel2 := short(t)
+	defer cancel2()
+	wantViolation(t, "inventory commands a node", inv.Request(c2, events.CommandSubject(node, events.VerbGC), nil, nil))
+}
+
+// waitServing polls until a request to subject is answered.
+func waitServing(t *testing.T, b *bus.Bus, subject string) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		c, cancel := context.WithTimeout(t.Context(), 500*time.Millisecond)
+		err := b.Request(c, subject, nil, nil)
+		cancel()
+		if err == nil || errors.Is(err, bus.ErrRemote) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s not served: %v", subject, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
