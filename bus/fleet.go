@@ -115,3 +115,23 @@ func (b *Bus) KVExisting(ctx context.Context, bucket string) (*KV, error) {
 	}
 	return &KV{b: b, kv: kv}, nil
 }
+
+// ErrNoMessage is returned by LastMsg when no message of the stream has the subject.
+var ErrNoMessage = errors.New("no message")
+
+// LastMsg returns the last message of stream stored on subject (a direct lookup, no consumer), or an error
+// wrapping ErrNoMessage.
+func (b *Bus) LastMsg(ctx context.Context, stream, subject string) (StreamMsg, error) {
+	s, err := b.js.Stream(ctx, stream)
+	if err != nil {
+		return StreamMsg{}, fmt.Errorf("stream %s: %w", stream, err)
+	}
+	m, err := s.GetLastMsgForSubject(ctx, subject)
+	if err != nil {
+		if errors.Is(err, jetstream.ErrMsgNotFound) {
+			return StreamMsg{}, fmt.Errorf("last message on %s: %w", subject, ErrNoMessage)
+		}
+		return StreamMsg{}, fmt.Errorf("last message on %s: %w", subject, err)
+	}
+	return StreamMsg{Subject: m.Subject, Seq: m.Sequence, Time: m.Time, Header: m.Header, Data: m.Data}, nil
+}

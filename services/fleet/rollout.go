@@ -144,6 +144,13 @@ func LoadRollout(ctx context.Context, b *bus.Bus, id string) (*events.RolloutSta
 
 func loadRollout(ctx context.Context, b *bus.Bus, id string) (rolloutState, error) {
 	st := rolloutState{claims: map[string]events.RolloutClaim{}, results: map[string]events.RolloutNodeResult{}}
+	// A rollout that never started has nothing to read: one direct lookup instead of a scan.
+	if _, err := b.LastMsg(ctx, events.RolloutStream, events.RolloutSubject(id, events.RolloutStartedKind, "")); err != nil {
+		if errors.Is(err, bus.ErrNoMessage) {
+			return st, nil
+		}
+		return st, fmt.Errorf("load rollout %s: %w", id, err)
+	}
 	err := b.ReadStream(ctx, events.RolloutStream, events.RolloutFilter(id), 0, func(m bus.StreamMsg) bool {
 		rest := strings.TrimPrefix(m.Subject, events.Prefix+".fleet.rollout."+id+".")
 		kind, _, _ := strings.Cut(rest, ".")

@@ -1,0 +1,465 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"sort"
+	"strings"
+	"sync"
+	"text/tabwriter"
+	"time"
+
+	"github.com/schollz/progressbar/v3"
+	"github.com/spf13/cobra"
+	"golang.org/x/term"
+
+	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/services/fleet"
+)
+
+func init() { registerCommand(newFleetCmd) }
+
+func newFleetCmd() *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "fleet",
+		Short: "Fleet view and rollouts: nodes, images, where, gc, pull, follow",
+	}
+	cmd.AddCommand(newFleetNodesCmd(), newFleetImagesCmd(), newFleetWhereCmd(), newFleetGCCmd(), newFleetPullCmd(), newFleetFollowCmd())
+	return cmd
+}
+
+func newFleetNodesCmd() *cobra.Command {
+	var lostAfter time.Duration
+	var forget string
+	cmd := &cobra.Command{
+		Use:   "nodes",
+		Short: "List the nodes that ever heartbeated, Ready or Lost, with the age of their last heartbeat",
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			ctx, cancel := contextTimeout(cmd.Context())
+			defer cancel()
+			b, err := connect(ctx, "imagefleet-fleet-nodes")
+			if err != nil {
+				return err
+			}
+			defer b.Close()
+			reg, err := fleet.OpenRegistry(ctx, b, fleet.RegistryOptions{LostAfter: lostAfter})
+			if err != nil {
+				return err
+			}
+			if forget != "" {
+				return reg.Forget(ctx, forget)
+			}
+			nodes, err := reg.Nodes(ctx)
+			if err != nil {
+				return err
+			}
+			if jsonOutput() {
+				if nodes == nil {
+					nodes = []events.NodeStatus{}
+				}
+				return printJSON(cmd.OutOrStdout(), nodes)
+			}
+			tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
+			fmt.Fprintln(tw, "NODE\tSTATE\tLAST HEARTBEAT\tRUNTIME\tIMAGE FS USED\tCAPACITY\tLABELS\tWORKERS")
+			for _, n := range nodes {
+				fmt.Fprintf(tw, "%s\t%s\t%s ago\t%s %s\t%s\t%s\t%s\t%s\n", n.Node, n.State, n.Age.Round(time.Second),
+					n.RuntimeName, n.RuntimeVersion, FormatSize(n.ImageFs.UsedBytes), FormatSize(n.ImageFs.CapacityBytes),
+					formatLabels(n.Labels), strings.Join(n.Workers, ","))
+			}
+			return tw.Flush()
+		},
+	}
+	cmd.Flags().DurationVar(&lostAfter, "lost-after", 0, "show a node as lost after this silence (default: 3 of its heartbeat periods)")
+	cmd.Flags().StringVar(&forget, "forget", "", "remove a decommissioned node from the registry")
+	return cmd
+}
+
+func formatLabels(l map[string]string) string {
+	keys := make([]string, 0, len(l))
+	for k := range l {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	parts := make([]string, len(keys))
+	for i, k := range keys {
+		parts[i] = k + "=" + l[k]
+	}
+	return strings.Join(parts, ",")
+}
+
+func inventoryQuery(cmd *cobra.Command, q events.InventoryQuery) (events.InventoryReply, error) {
+	ctx, cancel := contextTimeout(cmd.Context())
+	defer cancel()
+	b, err := connect(ctx, "imagefleet-fleet-inventory")
+	if err != nil {
+		return events.InventoryReply{}, err
+	}
+	defer b.Close()
+	var rep events.InventoryReply
+	if err := b.Request(ctx, events.InventoryQuerySubject, q, &rep); err != nil {
+		return rep, fmt.Errorf("fleet inventory: %w", err)
+	}
+	return rep, nil
+}
+
+func newFleetImagesCmd() *cobra.Command {
+	var limit int
+	cmd := &cobra.Command{
+		Use:   "images",
+		Short: "Every image in the fleet: on how many nodes, and the bytes it takes in all (from the inventory)",
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			rep, err := inventoryQuery(cmd, events.InventoryQuery{What: events.InventoryImages, Limit: limit})
+			if err != nil {
+				return err
+			}
+			if jsonOutput() {
+				return printJSON(cmd.OutOrStdout(), rep)
+			}
+			tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
+			fmt.Fprintln(tw, "ID\tTAGS\tSIZE\tNODES\tTOTAL\tLAST USED")
+			for _, im := range rep.Images {
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\t%s\n", shortID(im.ID), strings.Join(im.RepoTags, ","), FormatSize(im.Size),
+					im.Nodes, FormatSize(im.TotalBytes), fmtTime(im.LastUsed))
+			}
+			fmt.Fprintf(tw, "%d images\t\t\t\t%s\t\n", rep.Total, FormatSize(rep.TotalBytes))
+			return tw.Flush()
+		},
+	}
+	cmd.Flags().IntVar(&limit, "limit", 0, "show at most this many images, biggest fleet total first (0: all)")
+	return cmd
+}
+
+func newFleetWhereCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:   "where IMAGE",
+		Short: "The nodes holding an image (by ID, ID prefix, tag or digest)",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			rep, err := inventoryQuery(cmd, events.InventoryQuery{What: events.InventoryWhere, Image: args[0]})
+			if err != nil {
+				return err
+			}
+			if jsonOutput() {
+				return printJSON(cmd.OutOrStdout(), rep)
+			}
+			tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
+			fmt.Fprintln(tw, "NODE\tID\tTAGS\tSIZE\tIN USE\tLAST USED")
+			for _, p := range rep.Placements {
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%v\t%s\n", p.Node, shortID(p.ID), strings.Join(p.RepoTags, ","), FormatSize(p.Size), p.InUse, fmtTime(p.LastUsed))
+			}
+			fmt.Fprintf(tw, "%d nodes\t\t\t%s\t\t\n", rep.Total, FormatSize(rep.TotalBytes))
+			return tw.Flush()
+		},
+	}
+}
+
+// rolloutFlags are the flags of fleet gc and fleet pull.
+type rolloutFlags struct {
+	id           string
+	selector     string
+	nodes        string
+	initialBatch int
+	nodeTimeout  time.Duration
+	includeLost  bool
+	replicas     int
+}
+
+func (f *rolloutFlags) register(cmd *cobra.Command) {
+	fs := cmd.Flags()
+	fs.StringVar(&f.id, "id", "", "rollout id (default: generated); the id of an earlier rollout resumes it, acting on no node twice")
+	fs.StringVarP(&f.selector, "selector", "l", "", "label selector of the nodes (k=v,k2!=v2,k3 in (a,b)); default all")
+	fs.StringVar(&f.nodes, "nodes", "", "act on exactly these nodes, in this order (instead of the registry and --selector)")
+	fs.IntVar(&f.initialBatch, "initial-batch", fleet.SlowStartInitialBatchSize, "size of the first batch; each next batch doubles")
+	fs.DurationVar(&f.nodeTimeout, "node-timeout", 60*time.Second, "a node that does not answer within this time has failed")
+	fs.BoolVar(&f.includeLost, "include-lost", false, "also act on nodes the registry shows as lost")
+	fs.IntVar(&f.replicas, "stream-replicas", 1, "replicas of the rollout stream (3 on a 3-server cluster)")
+}
+
+// plan picks the nodes and builds the rollout config.
+func (f *rolloutFlags) plan(ctx context.Context, b *bus.Bus, kind string) (fleet.RolloutConfig, error) {
+	if f.initialBatch < 1 {
+		return fleet.RolloutConfig{}, fmt.Errorf("--initial-batch %d must be at least 1", f.initialBatch)
+	}
+	cfg := fleet.RolloutConfig{ID: f.id, Kind: kind, Selector: f.selector, InitialBatch: f.initialBatch,
+		NodeTimeout: f.nodeTimeout, Replicas: f.replicas}
+	if cfg.ID == "" {
+		cfg.ID = fleet.NewRolloutID(kind)
+	}
+	if f.nodes != "" {
+		for _, n := range strings.Split(f.nodes, ",") {
+			if n = strings.TrimSpace(n); n != "" {
+				cfg.Nodes = append(cfg.Nodes, n)
+			}
+		}
+		return cfg, nil
+	}
+	var err error
+	cfg.Nodes, cfg.Skipped, err = fleet.PlanNodes(ctx, b, f.selector, f.includeLost, time.Now)
+	return cfg, err
+}
+
+// runRollout runs a rollout with a progress bar on a terminal, plain lines otherwise, and prints the result.
+func runRollout(cmd *cobra.Command, b *bus.Bus, cfg fleet.RolloutConfig, act fleet.NodeAction) error {
+	errOut := cmd.ErrOrStderr()
+	var bar *progressbar.ProgressBar
+	var mu sync.Mutex
+	if f, ok := errOut.(*os.File); ok && term.IsTerminal(int(f.Fd())) && len(cfg.Nodes) > 0 {
+		bar = progressbar.NewOptions(len(cfg.Nodes), progressbar.OptionSetWriter(errOut),
+			progressbar.OptionSetDescription(cfg.Kind+" "+cfg.ID), progressbar.OptionShowCount(),
+			progressbar.OptionClearOnFinish(), progressbar.OptionSetPredictTime(false))
+	}
+	fmt.Fprintf(errOut, "rollout %s: %s on %d nodes, batches %v\n", cfg.ID, cfg.Kind, len(cfg.Nodes), fleet.PlanBatches(len(cfg.Nodes), cfg.InitialBatch))
+	cfg.Progress = func(p fleet.Progress) {
+		mu.Lock()
+		defer mu.Unlock()
+		switch {
+		case bar != nil && p.Node != nil:
+			_ = bar.Add(1)
+		case bar != nil && p.Batch != nil:
+			bar.Describe(fmt.Sprintf("%s %s batch %d (%d nodes)", cfg.Kind, cfg.ID, p.Batch.Index, p.Batch.Size))
+		case p.Batch != nil:
+			fmt.Fprintf(errOut, "batch %d: %d nodes\n", p.Batch.Index, p.Batch.Size)
+		case p.Node != nil:
+			fmt.Fprintf(errOut, "[%d/%d] %s\n", p.Done, p.Total, nodeLine(*p.Node))
+		}
+	}
+	r, err := fleet.NewRollout(cfg, b, act)
+	if err != nil {
+		return err
+	}
+	res, runErr := r.Run(cmd.Context())
+	if bar != nil {
+		_ = bar.Finish()
+	}
+	if jsonOutput() {
+		if err := printJSON(cmd.OutOrStdout(), res); err != nil {
+			return err
+		}
+	} else {
+		printRolloutResult(cmd.OutOrStdout(), res)
+	}
+	if runErr != nil {
+		return runErr
+	}
+	if len(res.Failed) > 0 {
+		return exitError{code: 2, err: fmt.Errorf("rollout %s: %d of %d nodes failed, %d not started", res.ID, len(res.Failed), len(cfg.Nodes), res.NotStarted)}
+	}
+	return nil
+}
+
+func nodeLine(nr events.RolloutNodeResult) string {
+	status := "ok"
+	if !nr.OK {
+		status = "FAILED: " + nr.Error
+	}
+	if nr.Resumed {
+		status += " (earlier run)"
+	}
+	switch {
+	case nr.GC != nil && nr.GC.DryRun:
+		return fmt.Sprintf("%s: would remove %d images, %s; %s", nr.Node, len(nr.GC.Removed), FormatSize(bytesOf(nr.GC)), status)
+	case nr.GC != nil:
+		return fmt.Sprintf("%s: removed %d images, freed %s; %s", nr.Node, len(nr.GC.Removed), FormatSize(bytesOf(nr.GC)), status)
+	case nr.Pull != nil && nr.Pull.ImageRef != "":
+		return fmt.Sprintf("%s: %s; %s", nr.Node, shortID(nr.Pull.ImageRef), status)
+	}
+	return nr.Node + ": " + status
+}
+
+func bytesOf(r *events.GCResult) int64 {
+	var n int64
+	for _, rm := range r.Removed {
+		if rm.Error == "" {
+			n += rm.Size
+		}
+	}
+	return n
+}
+
+func printRolloutResult(w io.Writer, res events.RolloutResult) {
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	if res.Kind == events.RolloutGC {
+		head := "FREED"
+		if res.DryRun {
+			head = "WOULD FREE"
+		}
+		fmt.Fprintf(tw, "NODE\tBATCH\tSTATUS\tIMAGES\t%s\n", head)
+		for _, nr := range res.Nodes {
+			status, imgs, freed := "ok", "-", "-"
+			if !nr.OK {
+				status = "failed: " + nr.Error
+			}
+			if nr.GC != nil {
+				imgs, freed = fmt.Sprint(len(nr.GC.Removed)), FormatSize(bytesOf(nr.GC))
+				if res.DryRun {
+					var ids []string
+					for _, rm := range nr.GC.Removed {
+						name := shortID(rm.ID)
+						if len(rm.RepoTags) > 0 {
+							name = rm.RepoTags[0]
+						}
+						ids = append(ids, name)
+					}
+					if len(ids) > 0 {
+						imgs += " (" + strings.Join(ids, ", ") + ")"
+					}
+				}
+			}
+			fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\n", nr.Node, nr.Batch, status, imgs, freed)
+		}
+		fmt.Fprintf(tw, "fleet total\t\t\t\t%s\n", FormatSize(res.FreedBytes))
+	} else {
+		fmt.Fprintln(tw, "NODE\tBATCH\tSTATUS\tIMAGE REF")
+		for _, nr := range res.Nodes {
+			status, ref := "ok", "-"
+			if !nr.OK {
+				status = "failed: " + nr.Error
+			}
+			if nr.Pull != nil && nr.Pull.ImageRef != "" {
+				ref = nr.Pull.ImageRef
+			}
+			fmt.Fprintf(tw, "%s\t%d\t%s\t%s\n", nr.Node, nr.Batch, status, ref)
+		}
+	}
+	_ = tw.Flush()
+	fmt.Fprintf(w, "rollout %s: batches %v, %d succeeded, %d failed, %d not started, %d skipped, in %s\n", res.ID, res.Batches,
+		res.Succeeded, len(res.Failed), res.NotStarted, len(res.Skipped), res.Duration.Round(time.Millisecond))
+	for _, s := range res.Skipped {
+		fmt.Fprintf(w, "skipped %s: %s\n", s.Node, s.Error)
+	}
+}
+
+func newFleetGCCmd() *cobra.Command {
+	var f rolloutFlags
+	var dryRun, allUnused bool
+	cmd := &cobra.Command{
+		Use:   "gc [--selector k=v] [--initial-batch 1] [--dry-run] [--node-timeout 60s]",
+		Short: "Run image GC on the chosen nodes in slow-start batches (1, 2, 4 ...), stopping after a failing batch",
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			ctx := cmd.Context()
+			b, err := connect(ctx, "imagefleet-fleet-gc")
+			if err != nil {
+				return err
+			}
+			defer b.Close()
+			pctx, cancel := contextTimeout(ctx)
+			cfg, err := f.plan(pctx, b, events.RolloutGC)
+			cancel()
+			if err != nil {
+				return err
+			}
+			req := events.GCRequest{DryRun: dryRun, AllUnused: allUnused}
+			cfg.DryRun, cfg.GC = dryRun, &req
+			return runRollout(cmd, b, cfg, fleet.GCAction(b, req))
+		},
+	}
+	f.register(cmd)
+	cmd.Flags().BoolVar(&dryRun, "dry-run", false, "report what GC would remove on each node and the bytes it would free; remove nothing")
+	cmd.Flags().BoolVar(&allUnused, "all-unused", false, "remove every eligible unused image (DeleteUnusedImages), not just down to the low threshold")
+	return cmd
+}
+
+func newFleetPullCmd() *cobra.Command {
+	var f rolloutFlags
+	var policy string
+	cmd := &cobra.Command{
+		Use:   "pull IMAGE [--selector k=v] [--initial-batch 1]",
+		Short: "Pre-pull an image on the chosen nodes in slow-start batches",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ctx := cmd.Context()
+			b, err := connect(ctx, "imagefleet-fleet-pull")
+			if err != nil {
+				return err
+			}
+			defer b.Close()
+			pctx, cancel := contextTimeout(ctx)
+			cfg, err := f.plan(pctx, b, events.RolloutPull)
+			cancel()
+			if err != nil {
+				return err
+			}
+			cfg.Image = args[0]
+			w, err := fleet.StartPullWatch(ctx, b, cfg.ID, args[0], policy)
+			if err != nil {
+				return err
+			}
+			defer w.Stop()
+			return runRollout(cmd, b, cfg, w.Action())
+		},
+	}
+	f.register(cmd)
+	cmd.Flags().StringVar(&policy, "policy", events.PullIfNotPresent, "pull policy: Always, IfNotPresent or Never")
+	return cmd
+}
+
+func newFleetFollowCmd() *cobra.Command {
+	var wait bool
+	cmd := &cobra.Command{
+		Use:   "follow ID",
+		Short: "Follow a rollout as it happens (or replay a finished one) from its event stream",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			id := args[0]
+			if err := events.ValidateRolloutID(id); err != nil {
+				return err
+			}
+			ctx := cmd.Context()
+			b, err := connect(ctx, "imagefleet-fleet-follow")
+			if err != nil {
+				return err
+			}
+			defer b.Close()
+			if !wait {
+				sctx, cancel := contextTimeout(ctx)
+				started, _, _, err := fleet.LoadRollout(sctx, b, id)
+				cancel()
+				if err != nil {
+					return err
+				}
+				if started == nil {
+					return fmt.Errorf("rollout %s not found (use --wait to wait for it)", id)
+				}
+			}
+			out := cmd.OutOrStdout()
+			var final *events.RolloutResult
+			err = fleet.FollowRollout(ctx, b, id, func(ev fleet.RolloutEvent) bool {
+				if jsonOutput() {
+					_ = printJSON(out, ev)
+				} else {
+					ts := ev.Time.Local().Format("15:04:05.000")
+					switch {
+					case ev.Started != nil:
+						fmt.Fprintf(out, "%s started %s on %d nodes (selector %q, initial batch %d, dry run %v)\n", ts, ev.Started.Kind,
+							len(ev.Started.Nodes), ev.Started.Selector, ev.Started.InitialBatch, ev.Started.DryRun)
+					case ev.Batch != nil:
+						fmt.Fprintf(out, "%s batch %d: %d nodes\n", ts, ev.Batch.Index, ev.Batch.Size)
+					case ev.Claim != nil:
+					case ev.Node != nil:
+						fmt.Fprintf(out, "%s %s\n", ts, nodeLine(*ev.Node))
+					case ev.Finished != nil:
+						fmt.Fprintf(out, "%s finished: batches %v, %d succeeded, %d failed, %d not started\n", ts, ev.Finished.Batches,
+							ev.Finished.Succeeded, len(ev.Finished.Failed), ev.Finished.NotStarted)
+					}
+				}
+				if ev.Finished != nil {
+					final = ev.Finished
+					return false
+				}
+				return true
+			})
+			if err != nil {
+				return err
+			}
+			if final != nil && len(final.Failed) > 0 {
+				return exitError{code: 2, err: fmt.Errorf("rollout %s: %d nodes failed", id, len(final.Failed))}
+			}
+			return nil
+		},
+	}
+	cmd.Flags().BoolVar(&wait, "wait", false, "wait for a rollout that has not started yet")
+	return cmd
+}
