@@ -250,6 +250,10 @@ func (s *Service) Flush(ctx context.Context) error {
 	if s.store == nil {
 		return nil // not running
 	}
+	if !s.bus.Connected() {
+		// Acks cannot come: keep everything dirty for the next flush (or the replay after a restart).
+		return fmt.Errorf("flush pod index of %s: not connected to nats", s.cfg.Node)
+	}
 	s.mu.Lock()
 	d, err := s.state.TakeDirty()
 	pending := s.pending
