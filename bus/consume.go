@@ -209,6 +209,10 @@ const (
 func (b *Bus) deadLetter(ctx context.Context, cfg ConsumerConfig, m *Msg, reason error) {
 	dm := nats.NewMsg(DeadLetterPrefix + "." + cfg.Stream + "." + cfg.Durable)
 	dm.Data = m.Data
+	for k, vs := range m.Header {
+		// The original headers (CloudEvents envelope, ...) travel with it, so a replay is the same message.
+		dm.Header[k] = append([]string(nil), vs...)
+	}
 	dm.Header.Set(HeaderDLQSubject, m.Subject)
 	dm.Header.Set(HeaderDLQReason, truncate(reason.Error(), 1024))
 	dm.Header.Set(HeaderDLQDeliveries, strconv.FormatUint(m.NumDelivered, 10))

@@ -1,0 +1,78 @@
+package bus
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// ErrNoDeadLetter is returned by ReplayDeadLetter when the dead-letter stream has no message at seq.
+var ErrNoDeadLetter = errors.New("no such dead letter")
+
+// Replayed says where a replayed dead letter went.
+type Replayed struct {
+	Subject string `json:"subject"`
+	// Stream and Seq are set when the subject belongs to a stream (the message was stored again).
+	Stream string `json:"stream,omitempty"`
+	Seq    uint64 `json:"seq,omitempty"`
+	// Duplicate: the stream already had this replay (same dead letter replayed within the duplicate window).
+	Duplicate bool `json:"duplicate,omitempty"`
+}
+
+// ReplayDeadLetter publishes the dead letter at seq of the dead-letter stream again to its original subject,
+// with its original headers, through JetStream when a stream captures the subject (its Nats-Msg-Id is
+// "replay-<seq>", so replaying the same dead letter twice in the duplicate window stores it once), else as a
+// core message. With remove, the dead letter is deleted after a successful replay.
+func (b *Bus) ReplayDeadLetter(ctx context.Context, seq uint64, remove bool) (Replayed, error) {
+	s, err := b.js.Stream(ctx, DeadLetterStream)
+	if err != nil {
+		return Replayed{}, fmt.Errorf("replay dead letter %d: %w", seq, err)
+	}
+	raw, err := s.GetMsg(ctx, seq)
+	if err != nil {
+		if errors.Is(err, jetstream.ErrMsgNotFound) {
+			return Replayed{}, fmt.Errorf("replay dead letter %d: %w", seq, ErrNoDeadLetter)
+		}
+		return Replayed{}, fmt.Errorf("replay dead letter %d: %w", seq, err)
+	}
+	subject := raw.Header.Get(HeaderDLQSubject)
+	if subject == "" {
+		return Replayed{}, fmt.Errorf("replay dead letter %d: it has no %s header", seq, HeaderDLQSubject)
+	}
+	m := nats.NewMsg(subject)
+	m.Data = raw.Data
+	for k, vs := range raw.Header {
+		if strings.HasPrefix(k, "Imagefleet-") || k == jetstream.MsgIDHeader {
+			continue
+		}
+		for _, v := range vs {
+			m.Header.Add(k, v)
+		}
+	}
+	m.Header.Set(jetstream.MsgIDHeader, "replay-"+strconv.FormatUint(seq, 10))
+	out := Replayed{Subject: subject}
+	ack, err := b.js.PublishMsg(ctx, m)
+	switch {
+	case err == nil:
+		out.Stream, out.Seq, out.Duplicate = ack.Stream, ack.Sequence, ack.Duplicate
+	case errors.Is(err, jetstream.ErrNoStreamResponse) || errors.Is(err, nats.ErrNoResponders):
+		// No stream captures the subject: a core request/reply or signal subject.
+		m.Header.Del(jetstream.MsgIDHeader)
+		if err := b.nc.PublishMsg(m); err != nil {
+			return Replayed{}, fmt.Errorf("replay dead letter %d to %s: %w", seq, subject, err)
+		}
+	default:
+		return Replayed{}, fmt.Errorf("replay dead letter %d to %s: %w", seq, subject, b.explainPermission(subject, err))
+	}
+	if remove {
+		if err := s.DeleteMsg(ctx, seq); err != nil {
+			return out, fmt.Errorf("delete dead letter %d after replay: %w", seq, err)
+		}
+	}
+	return out, nil
+}
