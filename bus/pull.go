@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -36,7 +37,9 @@ func (b *Bus) SubscribeSync(ctx context.Context, subject string) (*Subscription,
 	if err != nil {
 		return nil, fmt.Errorf("subscribe %s: %w", subject, err)
 	}
-	if err := b.nc.FlushWithContext(ctx); err != nil {
+	fctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if err := b.nc.FlushWithContext(fctx); err != nil {
 		_ = sub.Unsubscribe()
 		return nil, fmt.Errorf("subscribe %s: flush: %w", subject, err)
 	}

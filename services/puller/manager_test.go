@@ -437,12 +437,16 @@ func TestCancelLastWaiterCancelsPull(t *testing.T) {
 	ctx1, cancel1 := context.WithCancelCause(t.Context())
 	ctx2, cancel2 := context.WithCancelCause(t.Context())
 	res := make(chan Outcome, 2)
-	go func() { res <- h.m.EnsureImageExists(ctx1, Request{Image: "missing_image", Policy: events.PullAlways, Pod: events.PodRef{UID: "a"}}) }()
+	go func() {
+		res <- h.m.EnsureImageExists(ctx1, Request{Image: "missing_image", Policy: events.PullAlways, Pod: events.PodRef{UID: "a"}})
+	}()
 	deadline := time.Now().Add(5 * time.Second)
 	for h.rt.inFlight.Load() < 1 && time.Now().Before(deadline) {
 		time.Sleep(5 * time.Millisecond)
 	}
-	go func() { res <- h.m.EnsureImageExists(ctx2, Request{Image: "missing_image", Policy: events.PullAlways, Pod: events.PodRef{UID: "b"}}) }()
+	go func() {
+		res <- h.m.EnsureImageExists(ctx2, Request{Image: "missing_image", Policy: events.PullAlways, Pod: events.PodRef{UID: "b"}})
+	}()
 	time.Sleep(100 * time.Millisecond)
 	cancel1(errPodDeleted)
 	o := <-res

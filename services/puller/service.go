@@ -73,10 +73,16 @@ func newService(cfg Config, svc imageService, b *bus.Bus) (*Service, error) {
 func (s *Service) Run(ctx context.Context) error {
 	bo, err := openKVBackoff(ctx, s.bus, s.cfg.Node, s.m.cfg.backoff)
 	if err != nil {
+		if ctx.Err() != nil {
+			return nil
+		}
 		return err
 	}
 	rs, err := openKVRecords(ctx, s.bus, s.cfg.Node)
 	if err != nil {
+		if ctx.Err() != nil {
+			return nil
+		}
 		return err
 	}
 	s.m.backoff, s.m.records.store = bo, rs
