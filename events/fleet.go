@@ -265,9 +265,11 @@ type RolloutResult struct {
 	Succeeded int                `json:"succeeded"`
 	Failed    []RolloutNodeError `json:"failed"`
 	// NotStarted counts planned nodes no batch reached (a batch failed before).
-	NotStarted int                 `json:"notStarted"`
-	Skipped    []RolloutNodeError  `json:"skipped,omitempty"`
-	Nodes      []RolloutNodeResult `json:"nodes"`
+	NotStarted int                `json:"notStarted"`
+	Skipped    []RolloutNodeError `json:"skipped,omitempty"`
+	// Nodes are the outcomes in plan order (the finished record of the rollout stream leaves them out:
+	// each is a record of its own).
+	Nodes []RolloutNodeResult `json:"nodes"`
 	// FreedBytes sums the bytes GC freed, or in a dry run would free, on the nodes that answered.
 	FreedBytes int64     `json:"freedBytes"`
 	Error      string    `json:"error,omitempty"`

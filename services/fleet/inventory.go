@@ -248,6 +248,15 @@ func (s *Inventory) put(ctx context.Context, p events.Placement) (bool, error) {
 	if err != nil {
 		return false, bus.Permanent(fmt.Errorf("marshal placement: %w", err))
 	}
+	// The common case is an image new to its node: try to create the key first (one round trip), and read
+	// and compare-and-set only when it exists.
+	if !p.Gone {
+		if _, err := s.kv.Create(ctx, key, raw); err == nil {
+			return true, nil
+		} else if !errors.Is(err, bus.ErrConflict) {
+			return false, err
+		}
+	}
 	for attempt := 0; attempt < 8; attempt++ {
 		cur, rev, err := s.kv.Get(ctx, key)
 		switch {

@@ -323,8 +323,12 @@ func (r *Rollout) Run(ctx context.Context) (events.RolloutResult, error) {
 	if ctx.Err() != nil {
 		return res, fmt.Errorf("rollout %s: %w", cfg.ID, ctx.Err())
 	}
+	// The finished record is the summary: each node's outcome is already a record of its own, and a
+	// thousand GC results would not fit in one message.
+	summary := res
+	summary.Nodes = nil
 	if err := retryTransient(ctx, func() error {
-		_, err := r.publish(ctx, events.RolloutSubject(cfg.ID, events.RolloutFinishedKind, ""), "finished."+r.owner, res)
+		_, err := r.publish(ctx, events.RolloutSubject(cfg.ID, events.RolloutFinishedKind, ""), "finished."+r.owner, summary)
 		return err
 	}); err != nil {
 		return res, err
