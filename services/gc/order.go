@@ -35,7 +35,7 @@ type candidate struct {
 // by firstDetected ascending (and, where the kubelet leaves the order unspecified, by ID). The excluded
 // records are returned as skipped, sorted by ID.
 func evictionOrder(recs map[string]events.ImageRecord, pinned *refMatcher) ([]candidate, []events.GCSkipped) {
-	all := make([]events.ImageRecord, 0, len(recs))
+	all := make([]candidate, 0, len(recs))
 	keys := make([]evictionKey, 0, len(recs))
 	var skipped []events.GCSkipped
 	for _, r := range recs {
@@ -52,7 +52,7 @@ func evictionOrder(recs map[string]events.ImageRecord, pinned *refMatcher) ([]ca
 				firstSec: r.FirstDetected.Unix(), firstNsec: int32(r.FirstDetected.Nanosecond()),
 				i: int32(len(all)),
 			})
-			all = append(all, r)
+			all = append(all, candidate{r})
 		}
 	}
 	// Sort small keys, not records: a record is ten times the size of its key.
@@ -71,12 +71,26 @@ func evictionOrder(recs map[string]events.ImageRecord, pinned *refMatcher) ([]ca
 		}
 		return strings.Compare(all[a.i].ID, all[b.i].ID)
 	})
-	cands := make([]candidate, len(keys))
-	for j, k := range keys {
-		cands[j] = candidate{all[k.i]}
+	// Put the candidates in key order in place: position j takes all[keys[j].i] (cycle by cycle).
+	for start := range keys {
+		if keys[start].i < 0 {
+			continue
+		}
+		tmp := all[start]
+		j := start
+		for {
+			k := int(keys[j].i)
+			keys[j].i = -1
+			if k == start {
+				all[j] = tmp
+				break
+			}
+			all[j] = all[k]
+			j = k
+		}
 	}
 	slices.SortFunc(skipped, func(a, b events.GCSkipped) int { return strings.Compare(a.ID, b.ID) })
-	return cands, skipped
+	return all, skipped
 }
 
 // evictionKey is the sort key of one candidate: lastUsed, firstDetected (as seconds and nanoseconds, which
