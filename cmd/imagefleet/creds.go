@@ -1,0 +1,122 @@
+package main
+
+import (
+	"fmt"
+	"os"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/imagefleet/imagefleet/deploy/natsconf"
+)
+
+// gen-creds is a subcommand of `imagefleet bus`. bus.go (sorted before this file, so its init ran first)
+// registers the bus command; this wraps its constructor to add the subcommand.
+func init() {
+	for i, f := range commands {
+		if f().Name() == "bus" {
+			orig := f
+			commands[i] = func() *cobra.Command {
+				c := orig()
+				c.AddCommand(newGenCredsCmd())
+				return c
+			}
+			return
+		}
+	}
+	registerCommand(newGenCredsCmd) // no bus command: stand alone
+}
+
+func newGenCredsCmd() *cobra.Command {
+	var (
+		nodes, rotate, out, listen, tlsDir string
+		testCerts                          bool
+		hosts                              []string
+	)
+	cmd := &cobra.Command{
+		Use:   "gen-creds --nodes a,b,c --out DIR",
+		Short: "Write one nkey per node (and for fleet, inventory, admin) and a nats-server config with per-node permissions",
+		Long: `Write DIR/nats.conf (account IMAGEFLEET, one nkey user per node allowed only its own subjects, plus the
+fleet, inventory and admin users) and the seeds: DIR/nodes/<node>.nk, DIR/fleet.nk, DIR/inventory.nk,
+DIR/admin.nk (mode 0600). Existing seeds in DIR are kept; --rotate NAME,... replaces those. Seeds of nodes no
+longer listed are deleted. Run the server with: imagefleet bus --config DIR/nats.conf.
+With --tls-dir, clients must present a certificate signed by DIR/ca.pem (files ca.pem, server.pem,
+server-key.pem; --gen-test-certs writes a test CA and certificates there first).`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if out == "" {
+				return fmt.Errorf("--out is required")
+			}
+			list := splitList(nodes)
+			if nodes != "" && strings.HasPrefix(nodes, "@") {
+				raw, err := os.ReadFile(nodes[1:])
+				if err != nil {
+					return fmt.Errorf("nodes file: %w", err)
+				}
+				list = strings.Fields(string(raw))
+			}
+			if len(list) == 0 {
+				return fmt.Errorf("--nodes is required (a,b,c or @FILE with one node per line)")
+			}
+			o := natsconf.Options{Nodes: list, Listen: listen, Rotate: splitList(rotate)}
+			if testCerts && tlsDir == "" {
+				return fmt.Errorf("--gen-test-certs needs --tls-dir")
+			}
+			if tlsDir != "" {
+				if testCerts {
+					if _, err := natsconf.GenerateCerts(tlsDir, hosts, 365*24*time.Hour); err != nil {
+						return fmt.Errorf("test certificates: %w", err)
+					}
+				}
+				o.TLS = &natsconf.TLSFiles{CA: tlsDir + "/ca.pem", Cert: tlsDir + "/server.pem", Key: tlsDir + "/server-key.pem"}
+				for _, p := range []string{o.TLS.CA, o.TLS.Cert, o.TLS.Key} {
+					if _, err := os.Stat(p); err != nil {
+						return fmt.Errorf("tls: %w (deploy/nats/gen-certs.sh or --gen-test-certs writes it)", err)
+					}
+				}
+			}
+			res, err := natsconf.Generate(out, o)
+			if err != nil {
+				return err
+			}
+			if jsonOutput() {
+				type ident struct {
+					Name, Role, Public, SeedFile string
+				}
+				ids := make([]ident, 0, len(res.Identities))
+				for _, id := range res.Identities {
+					ids = append(ids, ident{id.Name, id.Role, id.Public, id.SeedFile})
+				}
+				return printJSON(cmd.OutOrStdout(), map[string]any{"config": res.ConfigFile, "identities": ids})
+			}
+			w := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
+			fmt.Fprintf(w, "config: %s\n", res.ConfigFile)
+			fmt.Fprintln(w, "NAME\tROLE\tPUBLIC KEY\tSEED FILE")
+			for _, id := range res.Identities {
+				fmt.Fprintf(w, "%s\t%s\t%s\t%s\n", id.Name, id.Role, id.Public, id.SeedFile)
+			}
+			return w.Flush()
+		},
+	}
+	fs := cmd.Flags()
+	fs.StringVar(&nodes, "nodes", "", "node names, comma separated, or @FILE (one per line)")
+	fs.StringVar(&out, "out", "", "output directory")
+	fs.StringVar(&rotate, "rotate", "", "identities whose keys are replaced (node names, fleet, inventory, admin)")
+	fs.StringVar(&listen, "listen", "0.0.0.0:4222", "client listen address written to the config")
+	fs.StringVar(&tlsDir, "tls-dir", "", "directory with ca.pem, server.pem, server-key.pem: require TLS with client certificates")
+	fs.BoolVar(&testCerts, "gen-test-certs", false, "write a test CA and certificates into --tls-dir first (labs and tests only)")
+	fs.StringSliceVar(&hosts, "tls-host", nil, "extra host names or IPs of the server certificate (with --gen-test-certs)")
+	return cmd
+}
+
+func splitList(s string) []string {
+	var out []string
+	for _, p := range strings.Split(s, ",") {
+		if p = strings.TrimSpace(p); p != "" {
+			out = append(out, p)
+		}
+	}
+	return out
+}

@@ -1,0 +1,271 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
+
+	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/internal/tail"
+)
+
+var (
+	journalOff      bool
+	journalMaxBytes int64
+)
+
+func init() {
+	registerCommand(newEventsCmd)
+	// The journal is a worker so it is on in every agent (whatever --workers says, the bus is shared): it is
+	// registered before the worker_* files, so it is built first and journals every event the others publish.
+	registerWorker(workerDef{
+		Name: "journal", Default: true,
+		Flags: func(fs *pflag.FlagSet) {
+			fs.BoolVar(&journalOff, "no-journal", false, "do not journal events locally before publishing them")
+			fs.Int64Var(&journalMaxBytes, "journal-max-bytes", 64<<20, "size bound of the event journal file under --data-dir/journal (rotated past it)")
+		},
+		Build: func(_ context.Context, env *agentEnv) (runnable, error) {
+			if journalOff {
+				return idle{}, nil
+			}
+			dir := filepath.Join(env.DataDir, "journal")
+			if err := env.Bus.OpenJournal(bus.JournalConfig{Dir: dir, MaxBytes: journalMaxBytes}); err != nil {
+				return nil, err
+			}
+			env.Log.Info("event journal open", "dir", dir)
+			return idle{}, nil
+		},
+	})
+}
+
+// idle is a worker with nothing to run: its work happens in the bus (the journal) or in Build.
+type idle struct{}
+
+func (idle) Run(ctx context.Context) error { <-ctx.Done(); return nil }
+
+type eventsFlags struct {
+	node    string
+	follow  bool
+	tail    int64
+	typ     string
+	journal string
+}
+
+func newEventsCmd() *cobra.Command {
+	var f eventsFlags
+	cmd := &cobra.Command{
+		Use:   "events [--node N] [--follow] [--tail N] [--type T] [--journal FILE]",
+		Short: "Print events from the events stream (or a node's local journal file)",
+		Long: `Print events, one line each (time, node, type, reason, message), or JSON lines with -o json.
+--type takes a type (imagefleet.image.removed.v1), entity.action (image.removed) or an entity (image).
+--journal FILE reads an agent's local journal (<data-dir>/journal/events.jsonl) instead of NATS; with --tail N
+it reads only the end of the file.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error { return runEvents(cmd, f) },
+	}
+	fs := cmd.Flags()
+	fs.StringVar(&f.node, "node", "", "only this node's events")
+	fs.BoolVarP(&f.follow, "follow", "f", false, "keep printing new events until interrupted")
+	fs.Int64Var(&f.tail, "tail", -1, "print only the last N events (-1: all)")
+	fs.StringVar(&f.typ, "type", "", "only events of this type")
+	fs.StringVar(&f.journal, "journal", "", "read this journal file instead of the events stream")
+	return cmd
+}
+
+// eventFilter is the subject filter and the matcher of the flags.
+type eventFilter struct {
+	node, entity, action, version string
+}
+
+func parseEventFilter(node, typ string) (eventFilter, error) {
+	var ef eventFilter
+	if node != "" {
+		if err := events.ValidateNodeName(node); err != nil {
+			return ef, err
+		}
+		ef.node = node
+	}
+	if typ == "" {
+		return ef, nil
+	}
+	if strings.HasPrefix(typ, events.Prefix+".") {
+		e, a, v, err := events.ParseType(typ)
+		if err != nil {
+			return ef, err
+		}
+		ef.entity, ef.action, ef.version = e, a, v
+		return ef, nil
+	}
+	parts := strings.Split(typ, ".")
+	if len(parts) > 2 || parts[0] == "" || (len(parts) == 2 && parts[1] == "") || strings.ContainsAny(typ, "*> ") {
+		return ef, fmt.Errorf("type %q: want a type (imagefleet.image.removed.v1), entity.action or an entity", typ)
+	}
+	ef.entity = parts[0]
+	if len(parts) == 2 {
+		ef.action = parts[1]
+	}
+	return ef, nil
+}
+
+// subject is the stream subject filter.
+func (ef eventFilter) subject() string {
+	node := "*"
+	if ef.node != "" {
+		node = events.NodeToken(ef.node)
+	}
+	s := events.Prefix + ".evt." + node
+	switch {
+	case ef.entity == "":
+		return s + ".>"
+	case ef.action == "":
+		return s + "." + ef.entity + ".>"
+	default:
+		return s + "." + ef.entity + "." + ef.action
+	}
+}
+
+func (ef eventFilter) match(ev events.Event) bool {
+	if ef.node != "" && ev.Node != ef.node {
+		return false
+	}
+	if ef.entity == "" {
+		return true
+	}
+	e, a, v, err := events.ParseType(ev.Type)
+	if err != nil {
+		return false
+	}
+	return e == ef.entity && (ef.action == "" || a == ef.action) && (ef.version == "" || v == ef.version)
+}
+
+func runEvents(cmd *cobra.Command, f eventsFlags) error {
+	ef, err := parseEventFilter(f.node, f.typ)
+	if err != nil {
+		return err
+	}
+	out := cmd.OutOrStdout()
+	if f.journal != "" {
+		if f.follow {
+			return fmt.Errorf("--follow reads the events stream; it cannot be used with --journal")
+		}
+		return printJournal(out, f.journal, f.tail, ef)
+	}
+	ctx := cmd.Context()
+	b, err := connect(ctx, "imagefleet-events")
+	if err != nil {
+		return err
+	}
+	defer b.Close()
+	var last uint64
+	if f.tail != 0 {
+		var ring []events.Event
+		rctx, cancel := contextTimeout(ctx)
+		err := b.ReadStream(rctx, events.EventsStream, ef.subject(), 0, func(m bus.StreamMsg) bool {
+			last = m.Seq
+			ev, err := events.DecodeEvent(m.Data)
+			if err != nil || !ef.match(ev) {
+				return true
+			}
+			ring = append(ring, ev)
+			if f.tail > 0 && int64(len(ring)) > f.tail {
+				ring = ring[1:]
+			}
+			return true
+		})
+		cancel()
+		if err != nil {
+			return err
+		}
+		for _, ev := range ring {
+			if err := printEvent(out, ev); err != nil {
+				return err
+			}
+		}
+	} else if f.follow {
+		info, err := b.Stream(ctx, events.EventsStream)
+		if err != nil {
+			return err
+		}
+		last = info.LastSeq
+	}
+	if !f.follow {
+		return nil
+	}
+	err = b.Follow(ctx, events.EventsStream, ef.subject(), last+1, func(m bus.StreamMsg) bool {
+		if ev, err := events.DecodeEvent(m.Data); err == nil && ef.match(ev) {
+			if printEvent(out, ev) != nil {
+				return false
+			}
+		}
+		return true
+	})
+	if ctx.Err() != nil {
+		return nil
+	}
+	return err
+}
+
+// printJournal prints the last n events of a journal file (n < 0: all), reading only the end of the file
+// (tail.FindTailLineStartIndex). With a filter, n counts matching events: it reads further back until it has
+// n of them or reaches the start.
+func printJournal(out io.Writer, path string, n int64, ef eventFilter) error {
+	var lines [][]byte
+	if n < 0 {
+		n = 1 << 62
+	}
+	for want := max(n, 1); n > 0; want *= 4 {
+		all, err := tail.Lines(path, want)
+		if err != nil {
+			return fmt.Errorf("read journal: %w", err)
+		}
+		lines = lines[:0]
+		for _, l := range all {
+			if ev, err := events.DecodeEvent(l); err == nil && ef.match(ev) {
+				lines = append(lines, l)
+			}
+		}
+		if int64(len(lines)) >= n || int64(len(all)) < want {
+			break
+		}
+	}
+	if int64(len(lines)) > n {
+		lines = lines[int64(len(lines))-n:]
+	}
+	w := bufio.NewWriter(out)
+	for _, l := range lines {
+		ev, _ := events.DecodeEvent(l)
+		if err := printEvent(w, ev); err != nil {
+			return err
+		}
+	}
+	return w.Flush()
+}
+
+// printEvent writes one line: the event as JSON with -o json, else time, node, type, reason, message.
+func printEvent(w io.Writer, ev events.Event) error {
+	if jsonOutput() {
+		raw, err := json.Marshal(ev)
+		if err != nil {
+			return err
+		}
+		_, err = fmt.Fprintf(w, "%s\n", raw)
+		return err
+	}
+	reason, msg := ev.Reason, ev.Message
+	if reason == "" {
+		reason = "-"
+	}
+	_, err := fmt.Fprintf(w, "%s  %s  %s  %s  %s\n", ev.Time.UTC().Format(time.RFC3339), ev.Node, ev.Type, reason, oneLine(msg))
+	return err
+}
+
+func oneLine(s string) string { return strings.Join(strings.Fields(s), " ") }

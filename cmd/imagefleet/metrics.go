@@ -1,0 +1,85 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/spf13/pflag"
+
+	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/services/puller"
+)
+
+var metricsAddr string
+
+func init() {
+	registerWorker(workerDef{
+		Name: "metrics", Default: true,
+		Flags: func(fs *pflag.FlagSet) {
+			fs.StringVar(&metricsAddr, "metrics-addr", "", "serve Prometheus metrics on host:port at /metrics (\"\": off; e.g. 127.0.0.1:9464)")
+		},
+		Build: func(_ context.Context, env *agentEnv) (runnable, error) {
+			if metricsAddr == "" {
+				return idle{}, nil
+			}
+			return newMetricsServer(metricsAddr, env.Bus, env.Node, prometheus.DefaultRegisterer, prometheus.DefaultGatherer)
+		},
+	})
+}
+
+// metricsServer serves the default gatherer: the kubelet metrics the workers register, the bus's pipeline
+// metrics, and the node's pull queue (read from its pull consumer at each scrape).
+type metricsServer struct {
+	ln  net.Listener
+	srv *http.Server
+	reg prometheus.Registerer
+	col prometheus.Collector
+}
+
+func newMetricsServer(addr string, b *bus.Bus, node string, reg prometheus.Registerer, g prometheus.Gatherer) (*metricsServer, error) {
+	col := bus.NewPullQueueCollector(b, []string{node}, puller.Durable)
+	if err := reg.Register(col); err != nil {
+		return nil, fmt.Errorf("register pull queue metrics: %w", err)
+	}
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		reg.Unregister(col)
+		return nil, fmt.Errorf("metrics listen %s: %w", addr, err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(g, promhttp.HandlerOpts{}))
+	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
+		if !b.Connected() {
+			http.Error(w, "nats disconnected", http.StatusServiceUnavailable)
+			return
+		}
+		_, _ = w.Write([]byte("ok\n"))
+	})
+	return &metricsServer{ln: ln, reg: reg, col: col,
+		srv: &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}}, nil
+}
+
+// Run serves until ctx ends.
+func (m *metricsServer) Run(ctx context.Context) error {
+	defer m.reg.Unregister(m.col)
+	errc := make(chan error, 1)
+	go func() { errc <- m.srv.Serve(m.ln) }()
+	select {
+	case err := <-errc:
+		return fmt.Errorf("metrics server: %w", err)
+	case <-ctx.Done():
+	}
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	err := m.srv.Shutdown(sctx)
+	if sErr := <-errc; sErr != nil && !errors.Is(sErr, http.ErrServerClosed) {
+		return sErr
+	}
+	return err
+}
