@@ -2,8 +2,10 @@ package bus
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
+	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -33,29 +35,71 @@ func (r RawMsg) natsMsg() *nats.Msg {
 	return m
 }
 
-// PublishMsgs stores msgs in their stream (asynchronously, pipelined) and waits for every ack. It returns the
-// highest stream sequence acknowledged (a duplicate's ack carries the original's sequence).
+// publishWindow bounds the acks PublishMsgs leaves outstanding (the client stalls past 4000).
+const publishWindow = 1024
+
+// PublishMsgs stores msgs in their stream (asynchronously, pipelined, at most publishWindow acks
+// outstanding) and waits for every ack. It returns the highest stream sequence acknowledged (a duplicate's
+// ack carries the original's sequence).
 func (b *Bus) PublishMsgs(ctx context.Context, msgs []RawMsg) (uint64, error) {
-	futures := make([]jetstream.PubAckFuture, 0, len(msgs))
-	for _, r := range msgs {
-		f, err := b.js.PublishMsgAsync(r.natsMsg())
-		if err != nil {
-			return 0, fmt.Errorf("publish to %s: %w", r.Subject, err)
-		}
-		futures = append(futures, f)
-	}
+	futures := make([]jetstream.PubAckFuture, 0, min(len(msgs), publishWindow))
 	var last uint64
-	for _, f := range futures {
+	wait := func(f jetstream.PubAckFuture) error {
 		select {
 		case ack := <-f.Ok():
 			last = max(last, ack.Sequence)
+			return nil
 		case err := <-f.Err():
-			return last, fmt.Errorf("publish %s: %w", f.Msg().Subject, err)
+			return fmt.Errorf("publish %s: %w", f.Msg().Subject, err)
 		case <-ctx.Done():
-			return last, ctx.Err()
+			return ctx.Err()
+		}
+	}
+	for i, r := range msgs {
+		if i >= publishWindow {
+			if err := wait(futures[i%publishWindow]); err != nil {
+				return last, err
+			}
+		}
+		f, err := b.publishAsyncRetry(ctx, r.natsMsg())
+		if err != nil {
+			return last, fmt.Errorf("publish to %s: %w", r.Subject, err)
+		}
+		if i < publishWindow {
+			futures = append(futures, f)
+		} else {
+			futures[i%publishWindow] = f
+		}
+	}
+	// The last len(futures) publishes, oldest first.
+	n := len(futures)
+	for k := range n {
+		idx := k
+		if len(msgs) > publishWindow {
+			idx = (len(msgs) + k) % publishWindow
+		}
+		if err := wait(futures[idx]); err != nil {
+			return last, err
 		}
 	}
 	return last, nil
+}
+
+// publishAsyncRetry publishes asynchronously; when the connection's async window is full (other publishers
+// share it), it waits for the window to drain instead of failing.
+func (b *Bus) publishAsyncRetry(ctx context.Context, m *nats.Msg) (jetstream.PubAckFuture, error) {
+	for {
+		f, err := b.js.PublishMsgAsync(m)
+		if !errors.Is(err, jetstream.ErrTooManyStalledMsgs) {
+			return f, err
+		}
+		select {
+		case <-b.js.PublishAsyncComplete():
+		case <-time.After(50 * time.Millisecond):
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
 }
 
 // Pending is a set of asynchronous publishes whose acks have not been awaited yet.

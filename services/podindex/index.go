@@ -136,10 +136,21 @@ func (ix *Index) upsert(pod *v1.Pod, raw []byte, order uint64) *v1.Pod {
 }
 
 func (ix *Index) upsertLocked(pod *v1.Pod, raw []byte, order uint64) *v1.Pod {
+	mirror := IsMirrorPod(pod)
+	// The common update: same UID, same kind, same full name: replace in place.
+	m := ix.pods
+	if mirror {
+		m = ix.mirrors
+	}
+	if e, ok := m[pod.UID]; ok && e.pod.Name == pod.Name && e.pod.Namespace == pod.Namespace {
+		prev := e.pod
+		e.pod, e.order, e.raw = pod, order, raw
+		return prev
+	}
 	prev := ix.removeLocked(pod.UID)
 	e := &entry{pod: pod, order: order, raw: raw}
 	fn := PodFullName(pod)
-	if IsMirrorPod(pod) {
+	if mirror {
 		ix.mirrors[pod.UID] = e
 		ix.mirrorByFullName[fn] = append(ix.mirrorByFullName[fn], e)
 	} else {

@@ -176,7 +176,7 @@ type podNames struct {
 }
 
 func referencedNames(pod *v1.Pod) podNames {
-	var n podNames
+	n := podNames{secrets: make([]string, 0, 4), configMaps: make([]string, 0, 4)}
 	VisitPodSecretNames(pod, func(name string) bool {
 		if !contains(n.secrets, name) {
 			n.secrets = append(n.secrets, name)

@@ -57,10 +57,13 @@ func (s *State) Apply(seq uint64, ev PodEvent) []Transition {
 	pod := ev.Pod
 	switch ev.Action {
 	case events.ActionDeleted:
-		if removed := s.Index.remove(pod.UID); removed != nil {
+		removed := s.Index.remove(pod.UID)
+		if removed != nil {
 			out = append(out, s.Refs.UnregisterPod(removed)...)
 		}
-		out = append(out, s.Refs.UnregisterPod(pod)...)
+		if removed == nil || refKey(removed) != refKey(pod) {
+			out = append(out, s.Refs.UnregisterPod(pod)...)
+		}
 		s.dirty[pod.UID] = false
 	default:
 		prev := s.Index.upsert(pod, ev.Raw, seq)

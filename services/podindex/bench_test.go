@@ -1,0 +1,186 @@
+package podindex
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"runtime"
+	"testing"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/bus/bustest"
+	"github.com/imagefleet/imagefleet/events"
+)
+
+// benchPods is the number of distinct pods the benchmark events cycle through.
+const benchPods = 10000
+
+// benchPod is pod k of the benchmark: 3 secrets (an image pull secret, an envFrom secret, a secret volume)
+// and 2 configmaps (an env var, a configmap volume), from small shared pools.
+func benchPod(k, round int) *v1.Pod {
+	return &v1.Pod{
+		TypeMeta: metav1.TypeMeta{Kind: "Pod", APIVersion: "v1"},
+		ObjectMeta: metav1.ObjectMeta{Namespace: fmt.Sprintf("ns-%d", k%20), Name: fmt.Sprintf("pod-%d", k),
+			UID: types.UID(fmt.Sprintf("uid-%d", k)), Labels: map[string]string{"round": fmt.Sprint(round)}},
+		Spec: v1.PodSpec{
+			ImagePullSecrets: []v1.LocalObjectReference{{Name: fmt.Sprintf("pull-%d", k%7)}},
+			Containers: []v1.Container{{
+				Name: "app", Image: fmt.Sprintf("registry.example/app-%d:1.%d", k%50, round),
+				EnvFrom: []v1.EnvFromSource{{SecretRef: &v1.SecretEnvSource{LocalObjectReference: v1.LocalObjectReference{Name: fmt.Sprintf("env-%d", k%31)}}}},
+				Env: []v1.EnvVar{{Name: "CFG", ValueFrom: &v1.EnvVarSource{ConfigMapKeyRef: &v1.ConfigMapKeySelector{
+					LocalObjectReference: v1.LocalObjectReference{Name: fmt.Sprintf("cfg-%d", k%13)}, Key: "k"}}}},
+			}},
+			Volumes: []v1.Volume{
+				{Name: "tls", VolumeSource: v1.VolumeSource{Secret: &v1.SecretVolumeSource{SecretName: fmt.Sprintf("tls-%d", k%17)}}},
+				{Name: "conf", VolumeSource: v1.VolumeSource{ConfigMap: &v1.ConfigMapVolumeSource{LocalObjectReference: v1.LocalObjectReference{Name: fmt.Sprintf("conf-%d", k%11)}}}},
+			},
+		},
+		Status: v1.PodStatus{Phase: v1.PodRunning},
+	}
+}
+
+// benchAction is the action of event i: each pod is added, updated, then deleted, round after round.
+func benchAction(i int) string {
+	switch (i / benchPods) % 3 {
+	case 0:
+		return events.ActionAdded
+	case 1:
+		return events.ActionUpdated
+	default:
+		return events.ActionDeleted
+	}
+}
+
+func benchMsgs(b *testing.B, node string, n int) []bus.RawMsg {
+	b.Helper()
+	msgs := make([]bus.RawMsg, n)
+	at := time.Now()
+	for i := range msgs {
+		m, err := PodEventMsg(node, benchAction(i), benchPod(i%benchPods, i/benchPods), "", at)
+		if err != nil {
+			b.Fatal(err)
+		}
+		msgs[i] = m
+	}
+	return msgs
+}
+
+// publishChunks publishes msgs pipelined in chunks (one ack wait per chunk) and returns the last sequence.
+func publishChunks(b *testing.B, bb *bus.Bus, msgs []bus.RawMsg) uint64 {
+	b.Helper()
+	var last uint64
+	for i := 0; i < len(msgs); i += 4000 {
+		seq, err := bb.PublishMsgs(context.Background(), msgs[i:min(i+4000, len(msgs))])
+		if err != nil {
+			b.Fatal(err)
+		}
+		last = seq
+	}
+	return last
+}
+
+// BenchmarkEndToEnd publishes pod events to a real embedded nats-server and waits until the pod index applied
+// the last one; the raw figure is the same messages published to another subject of the same stream, with
+// no consumer, in the same run.
+func BenchmarkEndToEnd(b *testing.B) {
+	for _, n := range []int{10000, 100000} {
+		b.Run(fmt.Sprintf("events=%d", n), func(b *testing.B) {
+			var rawRate, e2eRate float64
+			for range b.N {
+				b.StopTimer()
+				srv, bb := bustest.Start(b)
+				sb := bustest.Connect(b, srv) // the index has its own connection, as in its own process
+				msgs := benchMsgs(b, "bench-node", n)
+				raw := make([]bus.RawMsg, n)
+				for i, m := range msgs {
+					m.Subject = events.EventSubject("bench-raw", events.EntityPod, "raw")
+					m.MsgID = "raw-" + m.MsgID
+					raw[i] = m
+				}
+				s, err := New(Config{Node: "bench-node", Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}, sb)
+				if err != nil {
+					b.Fatal(err)
+				}
+				ctx, cancel := context.WithCancel(context.Background())
+				done := make(chan error, 1)
+				go func() { done <- s.Run(ctx) }()
+				<-s.Ready()
+				b.StartTimer()
+
+				start := time.Now()
+				publishChunks(b, bb, raw)
+				rawRate = float64(n) / time.Since(start).Seconds()
+
+				start = time.Now()
+				last := publishChunks(b, bb, msgs)
+				for s.State().Applied() < last {
+					time.Sleep(time.Millisecond)
+				}
+				e2eRate = float64(n) / time.Since(start).Seconds()
+
+				b.StopTimer()
+				cancel()
+				if err := <-done; err != nil {
+					b.Fatal(err)
+				}
+				if p, m := s.State().Index.Len(); n%(3*benchPods) == 0 && p+m != 0 {
+					b.Fatalf("%d pods left after whole add/update/delete rounds", p+m)
+				}
+				b.StartTimer()
+			}
+			b.ReportMetric(e2eRate, "events/s")
+			b.ReportMetric(rawRate, "raw-events/s")
+			b.ReportMetric(e2eRate/rawRate*100, "%-of-raw")
+		})
+	}
+}
+
+// BenchmarkApply is the in-process apply alone (index, registration, dirty tracking) of decoded events:
+// one op is one event.
+func BenchmarkApply(b *testing.B) {
+	const n = 3 * benchPods
+	evs := make([]PodEvent, n)
+	for i := range evs {
+		p := benchPod(i%benchPods, i/benchPods)
+		raw, err := json.Marshal(p) // the service keeps the body it received
+		if err != nil {
+			b.Fatal(err)
+		}
+		evs[i] = PodEvent{Action: benchAction(i), Pod: p, Raw: raw}
+	}
+	runtime.GC()
+	s := NewState()
+	b.ReportAllocs()
+	b.ResetTimer()
+	start := time.Now()
+	for i := range b.N {
+		s.Apply(uint64(i+1), evs[i%n])
+		if i%50000 == 49999 {
+			_, _ = s.TakeDirty() // as the periodic flush does
+		}
+	}
+	b.ReportMetric(float64(b.N)/time.Since(start).Seconds(), "events/s")
+}
+
+// BenchmarkDecode is the pod event decoder alone (JSON of a pod with 3 secrets and 2 configmaps).
+func BenchmarkDecode(b *testing.B) {
+	m, err := PodEventMsg("bench-node", events.ActionAdded, benchPod(1, 0), "", time.Now())
+	if err != nil {
+		b.Fatal(err)
+	}
+	h := map[string][]string{bus.HeaderType: {m.Header[bus.HeaderType]}}
+	b.SetBytes(int64(len(m.Data)))
+	b.ReportAllocs()
+	for range b.N {
+		if _, err := DecodePodEvent(m.Subject, h, m.Data); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
