@@ -71,7 +71,7 @@ func runDemo(ctx context.Context, w io.Writer, f demoFlags) error {
 		return fmt.Errorf("--images %d: at least 4", f.images)
 	}
 	began := time.Now()
-	st := &demoStep{w: w, total: 8}
+	st := &demoStep{w: w, total: 9}
 	dir, err := os.MkdirTemp("", "imagefleet-demo-")
 	if err != nil {
 		return err
@@ -188,6 +188,28 @@ func runDemo(ctx context.Context, w io.Writer, f demoFlags) error {
 		st.done("skipped")
 	}
 
+	st.begin("pulls through the work queue")
+	var pulls []string
+	for _, p := range []struct{ image, policy string }{
+		{"docker.io/library/nginx:1.27", events.PullIfNotPresent},
+		{"docker.io/library/nginx:1.27", events.PullIfNotPresent},
+		{"FAILED_IMAGE", events.PullAlways},
+		{"docker.io/library/traefik:3", events.PullNever},
+	} {
+		r, reason, err := demoPull(ctx, b, f.node, p.image, p.policy)
+		switch {
+		case err != nil:
+			pulls = append(pulls, fmt.Sprintf("%s: %v", p.image, err))
+		case r.Error != "":
+			pulls = append(pulls, fmt.Sprintf("%s (%s): %s", p.image, p.policy, r.Error))
+		case r.Pulled:
+			pulls = append(pulls, fmt.Sprintf("%s (%s): %s in %s", p.image, p.policy, reason, r.PullDuration.Round(time.Millisecond)))
+		default:
+			pulls = append(pulls, fmt.Sprintf("%s (%s): %s, already present", p.image, p.policy, reason))
+		}
+	}
+	st.done("%s", strings.Join(pulls, "; "))
+
 	st.begin("event feed")
 	counts := map[string]int{}
 	var warnings []string
@@ -226,6 +248,35 @@ func runDemo(ctx context.Context, w io.Writer, f demoFlags) error {
 		}
 	}
 	return nil
+}
+
+// demoPull queues a pull and waits for its result event, as `imagefleet pull --wait` does.
+func demoPull(ctx context.Context, b *bus.Bus, node, image, policy string) (events.PullResult, string, error) {
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	sub, err := b.SubscribeSync(ctx, events.EventSubject(node, events.EntityPull, "*"))
+	if err != nil {
+		return events.PullResult{}, "", err
+	}
+	defer sub.Close()
+	req := events.PullRequest{ID: events.NewID(), Image: image, Policy: policy, Enqueued: time.Now()}
+	if _, err := b.PublishPull(ctx, events.CommandSubject(node, events.VerbPull), req.ID, req); err != nil {
+		return events.PullResult{}, "", err
+	}
+	for {
+		_, data, err := sub.Next(ctx)
+		if err != nil {
+			return events.PullResult{}, "", err
+		}
+		ev, err := events.DecodeEvent(data)
+		if err != nil || ev.Type == events.TypeName(events.EntityPull, events.ActionPulling) {
+			continue
+		}
+		var r events.PullResult
+		if ev.DecodeData(&r) == nil && r.RequestID == req.ID {
+			return r, ev.Reason, nil
+		}
+	}
 }
 
 type seeded struct {
