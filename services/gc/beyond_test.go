@@ -439,3 +439,29 @@ func TestFormatSize(t *testing.T) {
 		}
 	}
 }
+
+// TestFreeSpaceNothingToFreeStillRemovesOne keeps the kubelet's W-D quirk: with amountToFree <= 0 (low ==
+// high, allowed by the policy check) freeSpace still removes one image, as the kubelet's loop breaks only
+// after a removal. A failed first removal does not count.
+func TestFreeSpaceNothingToFreeStillRemovesOne(t *testing.T) {
+	for _, n := range []int{1, 4} {
+		t.Run(fmt.Sprintf("parallelism=%d", n), func(t *testing.T) {
+			h := newHarness(t, Policy{}, withParallelism(n))
+			h.rt.SetImages(makeImage(0, 10), makeImage(1, 10), makeImage(2, 10))
+			for i := range 3 {
+				h.rt.SetImages(makeImage(0, 10), makeImage(1, 10), makeImage(2, 10))
+				h.detect(t, h.clock.Now().Add(time.Duration(i-3)*time.Second))
+			}
+			h.rt.FailRemove(imageID(0), errors.New("busy"))
+			cands := h.imagesInEvictionOrder(t, h.clock.Now())
+			p := h.pass(false)
+			freed, err := h.c.freeSpace(t.Context(), p, 0, h.clock.Now(), cands, ReasonSpace)
+			if err == nil || freed != 10 {
+				t.Fatalf("freed %d err %v, want 10 and the error of image-0", freed, err)
+			}
+			if got := removedIDs(p); len(got) != 1 {
+				t.Fatalf("removed %v, want exactly one image", got)
+			}
+		})
+	}
+}
