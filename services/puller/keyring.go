@@ -128,7 +128,8 @@ func (k *keyring) add(cfg map[string]dockerConfigEntry, secret *SecretSource) er
 		if path != "" && path != "/" {
 			key += path
 		}
-		auth := cri.AuthConfig{Username: user, Password: pass, ServerAddress: parsed.Host,
+		// No ServerAddress, as the kubelet's keyring: containerd would parse "host:port" as a URL and fail.
+		auth := cri.AuthConfig{Username: user, Password: pass,
 			IdentityToken: ent.IdentityToken, RegistryToken: ent.RegistryToken}
 		raw, _ := json.Marshal(struct{ U, P, I, R string }{user, pass, ent.IdentityToken, ent.RegistryToken})
 		sum := sha256.Sum256(raw)
