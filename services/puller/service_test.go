@@ -485,3 +485,63 @@ func TestBackoffSurvivesRestart(t *testing.T) {
 		t.Errorf("%d runtime pulls, want 1", rt.pulls.Load())
 	}
 }
+
+// TestKilledPullerRedelivered: a puller whose connection dies in the middle of a pull (a crash, as far as
+// the server can tell) stops signalling progress; after AckWait the request goes to another replica, which
+// completes it once.
+func TestKilledPullerRedelivered(t *testing.T) {
+	srv := bustest.Server(t)
+	b := bustest.Connect(t, srv)
+	b1 := bustest.Connect(t, srv)
+	rt1 := newFakeImages()
+	rt1.block = true
+	ackWait := time.Second
+	startService(t, b1, rt1, Config{AckWait: ackWait, Registerer: prometheus.NewRegistry()})
+	sub := subscribePull(t, b)
+	if err := publishPull(t, b, events.PullRequest{ID: "crash", Image: "img", Policy: events.PullAlways}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the first pull", func() bool { return rt1.inFlight.Load() == 1 })
+	b1.Close() // the first puller is gone for the server: no ack, no progress
+	rt2 := newFakeImages()
+	startService(t, b, rt2, Config{AckWait: ackWait, Registerer: prometheus.NewRegistry()})
+	start := time.Now()
+	_, r, _ := nextResult(t, sub, "crash", 30*time.Second)
+	if r.Error != "" || r.Deliveries != 2 {
+		t.Fatalf("redelivered result %+v", r)
+	}
+	if d := time.Since(start); d < ackWait/2 {
+		t.Errorf("redelivered after %v, before AckWait %v", d, ackWait)
+	}
+	if rt2.pulls.Load() != 1 {
+		t.Errorf("second puller pulled %d times", rt2.pulls.Load())
+	}
+	rt1.release <- errors.New("too late")
+}
+
+// TestLongPullNotRedelivered: a pull longer than AckWait is kept by its puller (progress signals), not
+// handed to another replica.
+func TestLongPullNotRedelivered(t *testing.T) {
+	bustest.VerifyNoLeaks(t)
+	_, b := bustest.Start(t)
+	rt := newFakeImages()
+	rt.block = true
+	cfg := Config{AckWait: 600 * time.Millisecond, MaxParallelImagePulls: ptr(int32(2))}
+	cfg.Registerer = prometheus.NewRegistry()
+	startService(t, b, rt, cfg)
+	cfg.Registerer = prometheus.NewRegistry()
+	startService(t, b, rt, cfg)
+	sub := subscribePull(t, b)
+	if err := publishPull(t, b, events.PullRequest{ID: "long", Image: "img", Policy: events.PullAlways}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the pull", func() bool { return rt.inFlight.Load() == 1 })
+	time.Sleep(2 * time.Second) // over three AckWaits
+	if got := rt.pulls.Load(); got != 1 {
+		t.Fatalf("%d runtime pulls during one long request: it was redelivered", got)
+	}
+	rt.release <- nil
+	if _, r, _ := nextResult(t, sub, "long", 10*time.Second); r.Error != "" || r.Deliveries != 1 {
+		t.Fatalf("result %+v", r)
+	}
+}
