@@ -142,4 +142,3 @@ func waitDetector(b *testing.B, bs interface {
 		time.Sleep(50 * time.Millisecond)
 	}
 }
-
