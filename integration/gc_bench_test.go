@@ -19,10 +19,10 @@ import (
 
 // BenchmarkGCRemoval removes 50 images from a real containerd two ways in the same run: one by one with
 // CRI RemoveImage (the kubelet's freeSpace), and with the GC executor's DeleteUnusedImages pass (detection
-// through the detector over NATS, the in-use re-check before each batch, removals 4 at a time). Both start
+// through the detector over NATS, the in-use re-check before each batch, removals 16 at a time). Both start
 // from the same 50 freshly pulled images; pulls are not timed.
 func BenchmarkGCRemoval(b *testing.B) {
-	const n, parallelism = 50, 4
+	const n, parallelism = 50, 16
 	ctx := context.Background()
 	reg := lab.StartRegistry(b, lab.RegistryOptions{})
 	var refs []string
@@ -85,9 +85,36 @@ func BenchmarkGCRemoval(b *testing.B) {
 	// The detector must answer before the first timed pass.
 	waitDetector(b, bs, node)
 
-	var serial, parallel time.Duration
+	// rawParallel removes ids with plain CRI calls, k at a time: what containerd itself allows, the ceiling
+	// the executor is measured against.
+	rawParallel := func(ids []string, k int) time.Duration {
+		start := time.Now()
+		var wg sync.WaitGroup
+		sem := make(chan struct{}, k)
+		for _, id := range ids {
+			wg.Add(1)
+			sem <- struct{}{}
+			go func() {
+				defer wg.Done()
+				defer func() { <-sem }()
+				if err := cl.RemoveImage(ctx, id); err != nil {
+					b.Error(err)
+				}
+			}()
+		}
+		wg.Wait()
+		return time.Since(start)
+	}
+	var serial, parallel, rawSame, raw30 time.Duration
 	b.ResetTimer()
 	for range b.N {
+		b.StopTimer()
+		rawSame += rawParallel(pullAll(), parallelism)
+		raw30 += rawParallel(pullAll(), 30)
+		if l := left(); l != 0 {
+			b.Fatalf("%d images left after raw parallel removal", l)
+		}
+		b.StartTimer()
 		b.StopTimer()
 		ids := pullAll()
 		b.StartTimer()
@@ -123,6 +150,8 @@ func BenchmarkGCRemoval(b *testing.B) {
 	b.ReportMetric(float64(serial.Milliseconds())/float64(b.N), "serial-ms/op")
 	b.ReportMetric(float64(parallel.Milliseconds())/float64(b.N), "executor-ms/op")
 	b.ReportMetric(float64(serial)/float64(parallel), "speedup")
+	b.ReportMetric(float64(serial)/float64(rawSame), "raw-same-parallelism-speedup")
+	b.ReportMetric(float64(serial)/float64(raw30), "raw-30-speedup")
 }
 
 func waitDetector(b *testing.B, bs interface {

@@ -35,7 +35,7 @@ func init() {
 			fs.StringVar(&gcFlags.capacity, "image-fs-capacity", "", "byte quota for images (bytes, or a quantity like 10Gi): capacity = this, used = sum of image sizes (default: statfs of the image filesystem)")
 			fs.StringSliceVar(&gcFlags.pinned, "pinned-images", nil, "references and globs of images GC never removes (REF,GLOB,...; e.g. busybox,*/pause:*)")
 			fs.DurationVar(&gcFlags.period, "image-gc-period", 5*time.Minute, "period of the image GC loop")
-			fs.IntVar(&gcFlags.parallelism, "image-gc-removal-parallelism", 4, "images removed at once (1: one by one, as the kubelet)")
+			fs.IntVar(&gcFlags.parallelism, "image-gc-removal-parallelism", 16, "images removed at once (1: one by one, as the kubelet)")
 		},
 		Build: func(_ context.Context, env *agentEnv) (runnable, error) {
 			cfg, err := gcConfig(env.Node)

@@ -151,8 +151,8 @@ func (c *collector) freeOldImages(ctx context.Context, p *pass, cands []candidat
 	}
 	gone := make(map[string]bool, len(old))
 	var errs []error
-	for start := 0; start < len(old); start += c.parallelism {
-		batch := old[start:min(start+c.parallelism, len(old))]
+	for start := 0; start < len(old); start += c.batchSize() {
+		batch := old[start:min(start+c.batchSize(), len(old))]
 		for _, o := range c.removeBatch(ctx, p, batch, ReasonAge) {
 			switch {
 			case o.inUse:
@@ -193,7 +193,7 @@ func (c *collector) freeSpace(ctx context.Context, p *pass, bytesToFree int64, f
 	for i < len(cands) && !(removedAny && freed >= bytesToFree) && ctx.Err() == nil {
 		var batch []candidate
 		planned := freed
-		for i < len(cands) && len(batch) < c.parallelism && (len(batch) == 0 || planned < bytesToFree) {
+		for i < len(cands) && len(batch) < c.batchSize() && (len(batch) == 0 || planned < bytesToFree) {
 			cd := cands[i]
 			i++
 			if !cd.LastUsed.Before(freeTime) {
@@ -227,6 +227,12 @@ func (c *collector) freeSpace(ctx context.Context, p *pass, bytesToFree int64, f
 	}
 	return freed, nil
 }
+
+// batchSize is how many removals share one in-use re-check. They run through a pool of RemovalParallelism
+// without a barrier between pool-widths (a barrier per width made every width wait for its slowest removal:
+// 1.1x the serial rate at 4 and 2.1-2.6x at 16 against containerd's 4x), and the re-check stays fresh: one
+// batch of 64 small images takes about 60 ms on containerd.
+func (c *collector) batchSize() int { return 4 * c.parallelism }
 
 func (c *collector) notNeeded(p *pass, cands []candidate) {
 	for _, cd := range cands {

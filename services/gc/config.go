@@ -66,7 +66,7 @@ type Config struct {
 	PinnedImages []string
 	// Period between periodic GC passes (default 5m, the kubelet's ImageGCPeriod).
 	Period time.Duration
-	// RemovalParallelism is how many images are removed at once (default 4; 1 is the kubelet's serial way).
+	// RemovalParallelism is how many images are removed at once (default 16; 1 is the kubelet's serial way).
 	RemovalParallelism int
 	// DetectTimeout bounds the detect request sent to the detector before each pass (default 1m).
 	DetectTimeout time.Duration
@@ -135,7 +135,7 @@ func (c *Config) setDefaults() {
 		c.Period = 5 * time.Minute
 	}
 	if c.RemovalParallelism == 0 {
-		c.RemovalParallelism = 4
+		c.RemovalParallelism = 16
 	}
 	if c.DetectTimeout <= 0 {
 		c.DetectTimeout = time.Minute
