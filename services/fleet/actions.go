@@ -108,30 +108,54 @@ func (w *PullWatch) follow(ctx context.Context, next uint64) {
 	defer close(w.done)
 	filter := events.Prefix + ".evt.*." + events.EntityPull + ".>"
 	for ctx.Err() == nil {
-		err := w.b.Follow(ctx, events.EventsStream, filter, next, func(m bus.StreamMsg) bool {
+		// Tail's ordered consumer notices a lost server by its missing heartbeats and recreates itself; an
+		// error it returns is resumed from the message after the last one seen.
+		err := w.b.Tail(ctx, events.EventsStream, filter, next, func(m bus.StreamMsg) error {
 			next = m.Seq + 1
-			ev, err := events.DecodeEvent(m.Data)
-			if err != nil {
-				return true
+			if r, ok := pullResult(m); ok {
+				w.deliver(r)
 			}
-			_, action, _, _ := events.ParseType(ev.Type)
-			if action != events.ActionPulled && action != events.ActionFailed {
-				return true
-			}
-			var r events.PullResult
-			if ev.DecodeData(&r) != nil || r.RequestID == "" {
-				return true
-			}
-			w.deliver(r)
-			return true
+			return nil
 		})
 		if err != nil && ctx.Err() == nil {
-			select { // the stream's server went away: resume after the last result seen
+			select {
 			case <-ctx.Done():
 			case <-time.After(250 * time.Millisecond):
 			}
 		}
 	}
+}
+
+// pullResult decodes a terminal pull result event.
+func pullResult(m bus.StreamMsg) (events.PullResult, bool) {
+	ev, err := events.DecodeEvent(m.Data)
+	if err != nil {
+		return events.PullResult{}, false
+	}
+	_, action, _, _ := events.ParseType(ev.Type)
+	if action != events.ActionPulled && action != events.ActionFailed {
+		return events.PullResult{}, false
+	}
+	var r events.PullResult
+	if ev.DecodeData(&r) != nil || r.RequestID == "" {
+		return events.PullResult{}, false
+	}
+	return r, true
+}
+
+// lookup reads node's latest pull results directly (no consumer): the level-based fallback of a waiter, in
+// case the follower is still catching up after a server loss.
+func (w *PullWatch) lookup(ctx context.Context, node, id string) (events.PullResult, bool) {
+	for _, action := range []string{events.ActionPulled, events.ActionFailed} {
+		m, err := w.b.LastMsg(ctx, events.EventsStream, events.EventSubject(node, events.EntityPull, action))
+		if err != nil {
+			continue
+		}
+		if r, ok := pullResult(m); ok && r.RequestID == id {
+			return r, true
+		}
+	}
+	return events.PullResult{}, false
 }
 
 func (w *PullWatch) deliver(r events.PullResult) {
@@ -170,24 +194,42 @@ func (w *PullWatch) Action() NodeAction {
 		}); err != nil {
 			return events.RolloutNodeResult{Node: node, Error: err.Error()}
 		}
-		select {
-		case r := <-ch:
-			out := &events.PullOutcome{ImageRef: r.ImageRef, Error: r.Error, Message: r.Message}
-			nr := events.RolloutNodeResult{Node: node, OK: r.Error == "", Pull: out}
-			if r.Error != "" {
-				nr.Error = r.Error
-				if r.Message != "" {
-					nr.Error += ": " + r.Message
-				}
-			}
-			return nr
-		case <-ctx.Done():
+		r, ok := w.await(ctx, ch, node, id)
+		if !ok {
 			// Withdraw the request so a puller that starts later does not act on a node the rollout has
 			// already counted as failed.
 			if raw, err := jsonMarshal(events.PullCancel{RequestID: id}); err == nil {
 				_ = w.b.PublishRaw(events.CommandSubject(node, events.VerbPullCancel), raw)
 			}
 			return events.RolloutNodeResult{Node: node, Error: ctx.Err().Error()}
+		}
+		nr := events.RolloutNodeResult{Node: node, OK: r.Error == "",
+			Pull: &events.PullOutcome{ImageRef: r.ImageRef, Error: r.Error, Message: r.Message}}
+		if r.Error != "" {
+			nr.Error = r.Error
+			if r.Message != "" {
+				nr.Error += ": " + r.Message
+			}
+		}
+		return nr
+	}
+}
+
+// await waits for request id's result: from the follower, or from a direct lookup every 2 s; false when
+// ctx ends first.
+func (w *PullWatch) await(ctx context.Context, ch <-chan events.PullResult, node, id string) (events.PullResult, bool) {
+	check := time.NewTicker(2 * time.Second)
+	defer check.Stop()
+	for {
+		select {
+		case r := <-ch:
+			return r, true
+		case <-check.C:
+			if r, ok := w.lookup(ctx, node, id); ok {
+				return r, true
+			}
+		case <-ctx.Done():
+			return events.PullResult{}, false
 		}
 	}
 }
