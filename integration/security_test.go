@@ -1,16 +1,27 @@
 package integration_test
 
 import (
+	"bytes"
 	"context"
+	"encoding/base64"
 	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/deploy/natsconf"
 	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/services/cri/hollow"
+	"github.com/imagefleet/imagefleet/services/puller"
 )
 
 // secured is a nats-server started from a generated config (accounts, one nkey per node, TLS with client
@@ -339,4 +350,159 @@ func waitServing(t *testing.T, b *bus.Bus, subject string) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+// TestSecurityNoSecretLeaks runs the puller (real NATS with a journal, the hollow CRI runtime requiring
+// registry auth) with pull secrets of known values, pulls with the right secret, a wrong one, a missing one
+// and none, and scans everything that leaves the worker for the secret values (plain and base64): every log
+// line of the worker and the bus at debug level, every stored event, every dead letter, the journal file.
+func TestSecurityNoSecretLeaks(t *testing.T) {
+	const node, registry = "leak-node", "127.0.0.1:5000"
+	const goodPass, badPass = "G00d-Pull-Secret-Value", "Wr0ng-Pull-Secret-Value"
+	ctx := t.Context()
+	var logs leakBuffer
+	log := slog.New(slog.NewJSONHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	srv := startNATS(t, "")
+	journalDir := t.TempDir()
+	b, err := bus.Connect(ctx, srv.url(), bus.Options{Name: "leak", Logger: log, JournalDir: journalDir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	if err := b.EnsureStreams(ctx, bus.StreamsConfig{}); err != nil {
+		t.Fatal(err)
+	}
+	rt := hollow.New(hollow.Options{Name: node})
+	rt.RequireAuth(registry, "alice", goodPass)
+	cl, stopCRI, err := rt.Dial(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stopCRI()
+	secrets := t.TempDir()
+	for name, pass := range map[string]string{"good": goodPass, "bad": badPass} {
+		auth := base64.StdEncoding.EncodeToString([]byte("alice:" + pass))
+		cfg := fmt.Sprintf(`{"auths":{%q:{"auth":%q}}}`, registry, auth)
+		secret := fmt.Sprintf("apiVersion: v1\nkind: Secret\nmetadata:\n  name: %s\n  namespace: team-a\ntype: kubernetes.io/dockerconfigjson\ndata:\n  .dockerconfigjson: %s\n",
+			name, base64.StdEncoding.EncodeToString([]byte(cfg)))
+		if err := os.WriteFile(filepath.Join(secrets, name+".yaml"), []byte(secret), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	p, err := puller.New(puller.Config{Node: node, PullSecretsDir: secrets, Logger: log, MaxDeliver: 2,
+		BackoffInitial: 10 * time.Millisecond, BackoffMax: 20 * time.Millisecond, Registerer: prometheus.NewRegistry()}, cl, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	runCtx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- p.Run(runCtx) }()
+	var stopOnce sync.Once
+	stopPuller := func() {
+		stopOnce.Do(func() {
+			stop()
+			if err := <-done; err != nil {
+				t.Errorf("puller Run: %v", err)
+			}
+		})
+	}
+	defer stopPuller()
+
+	pod := &events.PodRef{Namespace: "team-a", Name: "app", UID: "uid-1"}
+	reqs := []events.PullRequest{
+		{ID: "good", Image: registry + "/private/app:v1", Pod: pod, Secrets: []string{"good"}},
+		{ID: "bad", Image: registry + "/private/app:v2", Pod: pod, Secrets: []string{"bad"}},
+		{ID: "missing", Image: registry + "/private/app:v3", Pod: pod, Secrets: []string{"nope"}},
+		{ID: "none", Image: registry + "/private/app:v4", Pod: pod},
+		{ID: "both", Image: registry + "/private/app:v5", Pod: pod, Secrets: []string{"bad", "good"}},
+	}
+	for _, r := range reqs {
+		if _, err := b.PublishPull(ctx, events.CommandSubject(node, events.VerbPull), r.ID, r); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Wait for a terminal event of every request.
+	deadline := time.Now().Add(20 * time.Second)
+	var stored []string
+	for {
+		stored = stored[:0]
+		terminal := map[string]bool{}
+		err := b.ReadStream(ctx, events.EventsStream, events.NodeEvents(node), 0, func(m bus.StreamMsg) bool {
+			stored = append(stored, string(m.Data))
+			if ev, err := events.DecodeEvent(m.Data); err == nil && ev.Type != events.TypeName(events.EntityPull, events.ActionPulling) {
+				var r events.PullResult
+				if ev.DecodeData(&r) == nil {
+					terminal[r.RequestID] = true
+				}
+			}
+			return true
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(terminal) >= len(reqs) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("results for %d of %d requests after 20s", len(terminal), len(reqs))
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	dls, err := b.DeadLetters(ctx, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	stopPuller()
+	journal, err := os.ReadFile(filepath.Join(journalDir, bus.JournalFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var dlText []string
+	for _, d := range dls {
+		dlText = append(dlText, d.Reason, string(d.Data))
+	}
+	haystacks := map[string]string{
+		"logs":         logs.String(),
+		"events":       strings.Join(stored, "\n"),
+		"dead letters": strings.Join(dlText, "\n"),
+		"journal":      string(journal),
+	}
+	needles := []string{goodPass, badPass,
+		base64.StdEncoding.EncodeToString([]byte("alice:" + goodPass)), base64.StdEncoding.EncodeToString([]byte("alice:" + badPass))}
+	for where, text := range haystacks {
+		for _, n := range needles {
+			if strings.Contains(text, n) {
+				t.Errorf("secret %q appears in the %s", n[:6]+"...", where)
+			}
+		}
+	}
+	t.Logf("scanned %d bytes of logs, %d events, %d dead letters, %d bytes of journal: no secret",
+		len(haystacks["logs"]), len(stored), len(dls), len(journal))
+	if len(stored) < len(reqs) || logs.Len() == 0 {
+		t.Error("nothing was produced: the scan proves nothing")
+	}
+}
+
+// leakBuffer is a bytes.Buffer safe for concurrent writers (slog handlers of several goroutines).
+type leakBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *leakBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *leakBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+func (s *leakBuffer) Len() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Len()
 }
