@@ -2,9 +2,12 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"os"
+	"runtime"
+	"runtime/pprof"
 	"sort"
 	"strings"
 	"sync"
@@ -165,6 +168,7 @@ type rolloutFlags struct {
 	nodeTimeout  time.Duration
 	includeLost  bool
 	replicas     int
+	memProfile   string
 }
 
 func (f *rolloutFlags) register(cmd *cobra.Command) {
@@ -176,6 +180,25 @@ func (f *rolloutFlags) register(cmd *cobra.Command) {
 	fs.DurationVar(&f.nodeTimeout, "node-timeout", 60*time.Second, "a node that does not answer within this time has failed")
 	fs.BoolVar(&f.includeLost, "include-lost", false, "also act on nodes the registry shows as lost")
 	fs.IntVar(&f.replicas, "stream-replicas", 1, "replicas of the rollout stream (3 on a 3-server cluster)")
+	fs.StringVar(&f.memProfile, "mem-profile", "", "write the orchestrator's allocation profile to this file at the end (diagnostics)")
+	_ = fs.MarkHidden("mem-profile")
+}
+
+// writeMemProfile writes the allocation profile (every allocation site since start) for `go tool pprof`.
+func writeMemProfile(path string) error {
+	if path == "" {
+		return nil
+	}
+	f, err := os.Create(path)
+	if err != nil {
+		return fmt.Errorf("mem profile: %w", err)
+	}
+	defer f.Close()
+	runtime.GC()
+	if err := pprof.Lookup("allocs").WriteTo(f, 0); err != nil {
+		return fmt.Errorf("mem profile: %w", err)
+	}
+	return nil
 }
 
 // plan picks the nodes and builds the rollout config.
@@ -353,7 +376,8 @@ func newFleetGCCmd() *cobra.Command {
 			}
 			req := events.GCRequest{DryRun: dryRun, AllUnused: allUnused}
 			cfg.DryRun, cfg.GC = dryRun, &req
-			return runRollout(cmd, b, cfg, fleet.GCAction(b, req))
+			err = runRollout(cmd, b, cfg, fleet.GCAction(b, req))
+			return errors.Join(err, writeMemProfile(f.memProfile))
 		},
 	}
 	f.register(cmd)
