@@ -182,6 +182,14 @@ func (w *PullWatch) wait(id string) chan events.PullResult {
 	return ch
 }
 
+// forget drops request id's waiter and any result kept for it.
+func (w *PullWatch) forget(id string) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	delete(w.waiters, id)
+	delete(w.results, id)
+}
+
 // Action is the rollout's node action.
 func (w *PullWatch) Action() NodeAction {
 	return func(ctx context.Context, node string) events.RolloutNodeResult {
@@ -226,9 +234,11 @@ func (w *PullWatch) await(ctx context.Context, ch <-chan events.PullResult, node
 			return r, true
 		case <-check.C:
 			if r, ok := w.lookup(ctx, node, id); ok {
+				w.forget(id)
 				return r, true
 			}
 		case <-ctx.Done():
+			w.forget(id)
 			return events.PullResult{}, false
 		}
 	}

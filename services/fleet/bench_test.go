@@ -9,7 +9,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
 	"github.com/imagefleet/imagefleet/services/fleet"
@@ -174,5 +173,3 @@ func BenchmarkInventoryApply(b *testing.B) {
 		})
 	}
 }
-
-var _ = bus.ErrConflict
