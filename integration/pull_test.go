@@ -47,7 +47,7 @@ func (r *pullCountingRuntime) PullImage(ctx context.Context, ref string, auth *c
 }
 
 // pullStartPuller runs a puller of pullNode until the test ends or stop is called.
-func pullStartPuller(t *testing.T, b *bus.Bus, rt interface {
+func pullStartPuller(t testing.TB, b *bus.Bus, rt interface {
 	ImageStatus(context.Context, string) (cri.Image, error)
 	PullImage(context.Context, string, *cri.AuthConfig, *cri.SandboxConfig, map[string]string) (string, error)
 }, cfg puller.Config) (stop func()) {
@@ -61,11 +61,28 @@ func pullStartPuller(t *testing.T, b *bus.Bus, rt interface {
 	if err != nil {
 		t.Fatal(err)
 	}
-	w := gcStartWorker(t, "puller", s.Run)
-	return func() { w.stop(t, "puller") }
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- s.Run(ctx) }()
+	var once sync.Once
+	stop = func() {
+		once.Do(func() {
+			cancel()
+			select {
+			case err := <-done:
+				if err != nil {
+					t.Errorf("puller: Run = %v", err)
+				}
+			case <-time.After(30 * time.Second):
+				t.Errorf("puller: Run did not return after cancel")
+			}
+		})
+	}
+	t.Cleanup(stop)
+	return stop
 }
 
-func pullSubscribe(t *testing.T, b *bus.Bus) *bus.Subscription {
+func pullSubscribe(t testing.TB, b *bus.Bus) *bus.Subscription {
 	t.Helper()
 	sub, err := b.SubscribeSync(t.Context(), events.EventSubject(pullNode, events.EntityPull, "*"))
 	if err != nil {
@@ -75,7 +92,7 @@ func pullSubscribe(t *testing.T, b *bus.Bus) *bus.Subscription {
 	return sub
 }
 
-func pullPublish(t *testing.T, b *bus.Bus, req events.PullRequest) {
+func pullPublish(t testing.TB, b *bus.Bus, req events.PullRequest) {
 	t.Helper()
 	if req.ID == "" {
 		req.ID = events.NewID()
@@ -93,7 +110,7 @@ type pullOutcome struct {
 }
 
 // pullResults waits for the terminal result of every id.
-func pullResults(t *testing.T, sub *bus.Subscription, timeout time.Duration, ids ...string) map[string]pullOutcome {
+func pullResults(t testing.TB, sub *bus.Subscription, timeout time.Duration, ids ...string) map[string]pullOutcome {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(t.Context(), timeout)
 	defer cancel()
