@@ -52,12 +52,12 @@ func (s *Service) HandlePull(ctx context.Context, data []byte, d Delivery) error
 	}
 	log := s.m.cfg.log.With("request_id", req.ID, "image_ref", req.Image, "pod_uid", pod.UID)
 
-	if s.podDeleted(pod.UID) {
+	if why := s.dropReason(req, pod); why != "" {
 		s.m.metrics.cancelled.Inc()
-		msg := fmt.Sprintf("pull of %q cancelled: pod %s deleted", req.Image, pod.UID)
-		result.Error, result.Message, result.Cancelled = events.ErrKindImagePull, msg, true
+		result.Error, result.Cancelled = events.ErrKindImagePull, true
+		result.Message = fmt.Sprintf("pull of %q cancelled: %s", req.Image, why)
 		return s.publishResult(ctx, req, result, KubeEvent{Severity: events.Warning, Reason: ReasonFailed,
-			Message: fmt.Sprintf("Failed to pull image %q: pod %s: %v", req.Image, pod.UID, errPodDeleted)}, start)
+			Message: fmt.Sprintf("Failed to pull image %q: %s", req.Image, why)}, start)
 	}
 
 	rctx, cancel := context.WithCancelCause(ctx)

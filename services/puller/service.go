@@ -25,6 +25,8 @@ type Service struct {
 	mu       sync.Mutex
 	inflight map[string]*inflightReq // by request id
 	deleted  map[string]time.Time    // pod UID -> when its deletion was heard
+	// withdrawn are request ids cancelled before they started: dropped when the queue delivers them.
+	withdrawn map[string]time.Time
 }
 
 type inflightReq struct {
@@ -64,7 +66,7 @@ func newService(cfg Config, svc imageService, b *bus.Bus) (*Service, error) {
 		backoff: backoffPolicy{initial: cfg.BackoffInitial, max: cfg.BackoffMax}, verifyPolicy: cfg.CredentialVerificationPolicy,
 		allowlist: cfg.PreloadedImagesAllowlist, now: cfg.Now, log: cfg.Logger.With("worker", "puller", "node", cfg.Node)}
 	return &Service{cfg: cfg, bus: b, m: newManager(mc, svc, creds, newMemBackoff(), newMemRecords(), met),
-		inflight: map[string]*inflightReq{}, deleted: map[string]time.Time{}}, nil
+		inflight: map[string]*inflightReq{}, deleted: map[string]time.Time{}, withdrawn: map[string]time.Time{}}, nil
 }
 
 // Run consumes the node's pull requests and listens for cancellations and pod deletions until ctx ends.
@@ -160,6 +162,9 @@ func (s *Service) handleCancel(data []byte) {
 	if c.RequestID != "" {
 		s.mu.Lock()
 		r := s.inflight[c.RequestID]
+		if r == nil {
+			s.withdrawn[c.RequestID] = time.Now()
+		}
 		s.mu.Unlock()
 		if r != nil {
 			r.cancel(fmt.Errorf("request %s: %w", c.RequestID, errPullCancelledOnRequest))
@@ -205,16 +210,6 @@ func (s *Service) cancelPod(uid string, cause error) {
 	}
 }
 
-func (s *Service) podDeleted(uid string) bool {
-	if uid == "" {
-		return false
-	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	_, ok := s.deleted[uid]
-	return ok
-}
-
 func (s *Service) forgetDeleted(now time.Time) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -223,6 +218,27 @@ func (s *Service) forgetDeleted(now time.Time) {
 			delete(s.deleted, uid)
 		}
 	}
+	for id, t := range s.withdrawn {
+		if now.Sub(t) > s.cfg.DeletedPodMemory {
+			delete(s.withdrawn, id)
+		}
+	}
+}
+
+// dropReason says why a request must not run: its pod was deleted or it was withdrawn ("" to run it).
+func (s *Service) dropReason(req events.PullRequest, pod events.PodRef) string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if _, ok := s.withdrawn[req.ID]; ok {
+		delete(s.withdrawn, req.ID)
+		return fmt.Sprintf("request %s: %v", req.ID, errPullCancelledOnRequest)
+	}
+	if pod.UID != "" {
+		if _, ok := s.deleted[pod.UID]; ok {
+			return fmt.Sprintf("pod %s: %v", pod.UID, errPodDeleted)
+		}
+	}
+	return ""
 }
 
 // InFlight is the number of requests this replica is handling (for tests and status).

@@ -392,6 +392,27 @@ func TestPodDeletedCancelsPull(t *testing.T) {
 	if _, r, _ := nextResult(t, sub, "c3", 10*time.Second); !r.Cancelled || !strings.Contains(r.Message, "cancelled on request") {
 		t.Fatalf("explicit cancellation: %+v", r)
 	}
+	// A request withdrawn while it waits in the queue is answered without a runtime call.
+	pulls = rt.pulls.Load()
+	cancelJSON, _ = json.Marshal(events.PullCancel{RequestID: "c4"})
+	if err := b.PublishRaw(events.CommandSubject(testNode, events.VerbPullCancel), cancelJSON); err != nil {
+		t.Fatal(err)
+	}
+	fctx, fcancel := context.WithTimeout(t.Context(), 5*time.Second)
+	defer fcancel()
+	if err := b.Flush(fctx); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(100 * time.Millisecond) // core NATS: the cancellation must reach the puller before the request
+	if err := publishPull(t, b, events.PullRequest{ID: "c4", Image: "big3", Policy: events.PullAlways, Pod: other}); err != nil {
+		t.Fatal(err)
+	}
+	if _, r, _ := nextResult(t, sub, "c4", 10*time.Second); !r.Cancelled || !strings.Contains(r.Message, "request c4: cancelled on request") {
+		t.Fatalf("withdrawn request: %+v", r)
+	}
+	if rt.pulls.Load() != pulls {
+		t.Error("a withdrawn request reached the runtime")
+	}
 }
 
 // TestMalformedRequests: bodies that can never be processed are terminated as dead letters with the reason
