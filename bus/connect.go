@@ -37,6 +37,10 @@ type Options struct {
 	// JournalMaxBytes bounds the journal file (default 64 MiB).
 	JournalDir      string
 	JournalMaxBytes int64
+	// Replicas is the replica count of the streams and buckets this connection creates when their own
+	// config leaves it at 0 (default 1; 3 on a three-server cluster): one setting (`--stream-replicas`) puts
+	// every worker's state on as many servers.
+	Replicas int
 }
 
 // Bus is a connection to NATS with JetStream.
@@ -45,6 +49,7 @@ type Bus struct {
 	js  jetstream.JetStream
 	log *slog.Logger
 
+	replicas   int
 	reconnects atomic.Int64
 	journal    atomic.Pointer[journal]
 	perms      violations
@@ -62,7 +67,7 @@ func Connect(ctx context.Context, url string, o Options) (*Bus, error) {
 	if o.ConnectTimeout == 0 {
 		o.ConnectTimeout = 30 * time.Second
 	}
-	b := &Bus{log: o.Logger}
+	b := &Bus{log: o.Logger, replicas: max(o.Replicas, 1)}
 	opts := []nats.Option{
 		nats.Name(o.Name),
 		nats.MaxReconnects(-1),

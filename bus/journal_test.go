@@ -355,6 +355,13 @@ func TestJournalDropsTheOldestWhenFull(t *testing.T) {
 	const node, maxBytes, n = "journal-e", 8192, 200
 	b := connectJournaled(t, r, bus.JournalConfig{Dir: dir, MaxBytes: maxBytes})
 	r.stop()
+	// Until the client sees the server gone, the sender would hand the first event to the connection, which
+	// delivers it after the restart although the journal later drops it as the oldest.
+	for deadline := time.Now().Add(10 * time.Second); b.Connected(); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the client did not notice the server stopped")
+		}
+	}
 	var all []string
 	for i := range n {
 		ev := newEvent(t, node, i)

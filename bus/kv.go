@@ -30,23 +30,66 @@ type KV struct {
 	kv jetstream.KeyValue
 }
 
-// KV creates the bucket if it does not exist (idempotent) and returns it.
+// KV opens the bucket, creating it if it does not exist (idempotent), and returns it. An existing bucket
+// whose settings differ is updated when the identity may; otherwise it is used as it is (a node identity
+// may not change buckets: the operator made them).
 func (b *Bus) KV(ctx context.Context, cfg KVConfig) (*KV, error) {
 	kvc := jetstream.KeyValueConfig{
 		Bucket: cfg.Bucket, Description: cfg.Description, TTL: cfg.TTL, History: max(cfg.History, 1),
-		Storage: jetstream.FileStorage, Replicas: max(cfg.Replicas, 1), MaxBytes: cfg.MaxBytes,
+		Storage: jetstream.FileStorage, Replicas: cfg.Replicas, MaxBytes: cfg.MaxBytes,
+	}
+	if kvc.Replicas == 0 {
+		kvc.Replicas = b.replicas
 	}
 	if cfg.MaxBytes == 0 {
 		kvc.MaxBytes = -1
 	}
-	kv, err := b.js.CreateOrUpdateKeyValue(ctx, kvc)
-	if err != nil {
-		if existing, getErr := b.js.KeyValue(ctx, cfg.Bucket); getErr == nil {
-			return &KV{b: b, kv: existing}, nil
+	kv, err := b.js.KeyValue(ctx, cfg.Bucket)
+	switch {
+	case err == nil:
+		if bucketMatches(ctx, kv, kvc) {
+			return &KV{b: b, kv: kv}, nil
 		}
+		var updated jetstream.KeyValue
+		err := b.refusable(ctx, "$JS.API.STREAM.UPDATE.KV_"+cfg.Bucket, func(ctx context.Context) (err error) {
+			updated, err = b.js.UpdateKeyValue(ctx, kvc)
+			return err
+		})
+		if err != nil {
+			b.log.Warn("bucket kept with its existing settings", "bucket", cfg.Bucket, "err", err)
+			return &KV{b: b, kv: kv}, nil
+		}
+		return &KV{b: b, kv: updated}, nil
+	case errors.Is(err, jetstream.ErrBucketNotFound):
+		err = b.refusable(ctx, "$JS.API.STREAM.CREATE.KV_"+cfg.Bucket, func(ctx context.Context) (err error) {
+			kv, err = b.js.CreateKeyValue(ctx, kvc)
+			return err
+		})
+		if errors.Is(err, jetstream.ErrBucketExists) {
+			kv, err = b.js.KeyValue(ctx, cfg.Bucket)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("create key-value bucket %s (an operator with the admin identity creates buckets: imagefleet bus init): %w", cfg.Bucket, err)
+		}
+		return &KV{b: b, kv: kv}, nil
+	default:
 		return nil, fmt.Errorf("key-value bucket %s: %w", cfg.Bucket, err)
 	}
-	return &KV{b: b, kv: kv}, nil
+}
+
+// bucketMatches reports whether an open bucket has the settings KV would give it.
+func bucketMatches(ctx context.Context, kv jetstream.KeyValue, want jetstream.KeyValueConfig) bool {
+	st, err := kv.Status(ctx)
+	if err != nil {
+		return false
+	}
+	bs, ok := st.(*jetstream.KeyValueBucketStatus)
+	if !ok || bs.StreamInfo() == nil {
+		return false
+	}
+	have := bs.StreamInfo().Config
+	return have.MaxAge == want.TTL && have.MaxMsgsPerSubject == int64(want.History) &&
+		have.Replicas == want.Replicas && have.MaxBytes == want.MaxBytes
 }
 
 // Get returns the value and revision of key, or ErrKeyNotFound.

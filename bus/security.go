@@ -1,10 +1,12 @@
 package bus
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
 	"regexp"
+	"slices"
 	"strings"
 	"sync"
 
@@ -64,8 +66,9 @@ var violationRE = regexp.MustCompile(`(?i)permissions violation for (publish|sub
 
 // violations remembers the subjects the server refused, so a publish or request that timed out can say why.
 type violations struct {
-	mu   sync.Mutex
-	last map[string]string // "publish <subject>" or "subscription <subject>" -> the server's text
+	mu      sync.Mutex
+	last    map[string]string          // "publish <subject>" or "subscription <subject>" -> the server's text
+	waiters map[string][]chan struct{} // "publish <subject>" -> calls to end when it is refused
 }
 
 // notePermission records a permission violation reported by the server (other errors are ignored).
@@ -85,7 +88,55 @@ func (b *Bus) notePermission(err error) {
 	if len(b.perms.last) > 1024 {
 		clear(b.perms.last)
 	}
-	b.perms.last[strings.ToLower(m[1])+" "+m[2]] = m[0]
+	key := strings.ToLower(m[1]) + " " + m[2]
+	b.perms.last[key] = m[0]
+	for _, ch := range b.perms.waiters[key] {
+		close(ch)
+	}
+	delete(b.perms.waiters, key)
+}
+
+// refusable runs a request to subject that the server may refuse for this user (a JetStream API call a node
+// identity lacks the right to): a refusal ends it at once with an error wrapping ErrPermissionViolation,
+// where the request would otherwise wait out its timeout.
+func (b *Bus) refusable(ctx context.Context, subject string, call func(context.Context) error) error {
+	key := "publish " + subject
+	refused := make(chan struct{})
+	b.perms.mu.Lock()
+	delete(b.perms.last, key) // an earlier refusal is not this call's
+	if b.perms.waiters == nil {
+		b.perms.waiters = map[string][]chan struct{}{}
+	}
+	b.perms.waiters[key] = append(b.perms.waiters[key], refused)
+	b.perms.mu.Unlock()
+	defer func() {
+		b.perms.mu.Lock()
+		defer b.perms.mu.Unlock()
+		ws := b.perms.waiters[key]
+		if i := slices.Index(ws, refused); i >= 0 {
+			b.perms.waiters[key] = slices.Delete(ws, i, i+1)
+		}
+		if len(b.perms.waiters[key]) == 0 {
+			delete(b.perms.waiters, key)
+		}
+	}()
+
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go func() {
+		select {
+		case <-refused:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	err := call(ctx)
+	select {
+	case <-refused:
+		return b.PermissionViolation(subject)
+	default:
+		return err
+	}
 }
 
 // PermissionViolation returns an error wrapping ErrPermissionViolation if the server refused a publish to,

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -26,7 +27,7 @@ type StreamsConfig struct {
 	EventsMaxAge time.Duration
 	// EventsMaxBytes caps the events stream (default 1 GiB).
 	EventsMaxBytes int64
-	// Replicas for every stream (default 1; 3 on a 3-node cluster).
+	// Replicas for every stream (default: the connection's Options.Replicas, itself 1 by default).
 	Replicas int
 }
 
@@ -40,7 +41,7 @@ func (b *Bus) EnsureStreams(ctx context.Context, cfg StreamsConfig) error {
 		cfg.EventsMaxBytes = 1 << 30
 	}
 	if cfg.Replicas == 0 {
-		cfg.Replicas = 1
+		cfg.Replicas = b.replicas
 	}
 	streams := []jetstream.StreamConfig{
 		{
@@ -89,15 +90,64 @@ func (b *Bus) EnsureStreams(ctx context.Context, cfg StreamsConfig) error {
 }
 
 func (b *Bus) ensureStream(ctx context.Context, sc jetstream.StreamConfig) error {
-	_, err := b.js.CreateOrUpdateStream(ctx, sc)
-	if err == nil {
-		return nil
+	if sc.Replicas == 0 {
+		sc.Replicas = b.replicas
 	}
-	// A stream made with different immutable settings (storage, retention) is left as the operator made it.
-	if _, getErr := b.js.Stream(ctx, sc.Name); getErr == nil && errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
+	// Look before writing: a node identity may read stream info but not create or update streams, so an
+	// agent started with one finds the streams an operator made and goes on (a refused update would cost a
+	// JetStream API timeout at every start).
+	s, err := b.js.Stream(ctx, sc.Name)
+	switch {
+	case err == nil:
+		have := s.CachedInfo().Config
+		if streamMatches(have, sc) {
+			return nil
+		}
+		// Settings changed (a new release, --stream-replicas): update. A stream made with other immutable
+		// settings, or an identity without the right to update, keeps the stream as it is.
+		err := b.refusable(ctx, "$JS.API.STREAM.UPDATE."+sc.Name, func(ctx context.Context) error {
+			_, err := b.js.UpdateStream(ctx, sc)
+			return err
+		})
+		if err != nil {
+			b.log.Warn("stream kept with its existing settings", "stream", sc.Name, "err", err)
+		}
 		return nil
+	case errors.Is(err, jetstream.ErrStreamNotFound):
+		err := b.refusable(ctx, "$JS.API.STREAM.CREATE."+sc.Name, func(ctx context.Context) error {
+			_, err := b.js.CreateStream(ctx, sc)
+			return err
+		})
+		if err != nil && !errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
+			return fmt.Errorf("create stream %s (an operator with the admin identity creates streams: imagefleet bus init): %w", sc.Name, err)
+		}
+		return nil
+	default:
+		return fmt.Errorf("stream %s: %w", sc.Name, err)
 	}
-	return fmt.Errorf("ensure stream %s: %w", sc.Name, err)
+}
+
+// streamMatches reports whether an existing stream has the settings ensureStream would give it (the server
+// stores "no limit" as -1 and an unset duplicate window as 2 minutes).
+func streamMatches(have, want jetstream.StreamConfig) bool {
+	unlimited := func(v int64) int64 {
+		if v == 0 {
+			return -1
+		}
+		return v
+	}
+	window := func(d time.Duration) time.Duration {
+		if d == 0 {
+			return 2 * time.Minute
+		}
+		return d
+	}
+	return slices.Equal(have.Subjects, want.Subjects) && have.Retention == want.Retention &&
+		have.Storage == want.Storage && have.Replicas == want.Replicas && have.MaxAge == want.MaxAge &&
+		unlimited(have.MaxBytes) == unlimited(want.MaxBytes) &&
+		unlimited(have.MaxMsgsPerSubject) == unlimited(want.MaxMsgsPerSubject) &&
+		have.Discard == want.Discard && have.DiscardNewPerSubject == want.DiscardNewPerSubject &&
+		window(have.Duplicates) == window(want.Duplicates)
 }
 
 // EnsureStream creates or updates any stream (used by workers with streams of their own).
@@ -113,7 +163,7 @@ func (b *Bus) EnsureStream(ctx context.Context, sc StreamConfig) error {
 	return b.ensureStream(ctx, jetstream.StreamConfig{
 		Name: sc.Name, Subjects: sc.Subjects, Storage: storage, Retention: retention, MaxAge: sc.MaxAge,
 		MaxBytes: sc.MaxBytes, MaxMsgsPerSubject: sc.MaxMsgsPerSubject, Duplicates: 2 * time.Minute,
-		Replicas: max(sc.Replicas, 1),
+		Replicas: sc.Replicas,
 	})
 }
 
@@ -136,6 +186,9 @@ type StreamInfo struct {
 	Bytes    uint64
 	FirstSeq uint64
 	LastSeq  uint64
+	// MaxAge and Replicas are the stream's settings.
+	MaxAge   time.Duration
+	Replicas int
 }
 
 // Stream reports the state of a stream.
@@ -149,5 +202,6 @@ func (b *Bus) Stream(ctx context.Context, name string) (StreamInfo, error) {
 		return StreamInfo{}, fmt.Errorf("stream %s info: %w", name, err)
 	}
 	return StreamInfo{Name: name, Messages: info.State.Msgs, Bytes: info.State.Bytes,
-		FirstSeq: info.State.FirstSeq, LastSeq: info.State.LastSeq}, nil
+		FirstSeq: info.State.FirstSeq, LastSeq: info.State.LastSeq, MaxAge: info.Config.MaxAge,
+		Replicas: info.Config.Replicas}, nil
 }
