@@ -286,21 +286,26 @@ func TestFleetOnThreeContainerdsAndANATSCluster(t *testing.T) {
 		return nil
 	})
 
-	// The node workers create their own buckets (detector records, puller records and backoff, pod index
-	// snapshots) with one replica, so a lost server would take some of them along. As an operator of a
-	// cluster would, give every stream and bucket three replicas before anything is killed.
+	// The agents run with --stream-replicas 3, so every stream and bucket they create (events, pull queue,
+	// detector and puller records, backoff, heartbeats, inventory) is on the three servers from the start:
+	// a lost server takes none of them along.
 	eventually(t, "every stream on three servers", time.Minute, func() error {
 		names, err := b.StreamNames(ctx)
 		if err != nil {
 			return err
 		}
+		for _, want := range []string{events.EventsStream, events.PullStream, "KV_imagefleet-records", "KV_imagefleet-pull-records"} {
+			if !slices.Contains(names, want) {
+				return fmt.Errorf("stream %s not created yet (have %v)", want, names)
+			}
+		}
 		for _, n := range names {
-			old, err := b.SetStreamReplicas(ctx, n, 3)
+			info, err := b.Stream(ctx, n)
 			if err != nil {
 				return err
 			}
-			if old != 3 {
-				t.Logf("stream %s: %d replicas -> 3", n, old)
+			if info.Replicas != 3 {
+				return fmt.Errorf("stream %s has %d replicas, want 3", n, info.Replicas)
 			}
 		}
 		return nil

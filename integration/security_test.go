@@ -12,6 +12,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -20,6 +21,7 @@ import (
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/deploy/natsconf"
 	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/services/cri"
 	"github.com/imagefleet/imagefleet/services/cri/hollow"
 	"github.com/imagefleet/imagefleet/services/puller"
 )
@@ -505,4 +507,90 @@ func (s *leakBuffer) Len() int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.b.Len()
+}
+
+// TestSecurityAgentRunsWithANodeIdentity: after `imagefleet bus init` with the admin identity, an agent with
+// every default worker and only its node's nkey starts, detects, answers its queries and heartbeats; a
+// node identity alone cannot initialise the streams, and says why.
+func TestSecurityAgentRunsWithANodeIdentity(t *testing.T) {
+	const node = "node-a"
+	dir := t.TempDir()
+	certs, err := natsconf.GenerateCerts(dir+"/tls", nil, time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := natsconf.Generate(dir, natsconf.Options{Nodes: []string{node}, Listen: "127.0.0.1:4222",
+		TLS: &natsconf.TLSFiles{CA: certs.CA, Cert: certs.ServerCert, Key: certs.ServerKey}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := startNATS(t, res.ConfigFile)
+	seeds := map[string]string{}
+	for _, id := range res.Identities {
+		seeds[id.Name] = id.SeedFile
+	}
+	bin := imagefleetBinary(t)
+	as := func(identity string, args ...string) []string {
+		return append([]string{"--nats", "tls://" + srv.addr, "--nkey", seeds[identity], "--tls-ca", certs.CA,
+			"--tls-cert", certs.ClientCert, "--tls-key", certs.ClientKey, "--timeout", "10s"}, args...)
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
+	defer cancel()
+
+	out, err := cli(ctx, bin, as(node, "bus", "init")...)
+	if err == nil || !strings.Contains(strings.ToLower(err.Error()), "permissions violation") {
+		t.Fatalf("bus init with a node identity: err %v, output %s; want a permissions violation", err, out)
+	}
+	out, err = cli(ctx, bin, as(natsconf.RoleAdmin, "bus", "init")...)
+	if err != nil {
+		t.Fatalf("bus init with the admin identity: %v\n%s", err, out)
+	}
+	for _, s := range []string{events.EventsStream, events.PullStream, bus.DeadLetterStream, "KV_imagefleet-records", "KV_imagefleet-pods"} {
+		if !strings.Contains(string(out), s) {
+			t.Errorf("bus init output lacks %s:\n%s", s, out)
+		}
+	}
+
+	rt := hollow.New(hollow.Options{Name: node})
+	if _, err := rt.AddImage(cri.Image{ID: "sha256:" + strings.Repeat("a", 64), RepoTags: []string{"registry.example/app:1"},
+		Size: 10 << 20}); err != nil {
+		t.Fatal(err)
+	}
+	endpoint, stop, err := rt.StartUnix(ctx, filepath.Join(dir, "cri.sock"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(stop)
+	agent := startProc(t, "agent", bin, as(node, "agent", "--node", node, "--cri", endpoint,
+		"--data-dir", filepath.Join(dir, "agent"))...)
+	defer agent.stop(syscall.SIGTERM)
+
+	eventually(t, "the agent's records over its node identity", time.Minute, func() error {
+		var recs []events.ImageRecord
+		if err := cliJSON(t, bin, &recs, as(node, "records", "--node", node)...); err != nil {
+			return err
+		}
+		if len(recs) != 1 || recs[0].Size != 10<<20 {
+			return fmt.Errorf("records %+v, want the one image", recs)
+		}
+		return nil
+	})
+	eventually(t, "the agent's heartbeat", time.Minute, func() error {
+		var nodes []struct {
+			Node  string `json:"node"`
+			State string `json:"state"`
+		}
+		if err := cliJSON(t, bin, &nodes, as(natsconf.RoleAdmin, "fleet", "nodes")...); err != nil {
+			return err
+		}
+		if len(nodes) != 1 || nodes[0].Node != node || nodes[0].State != "Ready" {
+			return fmt.Errorf("nodes %+v, want %s Ready", nodes, node)
+		}
+		return nil
+	})
+	if log, err := os.ReadFile(agent.log); err != nil {
+		t.Fatal(err)
+	} else if bytes.Contains(bytes.ToLower(log), []byte("permissions violation")) {
+		t.Errorf("the agent hit a permissions violation:\n%s", tail(agent.log, 40))
+	}
 }

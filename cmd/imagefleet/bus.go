@@ -3,10 +3,15 @@ package main
 import (
 	"fmt"
 	"log/slog"
+	"slices"
 
 	"github.com/spf13/cobra"
 
 	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/services/detector"
+	"github.com/imagefleet/imagefleet/services/fleet"
+	"github.com/imagefleet/imagefleet/services/podindex"
+	"github.com/imagefleet/imagefleet/services/puller"
 )
 
 func init() { registerCommand(newBusCmd) }
@@ -33,10 +38,65 @@ cluster (deploy/nats/cluster/server-{1,2,3}.conf). --listen and --store-dir over
 			return nil
 		},
 	}
+	cmd.AddCommand(newBusInitCmd())
 	fs := cmd.Flags()
 	fs.StringVar(&config, "config", "", "nats-server configuration file")
 	fs.StringVar(&listen, "listen", "", "client listen address host:port (overrides the file; default 127.0.0.1:4222)")
 	fs.StringVar(&storeDir, "store-dir", "", "JetStream store directory (overrides the file)")
 	fs.StringVar(&name, "server-name", "", "server name (overrides the file)")
+	return cmd
+}
+
+func newBusInitCmd() *cobra.Command {
+	var replicas int
+	cmd := &cobra.Command{
+		Use:   "init [--stream-replicas N]",
+		Short: "Create every stream and bucket the workers use (run once with the admin identity; idempotent)",
+		Long: `Create, or bring to the current settings, the streams (events, pull queue, dead letters, rollouts) and
+the key-value buckets (records, pod snapshots, pull backoff and records, heartbeats, inventory) with the
+default settings. Agents with node identities may not create streams or buckets: run this first with the
+admin identity (--nkey admin.nk). Agents that find them open them as they are.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			ctx := cmd.Context()
+			opts := busOptions("imagefleet-bus-init")
+			opts.Replicas = replicas
+			b, err := bus.Connect(ctx, g.natsURL, opts)
+			if err != nil {
+				return err
+			}
+			defer b.Close()
+			if err := b.EnsureStreams(ctx, bus.StreamsConfig{}); err != nil {
+				return err
+			}
+			steps := []struct {
+				what   string
+				ensure func() error
+			}{
+				{"image records", func() error { _, err := detector.OpenStore(ctx, b, ""); return err }},
+				{"pod index snapshots", func() error { _, err := podindex.OpenStore(ctx, b, ""); return err }},
+				{"puller", func() error { return puller.EnsureBuckets(ctx, b, puller.Config{}) }},
+				{"fleet", func() error { return fleet.EnsureBuckets(ctx, b, 0) }},
+			}
+			for _, s := range steps {
+				if err := s.ensure(); err != nil {
+					return fmt.Errorf("%s: %w", s.what, err)
+				}
+			}
+			names, err := b.StreamNames(ctx)
+			if err != nil {
+				return err
+			}
+			slices.Sort(names)
+			if jsonOutput() {
+				return printJSON(cmd.OutOrStdout(), map[string]any{"streams": names})
+			}
+			for _, n := range names {
+				fmt.Fprintln(cmd.OutOrStdout(), n)
+			}
+			return nil
+		},
+	}
+	cmd.Flags().IntVar(&replicas, "stream-replicas", 1, "replicas of every stream and bucket (3 on a 3-server cluster)")
 	return cmd
 }

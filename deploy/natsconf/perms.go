@@ -81,6 +81,9 @@ func NodePermissions(node, pub string) Permissions {
 			"$JS.API.DIRECT.GET.KV_"+b+".$KV."+b+"."+t+".>",
 			"$JS.API.CONSUMER.CREATE.KV_"+b+".*.$KV."+b+"."+t+".>",
 			"$JS.API.CONSUMER.MSG.NEXT.KV_"+b+".*",
+			// A list or watch ends by deleting its ordered consumer (else the server keeps it until it is
+			// inactive, and the client waits out an API timeout). Only ordered consumers live on these streams.
+			"$JS.API.CONSUMER.DELETE.KV_"+b+".*",
 		)
 	}
 	for _, b := range NodeKeyBuckets {
@@ -89,6 +92,8 @@ func NodePermissions(node, pub string) Permissions {
 	return Permissions{
 		Publish: pub1,
 		Subscribe: []string{
+			// Its own events: the puller follows pod deletions of its node as they are published.
+			events.Prefix + ".evt." + t + ".>",
 			events.Prefix + ".cmd." + t + ".>",
 			events.Prefix + ".qry." + t + ".>",
 			inbox(pub),
@@ -122,6 +127,9 @@ func FleetPermissions(pub string) Permissions {
 			"$JS.API.DIRECT.GET.KV_"+b+".>",
 			"$JS.API.CONSUMER.CREATE.KV_"+b+".>",
 			"$JS.API.CONSUMER.MSG.NEXT.KV_"+b+".*",
+			// A list or watch ends by deleting its ordered consumer (else the server keeps it until it is
+			// inactive, and the client waits out an API timeout). Only ordered consumers live on these streams.
+			"$JS.API.CONSUMER.DELETE.KV_"+b+".*",
 		)
 	}
 	for _, b := range NodeKeyBuckets {

@@ -61,7 +61,7 @@ func NewHeartbeat(cfg HeartbeatConfig, rt heartbeatRuntime, b *bus.Bus) (*Heartb
 		return nil, fmt.Errorf("heartbeat period %v must not be negative", cfg.Period)
 	}
 	if cfg.Period == 0 {
-		cfg.Period = 10 * time.Second
+		cfg.Period = DefaultHeartbeatPeriod
 	}
 	if cfg.TTL == 0 {
 		cfg.TTL = time.Duration(DefaultLostAfterPeriods) * cfg.Period
@@ -115,17 +115,34 @@ func (h *Heartbeat) Run(ctx context.Context) error {
 }
 
 func (h *Heartbeat) buckets(ctx context.Context) (alive, seen *bus.KV, err error) {
-	alive, err = h.b.KV(ctx, bus.KVConfig{Bucket: events.NodesBucket, TTL: h.cfg.TTL, Replicas: h.cfg.Replicas,
+	return heartbeatBuckets(ctx, h.b, h.cfg.TTL, h.cfg.Replicas)
+}
+
+func heartbeatBuckets(ctx context.Context, b *bus.Bus, ttl time.Duration, replicas int) (alive, seen *bus.KV, err error) {
+	alive, err = b.KV(ctx, bus.KVConfig{Bucket: events.NodesBucket, TTL: ttl, Replicas: replicas,
 		Description: "imagefleet node heartbeats; a key expires when its node stops"})
 	if err != nil {
 		return nil, nil, fmt.Errorf("heartbeat: %w", err)
 	}
-	seen, err = h.b.KV(ctx, bus.KVConfig{Bucket: events.NodesSeenBucket, Replicas: h.cfg.Replicas,
+	seen, err = b.KV(ctx, bus.KVConfig{Bucket: events.NodesSeenBucket, Replicas: replicas,
 		Description: "imagefleet nodes' last heartbeat, kept so a lost node is shown"})
 	if err != nil {
 		return nil, nil, fmt.Errorf("heartbeat: %w", err)
 	}
 	return alive, seen, nil
+}
+
+// EnsureBuckets creates the fleet's buckets and stream (heartbeats with the default period and TTL, last
+// seen, inventory, rollouts) with replicas (0: the connection's default): what `imagefleet bus init` runs
+// with the admin identity, so agents with node identities, which may not create buckets, find them.
+func EnsureBuckets(ctx context.Context, b *bus.Bus, replicas int) error {
+	if _, _, err := heartbeatBuckets(ctx, b, time.Duration(DefaultLostAfterPeriods)*DefaultHeartbeatPeriod, replicas); err != nil {
+		return err
+	}
+	if _, err := b.KV(ctx, inventoryBucket(replicas)); err != nil {
+		return fmt.Errorf("inventory: %w", err)
+	}
+	return EnsureRolloutStream(ctx, b, replicas)
 }
 
 // Beat sends one heartbeat now and returns it.

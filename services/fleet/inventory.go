@@ -83,12 +83,16 @@ func NewInventory(ctx context.Context, cfg InventoryConfig, b *bus.Bus) (*Invent
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	kv, err := b.KV(ctx, bus.KVConfig{Bucket: events.InventoryBucket, Replicas: cfg.Replicas,
-		Description: "imagefleet fleet inventory: one key per node and image"})
+	kv, err := b.KV(ctx, inventoryBucket(cfg.Replicas))
 	if err != nil {
 		return nil, fmt.Errorf("inventory: %w", err)
 	}
 	return &Inventory{cfg: cfg, b: b, kv: kv, index: map[string]events.Placement{}}, nil
+}
+
+func inventoryBucket(replicas int) bus.KVConfig {
+	return bus.KVConfig{Bucket: events.InventoryBucket, Replicas: replicas,
+		Description: "imagefleet fleet inventory: one key per node and image"}
 }
 
 // Stats returns this replica's counters.

@@ -19,6 +19,9 @@ import (
 // DefaultLostAfterPeriods is how many heartbeat periods a node may miss before it is shown as lost.
 const DefaultLostAfterPeriods = 3
 
+// DefaultHeartbeatPeriod is how often an agent heartbeats unless told otherwise.
+const DefaultHeartbeatPeriod = 10 * time.Second
+
 // NodeStates computes each node's state from its last heartbeat (seen, kept forever), whether its key is
 // still in the TTL bucket (alive), and now. A node is Ready when its heartbeat key has not expired and its
 // last heartbeat is at most lostAfter old (0: DefaultLostAfterPeriods of the node's own period); otherwise

@@ -247,3 +247,20 @@ func (s *Service) InFlight() int {
 	defer s.mu.Unlock()
 	return len(s.inflight)
 }
+
+// EnsureBuckets creates the puller's buckets (backoff, pulled records) with cfg's settings, defaults for
+// zero fields: what `imagefleet bus init` runs with the admin identity, so agents with node identities,
+// which may not create buckets, find them.
+func EnsureBuckets(ctx context.Context, b *bus.Bus, cfg Config) error {
+	if cfg.BackoffInitial == 0 {
+		cfg.BackoffInitial = 10 * time.Second
+	}
+	if cfg.BackoffMax == 0 {
+		cfg.BackoffMax = 300 * time.Second
+	}
+	if _, err := openKVBackoff(ctx, b, cfg.Node, backoffPolicy{initial: cfg.BackoffInitial, max: cfg.BackoffMax}); err != nil {
+		return err
+	}
+	_, err := openKVRecords(ctx, b, cfg.Node)
+	return err
+}
