@@ -1,0 +1,99 @@
+package bus_test
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/events"
+)
+
+// TestEnsureWithAReadOnlyIdentity: streams and buckets made by an operator are opened by an identity that may
+// read stream info but not create or update streams (a node's agent), at once and without a refused
+// JetStream API call; the operator's later change of a setting is applied to the existing stream.
+func TestEnsureWithAReadOnlyIdentity(t *testing.T) {
+	dir := t.TempDir()
+	conf := filepath.Join(dir, "nats.conf")
+	err := os.WriteFile(conf, []byte(`
+jetstream { store_dir: "`+filepath.Join(dir, "js")+`" }
+authorization {
+  users: [
+    { user: admin, password: admin }
+    { user: node, password: node, permissions: {
+        publish: ["$JS.API.INFO", "$JS.API.STREAM.INFO.*"]
+        subscribe: ["_INBOX.>"]
+    } }
+  ]
+}
+`), 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv, err := bus.StartServer(bus.ServerConfig{Listen: "127.0.0.1:-1", ConfigFile: conf})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Shutdown)
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	connect := func(user string) *bus.Bus {
+		b, err := bus.Connect(ctx, srv.ClientURL(), bus.Options{User: user, Password: user, ConnectTimeout: 5 * time.Second})
+		if err != nil {
+			t.Fatalf("connect as %s: %v", user, err)
+		}
+		t.Cleanup(b.Close)
+		return b
+	}
+	admin, node := connect("admin"), connect("node")
+
+	kvc := bus.KVConfig{Bucket: "imagefleet-test", TTL: time.Hour}
+	// Before the operator made them, the read-only identity gets an error naming what is missing.
+	// Before the operator made them, the read-only identity is refused at once, and told so.
+	begin := time.Now()
+	if err := node.EnsureStreams(ctx, bus.StreamsConfig{}); !errors.Is(err, bus.ErrPermissionViolation) {
+		t.Fatalf("EnsureStreams with a read-only identity and no streams: %v, want a permissions violation", err)
+	}
+	if d := time.Since(begin); d > 3*time.Second {
+		t.Errorf("the refusal took %v: it should not wait out the JetStream API timeout", d)
+	}
+	if err := admin.EnsureStreams(ctx, bus.StreamsConfig{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := admin.KV(ctx, kvc); err != nil {
+		t.Fatal(err)
+	}
+
+	start := time.Now()
+	if err := node.EnsureStreams(ctx, bus.StreamsConfig{}); err != nil {
+		t.Fatalf("EnsureStreams with a read-only identity: %v", err)
+	}
+	if _, err := node.KV(ctx, kvc); err != nil {
+		t.Fatalf("KV with a read-only identity: %v", err)
+	}
+	// A refused update would have waited out the JetStream API timeout (5 s) and been reported.
+	if d := time.Since(start); d > 3*time.Second {
+		t.Errorf("opening existing streams and a bucket took %v", d)
+	}
+	for _, subj := range []string{"$JS.API.STREAM.UPDATE." + events.EventsStream, "$JS.API.STREAM.UPDATE.KV_imagefleet-test",
+		"$JS.API.STREAM.CREATE.KV_imagefleet-test"} {
+		if err := node.PermissionViolation(subj); err != nil {
+			t.Errorf("%s was attempted: %v", subj, err)
+		}
+	}
+
+	// The operator changes a setting: the existing stream is updated in place.
+	if err := admin.EnsureStreams(ctx, bus.StreamsConfig{EventsMaxAge: 48 * time.Hour}); err != nil {
+		t.Fatal(err)
+	}
+	info, err := admin.Stream(ctx, events.EventsStream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.MaxAge != 48*time.Hour {
+		t.Errorf("events stream max age after the update = %v, want 48h", info.MaxAge)
+	}
+}
