@@ -268,7 +268,9 @@ func TestMalformedEventsAreDeadLettered(t *testing.T) {
 	ctx := t.Context()
 	s, stop := startService(t, b, Config{Node: testNode})
 	defer stop()
-	rejected := func(reason string) float64 { return testutil.ToFloat64(eventsRejected.WithLabelValues(testNode, reason)) }
+	rejected := func(reason string) float64 {
+		return testutil.ToFloat64(eventsRejected.WithLabelValues(testNode, reason))
+	}
 	base := map[string]float64{}
 	for _, r := range []string{ReasonBadPod, ReasonNoUID, ReasonBadType} {
 		base[r] = rejected(r)
