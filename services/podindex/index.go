@@ -1,7 +1,6 @@
 package podindex
 
 import (
-	"slices"
 	"sort"
 	"sync"
 
@@ -58,9 +57,16 @@ func IsMirrorPodOf(mirrorPod, pod *v1.Pod) bool {
 // entry is one indexed pod and the order of its last upsert (the stream sequence of the event that stored
 // it, so the order survives a restart).
 type entry struct {
-	pod   *v1.Pod
-	order uint64
-	raw   []byte // the pod's JSON as received (what the snapshot stores), nil when added in process
+	pod      *v1.Pod
+	order    uint64
+	raw      []byte // the pod's JSON as received (what the snapshot stores), nil when added in process
+	fullName string // PodFullName(pod), kept so a removal builds no string
+	// sameName is the next entry of the same kind (mirror or not) with the same full name, in upsert order
+	// of their first upsert, newest first.
+	sameName *entry
+	// removed is set when the entry leaves the index; dirty while State has it to write (guarded by
+	// State.mu, not Index.mu).
+	removed, dirty bool
 }
 
 // Index is the kubelet's pod manager (pkg/kubelet/pod.basicManager): non-mirror pods by UID and by full name,
@@ -78,7 +84,8 @@ type entry struct {
 //     old full-name entry pointing at it).
 //
 // Two pods (or two mirror pods) with one full name both stay indexed by UID until each is deleted, and the
-// full name resolves to the one upserted last, as in the kubelet.
+// full name resolves to the one upserted last, as in the kubelet. The full-name maps hold the head of a
+// short list (almost always one entry), so adding a pod allocates its entry and nothing else.
 //
 // Index is safe for concurrent use.
 type Index struct {
@@ -87,8 +94,8 @@ type Index struct {
 	next             uint64
 	pods             map[types.UID]*entry
 	mirrors          map[types.UID]*entry
-	podsByFullName   map[string][]*entry
-	mirrorByFullName map[string][]*entry
+	podsByFullName   map[string]*entry
+	mirrorByFullName map[string]*entry
 }
 
 // NewIndex returns an empty index.
@@ -101,8 +108,8 @@ func NewIndex() *Index {
 func (ix *Index) reset() {
 	ix.pods = make(map[types.UID]*entry)
 	ix.mirrors = make(map[types.UID]*entry)
-	ix.podsByFullName = make(map[string][]*entry)
-	ix.mirrorByFullName = make(map[string][]*entry)
+	ix.podsByFullName = make(map[string]*entry)
+	ix.mirrorByFullName = make(map[string]*entry)
 }
 
 // SetPods replaces every pod with pods, as if each were added in order.
@@ -127,37 +134,43 @@ func (ix *Index) UpdatePod(pod *v1.Pod) {
 	ix.upsertLocked(pod, nil, ix.next)
 }
 
-// upsert stores pod with the order of its event; it returns the pod it replaced (same UID), if any.
-func (ix *Index) upsert(pod *v1.Pod, raw []byte, order uint64) *v1.Pod {
+// upsert stores pod with the order of its event; it returns the pod it replaced (same UID), if any, and the
+// entry that now holds pod.
+func (ix *Index) upsert(pod *v1.Pod, raw []byte, order uint64) (*v1.Pod, *entry) {
 	ix.mu.Lock()
 	defer ix.mu.Unlock()
 	ix.next = max(ix.next, order)
 	return ix.upsertLocked(pod, raw, order)
 }
 
-func (ix *Index) upsertLocked(pod *v1.Pod, raw []byte, order uint64) *v1.Pod {
+func (ix *Index) upsertLocked(pod *v1.Pod, raw []byte, order uint64) (*v1.Pod, *entry) {
 	mirror := IsMirrorPod(pod)
-	// The common update: same UID, same kind, same full name: replace in place.
-	m := ix.pods
+	m, other := ix.pods, ix.mirrors
 	if mirror {
-		m = ix.mirrors
+		m, other = ix.mirrors, ix.pods
 	}
-	if e, ok := m[pod.UID]; ok && e.pod.Name == pod.Name && e.pod.Namespace == pod.Namespace {
-		prev := e.pod
-		e.pod, e.order, e.raw = pod, order, raw
-		return prev
+	// A UID is in at most one of the two maps.
+	var prev *v1.Pod
+	if e, ok := m[pod.UID]; ok {
+		if e.pod.Name == pod.Name && e.pod.Namespace == pod.Namespace {
+			// The common update: same UID, same kind, same full name: replace in place.
+			prev = e.pod
+			e.pod, e.order, e.raw = pod, order, raw
+			return prev, e
+		}
+		prev = ix.dropLocked(pod.UID, e, mirror)
+	} else if e, ok := other[pod.UID]; ok {
+		prev = ix.dropLocked(pod.UID, e, !mirror)
 	}
-	prev := ix.removeLocked(pod.UID)
-	e := &entry{pod: pod, order: order, raw: raw}
-	fn := PodFullName(pod)
+	e := &entry{pod: pod, order: order, raw: raw, fullName: PodFullName(pod)}
+	byName := ix.podsByFullName
 	if mirror {
-		ix.mirrors[pod.UID] = e
-		ix.mirrorByFullName[fn] = append(ix.mirrorByFullName[fn], e)
-	} else {
-		ix.pods[pod.UID] = e
-		ix.podsByFullName[fn] = append(ix.podsByFullName[fn], e)
+		byName = ix.mirrorByFullName
 	}
-	return prev
+	m[pod.UID] = e
+	e.sameName = byName[e.fullName]
+	byName[e.fullName] = e
+	return prev, e
 }
 
 // RemovePod removes the pod with pod's UID (mirror or not); an unknown pod is a no-op.
@@ -166,42 +179,46 @@ func (ix *Index) RemovePod(pod *v1.Pod) { ix.remove(pod.UID) }
 func (ix *Index) remove(uid types.UID) *v1.Pod {
 	ix.mu.Lock()
 	defer ix.mu.Unlock()
-	return ix.removeLocked(uid)
-}
-
-func (ix *Index) removeLocked(uid types.UID) *v1.Pod {
 	if e, ok := ix.pods[uid]; ok {
-		delete(ix.pods, uid)
-		dropEntry(ix.podsByFullName, PodFullName(e.pod), e)
-		return e.pod
+		return ix.dropLocked(uid, e, false)
 	}
 	if e, ok := ix.mirrors[uid]; ok {
-		delete(ix.mirrors, uid)
-		dropEntry(ix.mirrorByFullName, PodFullName(e.pod), e)
-		return e.pod
+		return ix.dropLocked(uid, e, true)
 	}
 	return nil
 }
 
-func dropEntry(m map[string][]*entry, fn string, e *entry) {
-	list := m[fn]
-	i := slices.Index(list, e)
-	if i < 0 {
-		return
+// dropLocked removes e, the entry of uid in the pods (or mirrors) map, and returns its pod.
+func (ix *Index) dropLocked(uid types.UID, e *entry, mirror bool) *v1.Pod {
+	m, byName := ix.pods, ix.podsByFullName
+	if mirror {
+		m, byName = ix.mirrors, ix.mirrorByFullName
 	}
-	list = slices.Delete(list, i, i+1)
-	if len(list) == 0 {
-		delete(m, fn)
-		return
+	delete(m, uid)
+	head := byName[e.fullName]
+	switch {
+	case head == e && e.sameName == nil:
+		delete(byName, e.fullName)
+	case head == e:
+		byName[e.fullName] = e.sameName
+	default:
+		for p := head; p != nil; p = p.sameName {
+			if p.sameName == e {
+				p.sameName = e.sameName
+				break
+			}
+		}
 	}
-	m[fn] = list
+	e.sameName, e.removed = nil, true
+	return e.pod
 }
 
-// newest is the most recently upserted entry of list.
-func newest(list []*entry) *entry {
+// newest is the most recently upserted entry of the list from head (the first one inserted among equal
+// orders, as a scan of the list in insertion order keeping the first maximum).
+func newest(head *entry) *entry {
 	var best *entry
-	for _, e := range list {
-		if best == nil || e.order > best.order {
+	for e := head; e != nil; e = e.sameName {
+		if best == nil || e.order >= best.order {
 			best = e
 		}
 	}

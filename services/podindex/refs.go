@@ -170,26 +170,133 @@ type objKey struct {
 	kind, namespace, name string
 }
 
-// podNames is what a registered pod references.
-type podNames struct {
-	secrets, configMaps []string // de-duplicated, in visit order
+// objRef is a referenced object and its count: the number of registrations naming it. Registrations hold
+// pointers to their objects, so dropping a reference is a decrement, not a map lookup.
+type objRef struct {
+	key   objKey
+	count int
 }
 
-func referencedNames(pod *v1.Pod) podNames {
-	n := podNames{secrets: make([]string, 0, 4), configMaps: make([]string, 0, 4)}
-	VisitPodSecretNames(pod, func(name string) bool {
-		if !contains(n.secrets, name) {
-			n.secrets = append(n.secrets, name)
+// registration is one registered pod key and the objects its registered version names.
+type registration struct {
+	key                 podRefKey
+	secrets, configMaps []*objRef // de-duplicated, in visit order
+	// next is another registered key with the same UID (a pod seen under another name or namespace).
+	next *registration
+	// inline backs secrets and configMaps when they fit: one allocation per registered pod.
+	inline [6]*objRef
+}
+
+// appendRefNames appends the secret and configmap names pod references to secrets and configMaps,
+// de-duplicated, each in the order of VisitPodSecretNames and VisitPodConfigmapNames. It is the visitors
+// without their callbacks, in one pass over the pod: it runs for every applied event.
+// TestAppendRefNamesMatchesVisitors keeps it in step with them.
+func appendRefNames(secrets, configMaps []string, pod *v1.Pod) ([]string, []string) {
+	spec := &pod.Spec
+	for i := range spec.ImagePullSecrets {
+		secrets = addName(secrets, spec.ImagePullSecrets[i].Name)
+	}
+	for i := range spec.InitContainers {
+		secrets, configMaps = appendEnvNames(secrets, configMaps, spec.InitContainers[i].EnvFrom, spec.InitContainers[i].Env)
+	}
+	for i := range spec.Containers {
+		secrets, configMaps = appendEnvNames(secrets, configMaps, spec.Containers[i].EnvFrom, spec.Containers[i].Env)
+	}
+	for i := range spec.EphemeralContainers {
+		c := &spec.EphemeralContainers[i].EphemeralContainerCommon
+		secrets, configMaps = appendEnvNames(secrets, configMaps, c.EnvFrom, c.Env)
+	}
+	for i := range spec.Volumes {
+		src := &spec.Volumes[i].VolumeSource
+		// The visitors' switches: the first source set decides, separately for each kind.
+		switch {
+		case src.AzureFile != nil:
+			secrets = addName(secrets, src.AzureFile.SecretName)
+		case src.CephFS != nil:
+			if src.CephFS.SecretRef != nil {
+				secrets = addName(secrets, src.CephFS.SecretRef.Name)
+			}
+		case src.Cinder != nil:
+			if src.Cinder.SecretRef != nil {
+				secrets = addName(secrets, src.Cinder.SecretRef.Name)
+			}
+		case src.FlexVolume != nil:
+			if src.FlexVolume.SecretRef != nil {
+				secrets = addName(secrets, src.FlexVolume.SecretRef.Name)
+			}
+		case src.Projected != nil:
+			for j := range src.Projected.Sources {
+				if s := src.Projected.Sources[j].Secret; s != nil {
+					secrets = addName(secrets, s.Name)
+				}
+			}
+		case src.RBD != nil:
+			if src.RBD.SecretRef != nil {
+				secrets = addName(secrets, src.RBD.SecretRef.Name)
+			}
+		case src.Secret != nil:
+			secrets = addName(secrets, src.Secret.SecretName)
+		case src.ScaleIO != nil:
+			if src.ScaleIO.SecretRef != nil {
+				secrets = addName(secrets, src.ScaleIO.SecretRef.Name)
+			}
+		case src.ISCSI != nil:
+			if src.ISCSI.SecretRef != nil {
+				secrets = addName(secrets, src.ISCSI.SecretRef.Name)
+			}
+		case src.StorageOS != nil:
+			if src.StorageOS.SecretRef != nil {
+				secrets = addName(secrets, src.StorageOS.SecretRef.Name)
+			}
+		case src.CSI != nil:
+			if src.CSI.NodePublishSecretRef != nil {
+				secrets = addName(secrets, src.CSI.NodePublishSecretRef.Name)
+			}
 		}
-		return true
-	})
-	VisitPodConfigmapNames(pod, func(name string) bool {
-		if !contains(n.configMaps, name) {
-			n.configMaps = append(n.configMaps, name)
+		switch {
+		case src.Projected != nil:
+			for j := range src.Projected.Sources {
+				if c := src.Projected.Sources[j].ConfigMap; c != nil {
+					configMaps = addName(configMaps, c.Name)
+				}
+			}
+		case src.ConfigMap != nil:
+			configMaps = addName(configMaps, src.ConfigMap.Name)
 		}
-		return true
-	})
-	return n
+	}
+	return secrets, configMaps
+}
+
+func appendEnvNames(secrets, configMaps []string, envFrom []v1.EnvFromSource, env []v1.EnvVar) ([]string, []string) {
+	for i := range envFrom {
+		if r := envFrom[i].SecretRef; r != nil {
+			secrets = addName(secrets, r.Name)
+		}
+		if r := envFrom[i].ConfigMapRef; r != nil {
+			configMaps = addName(configMaps, r.Name)
+		}
+	}
+	for i := range env {
+		from := env[i].ValueFrom
+		if from == nil {
+			continue
+		}
+		if r := from.SecretKeyRef; r != nil {
+			secrets = addName(secrets, r.Name)
+		}
+		if r := from.ConfigMapKeyRef; r != nil {
+			configMaps = addName(configMaps, r.Name)
+		}
+	}
+	return secrets, configMaps
+}
+
+// addName appends name unless it is empty or already listed.
+func addName(list []string, name string) []string {
+	if name == "" || contains(list, name) {
+		return list
+	}
+	return append(list, name)
 }
 
 // contains is a linear search: a pod names a handful of objects, where a map would cost more.
@@ -200,6 +307,19 @@ func contains(list []string, s string) bool {
 		}
 	}
 	return false
+}
+
+// sameNames reports whether refs name exactly names, in the same order.
+func sameNames(refs []*objRef, names []string) bool {
+	if len(refs) != len(names) {
+		return false
+	}
+	for i, ref := range refs {
+		if ref.key.name != names[i] {
+			return false
+		}
+	}
+	return true
 }
 
 // Transition is an object whose reference count went 0 -> 1 (Registered) or 1 -> 0.
@@ -219,37 +339,75 @@ type Transition struct {
 // An object's count is the number of registered pods referencing it. There is no API server here, so the
 // TTL object store's fetching and caching have no counterpart: only the references are kept.
 //
+// Registrations are found by UID first (one string to hash; the few keys sharing a UID are chained), and
+// hold pointers to their objects' counts: re-registering a pod that names the same objects (the common
+// update) touches no count, and unregistering decrements through the pointers.
+//
 // Registry is safe for concurrent use.
 type Registry struct {
-	mu     sync.RWMutex
-	pods   map[podRefKey]podNames
-	counts map[objKey]int
+	mu   sync.RWMutex
+	pods map[types.UID]*registration
+	objs map[objKey]*objRef
+	// secretNames and configMapNames are scratch space for the pod being registered (guarded by mu).
+	secretNames, configMapNames []string
 }
 
 // NewRegistry returns an empty registry.
 func NewRegistry() *Registry {
-	return &Registry{pods: make(map[podRefKey]podNames), counts: make(map[objKey]int)}
+	return &Registry{pods: make(map[types.UID]*registration), objs: make(map[objKey]*objRef)}
 }
 
 func refKey(pod *v1.Pod) podRefKey {
 	return podRefKey{namespace: pod.Namespace, name: pod.Name, uid: pod.UID}
 }
 
+// lookup returns the registration of key (nil when not registered).
+func (r *Registry) lookup(key podRefKey) *registration {
+	for reg := r.pods[key.uid]; reg != nil; reg = reg.next {
+		if reg.key == key {
+			return reg
+		}
+	}
+	return nil
+}
+
 // RegisterPod registers pod's references and returns the objects whose count went 0 -> 1 or 1 -> 0.
 func (r *Registry) RegisterPod(pod *v1.Pod) []Transition {
-	names := referencedNames(pod)
 	key := refKey(pod)
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	prev, had := r.pods[key]
-	r.pods[key] = names
+	r.secretNames, r.configMapNames = appendRefNames(r.secretNames[:0], r.configMapNames[:0], pod)
+	secrets, configMaps := r.secretNames, r.configMapNames
 	var out []Transition
-	if !had {
-		out = r.addAll(out, key, events.KindSecret, names.secrets)
-		return r.addAll(out, key, events.KindConfigMap, names.configMaps)
+	reg := r.lookup(key)
+	if reg == nil {
+		reg = &registration{key: key, next: r.pods[key.uid]}
+		ns, nc := len(secrets), len(configMaps)
+		if ns+nc <= len(reg.inline) {
+			reg.secrets, reg.configMaps = reg.inline[:0:ns], reg.inline[ns:ns:ns+nc]
+		} else {
+			buf := make([]*objRef, ns+nc)
+			reg.secrets, reg.configMaps = buf[:0:ns], buf[ns:ns:ns+nc]
+		}
+		for _, n := range secrets {
+			var ref *objRef
+			ref, out = r.inc(out, key, events.KindSecret, n)
+			reg.secrets = append(reg.secrets, ref)
+		}
+		for _, n := range configMaps {
+			var ref *objRef
+			ref, out = r.inc(out, key, events.KindConfigMap, n)
+			reg.configMaps = append(reg.configMaps, ref)
+		}
+		r.pods[key.uid] = reg
+		return out
 	}
-	out = r.diff(out, key, events.KindSecret, prev.secrets, names.secrets)
-	return r.diff(out, key, events.KindConfigMap, prev.configMaps, names.configMaps)
+	if sameNames(reg.secrets, secrets) && sameNames(reg.configMaps, configMaps) {
+		return nil // nothing added, nothing dropped
+	}
+	reg.secrets, out = r.diff(out, key, events.KindSecret, reg.secrets, secrets)
+	reg.configMaps, out = r.diff(out, key, events.KindConfigMap, reg.configMaps, configMaps)
+	return out
 }
 
 // UnregisterPod drops the references of the registered pod with pod's key; an unknown pod is a no-op.
@@ -260,90 +418,110 @@ func (r *Registry) UnregisterPod(pod *v1.Pod) []Transition {
 func (r *Registry) unregisterKey(key podRefKey) []Transition {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	prev, had := r.pods[key]
-	if !had {
+	var prev *registration
+	reg := r.pods[key.uid]
+	for reg != nil && reg.key != key {
+		prev, reg = reg, reg.next
+	}
+	if reg == nil {
 		return nil
 	}
-	delete(r.pods, key)
+	switch {
+	case prev != nil:
+		prev.next = reg.next
+	case reg.next != nil:
+		r.pods[key.uid] = reg.next
+	default:
+		delete(r.pods, key.uid)
+	}
 	var out []Transition
-	for _, n := range prev.secrets {
-		out = r.dec(out, key, events.KindSecret, n)
+	for _, ref := range reg.secrets {
+		out = r.dec(out, key, ref)
 	}
-	for _, n := range prev.configMaps {
-		out = r.dec(out, key, events.KindConfigMap, n)
-	}
-	return out
-}
-
-func (r *Registry) addAll(out []Transition, key podRefKey, kind string, names []string) []Transition {
-	for _, n := range names {
-		out = r.inc(out, key, kind, n)
+	for _, ref := range reg.configMaps {
+		out = r.dec(out, key, ref)
 	}
 	return out
 }
 
-func (r *Registry) diff(out []Transition, key podRefKey, kind string, prev, next []string) []Transition {
+// diff re-registers one kind: names not in prev are added (in next's order), then objects not in next are
+// dropped (in prev's order). It returns the objects of next.
+func (r *Registry) diff(out []Transition, key podRefKey, kind string, prev []*objRef, next []string) ([]*objRef, []Transition) {
+	refs := make([]*objRef, 0, len(next))
 	for _, n := range next {
-		if !contains(prev, n) {
-			out = r.inc(out, key, kind, n)
+		var ref *objRef
+		for _, p := range prev {
+			if p.key.name == n {
+				ref = p
+				break
+			}
+		}
+		if ref == nil {
+			ref, out = r.inc(out, key, kind, n)
+		}
+		refs = append(refs, ref)
+	}
+	for _, p := range prev {
+		if !contains(next, p.key.name) {
+			out = r.dec(out, key, p)
 		}
 	}
-	for _, n := range prev {
-		if !contains(next, n) {
-			out = r.dec(out, key, kind, n)
-		}
-	}
-	return out
+	return refs, out
 }
 
-func (r *Registry) inc(out []Transition, key podRefKey, kind, name string) []Transition {
+func (r *Registry) inc(out []Transition, key podRefKey, kind, name string) (*objRef, []Transition) {
 	k := objKey{kind: kind, namespace: key.namespace, name: name}
-	r.counts[k]++
-	if r.counts[k] == 1 {
+	ref := r.objs[k]
+	if ref == nil {
+		ref = &objRef{key: k}
+		r.objs[k] = ref
+	}
+	ref.count++
+	if ref.count == 1 {
 		out = append(out, Transition{Kind: kind, Namespace: key.namespace, Name: name, Registered: true, Pod: key})
 	}
-	return out
+	return ref, out
 }
 
-func (r *Registry) dec(out []Transition, key podRefKey, kind, name string) []Transition {
-	k := objKey{kind: kind, namespace: key.namespace, name: name}
-	c, ok := r.counts[k]
-	if !ok {
-		return out // never goes negative
+// dec drops one reference to ref; the last one removes the object.
+func (r *Registry) dec(out []Transition, key podRefKey, ref *objRef) []Transition {
+	ref.count--
+	if ref.count > 0 {
+		return out
 	}
-	if c <= 1 {
-		delete(r.counts, k)
-		return append(out, Transition{Kind: kind, Namespace: key.namespace, Name: name, Pod: key})
-	}
-	r.counts[k] = c - 1
-	return out
+	delete(r.objs, ref.key)
+	return append(out, Transition{Kind: ref.key.kind, Namespace: ref.key.namespace, Name: ref.key.name, Pod: key})
 }
 
 // Count is the reference count of a secret or configmap (0 when not registered).
 func (r *Registry) Count(kind, namespace, name string) int {
 	r.mu.RLock()
 	defer r.mu.RUnlock()
-	return r.counts[objKey{kind: kind, namespace: namespace, name: name}]
+	if ref := r.objs[objKey{kind: kind, namespace: namespace, name: name}]; ref != nil {
+		return ref.count
+	}
+	return 0
 }
 
 // Registered reports whether the object is registered (the kubelet's GetObject would not answer
 // "object ... not registered").
-func (r *Registry) Registered(kind, namespace, name string) bool { return r.Count(kind, namespace, name) > 0 }
+func (r *Registry) Registered(kind, namespace, name string) bool {
+	return r.Count(kind, namespace, name) > 0
+}
 
 // IsPodRegistered reports whether pod's key is registered.
 func (r *Registry) IsPodRegistered(pod *v1.Pod) bool {
 	r.mu.RLock()
 	defer r.mu.RUnlock()
-	_, ok := r.pods[refKey(pod)]
-	return ok
+	return r.lookup(refKey(pod)) != nil
 }
 
 // Refs lists every registered object with its count, sorted by kind, namespace and name.
 func (r *Registry) Refs() []events.Ref {
 	r.mu.RLock()
-	out := make([]events.Ref, 0, len(r.counts))
-	for k, c := range r.counts {
-		out = append(out, events.Ref{Kind: k.kind, Namespace: k.namespace, Name: k.name, Count: c})
+	out := make([]events.Ref, 0, len(r.objs))
+	for k, ref := range r.objs {
+		out = append(out, events.Ref{Kind: k.kind, Namespace: k.namespace, Name: k.name, Count: ref.count})
 	}
 	r.mu.RUnlock()
 	sort.Slice(out, func(i, j int) bool {

@@ -22,16 +22,28 @@ type State struct {
 	Index *Index
 	Refs  *Registry
 
-	// mu serialises Apply and guards applied and dirty.
+	// mu serialises Apply and guards applied, dirty, deleted and the entries' dirty flags.
 	mu      sync.Mutex
 	applied uint64
-	// dirty are the pods changed since the last TakeDirty (true: present, false: deleted).
-	dirty map[types.UID]bool
+	// dirty are the entries upserted since the last TakeDirty (each once: entry.dirty), some since removed.
+	// Updates of an entry already dirty cost nothing more.
+	dirty []*entry
+	// deleted are the UIDs deleted since the last TakeDirty (repeats possible); a UID indexed again since
+	// is stored instead.
+	deleted []types.UID
 }
 
 // NewState returns an empty state.
 func NewState() *State {
-	return &State{Index: NewIndex(), Refs: NewRegistry(), dirty: make(map[types.UID]bool)}
+	return &State{Index: NewIndex(), Refs: NewRegistry()}
+}
+
+// markDirty queues e for the next snapshot write.
+func (s *State) markDirty(e *entry) {
+	if !e.dirty {
+		e.dirty = true
+		s.dirty = append(s.dirty, e)
+	}
 }
 
 // IsTerminal reports whether pod is in a terminal phase (Succeeded or Failed): the kubelet unregisters it
@@ -64,14 +76,14 @@ func (s *State) Apply(seq uint64, ev PodEvent) []Transition {
 		if removed == nil || refKey(removed) != refKey(pod) {
 			out = append(out, s.Refs.UnregisterPod(pod)...)
 		}
-		s.dirty[pod.UID] = false
+		s.deleted = append(s.deleted, pod.UID)
 	default:
-		prev := s.Index.upsert(pod, ev.Raw, seq)
+		prev, e := s.Index.upsert(pod, ev.Raw, seq)
 		if prev != nil && refKey(prev) != refKey(pod) {
 			out = append(out, s.Refs.UnregisterPod(prev)...)
 		}
 		out = append(out, s.register(pod)...)
-		s.dirty[pod.UID] = true
+		s.markDirty(e)
 	}
 	if seq > s.applied {
 		s.applied = seq
@@ -157,18 +169,20 @@ type Dirty struct {
 func (s *State) TakeDirty() (Dirty, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	d := Dirty{Puts: make(map[types.UID][]byte), Applied: s.applied}
-	for uid, present := range s.dirty {
-		e, ok := s.Index.get(uid)
-		if !present || !ok {
-			d.Deletes = append(d.Deletes, uid)
-			continue
+	d := Dirty{Puts: make(map[types.UID][]byte, len(s.dirty)), Applied: s.applied}
+	for _, e := range s.dirty {
+		e.dirty = false
+		if e.removed {
+			continue // a later upsert of its UID is another entry; deleted lists a deletion
 		}
 		raw := e.raw
 		if raw == nil {
 			var err error
 			if raw, err = json.Marshal(e.pod); err != nil {
-				return Dirty{}, fmt.Errorf("encode pod %s: %w", uid, err)
+				for _, e := range s.dirty {
+					e.dirty = true // nothing taken: everything stays dirty
+				}
+				return Dirty{}, fmt.Errorf("encode pod %s: %w", e.pod.UID, err)
 			}
 		}
 		buf := make([]byte, 0, len(raw)+40)
@@ -177,9 +191,25 @@ func (s *State) TakeDirty() (Dirty, error) {
 		buf = append(buf, `,"pod":`...)
 		buf = append(buf, raw...)
 		buf = append(buf, '}')
-		d.Puts[uid] = buf
+		d.Puts[e.pod.UID] = buf
+	}
+	if len(s.deleted) > 0 {
+		// A deleted UID that is indexed again was upserted after its deletion, so it is in Puts.
+		seen := make(map[types.UID]struct{}, len(s.deleted))
+		for _, uid := range s.deleted {
+			if _, put := d.Puts[uid]; put {
+				continue
+			}
+			if _, dup := seen[uid]; dup {
+				continue
+			}
+			seen[uid] = struct{}{}
+			d.Deletes = append(d.Deletes, uid)
+		}
 	}
 	clear(s.dirty)
+	s.dirty = s.dirty[:0]
+	s.deleted = s.deleted[:0]
 	return d, nil
 }
 
@@ -188,14 +218,16 @@ func (s *State) Redirty(d Dirty) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for uid := range d.Puts {
-		if _, ok := s.dirty[uid]; !ok {
-			s.dirty[uid] = true
+		if e, ok := s.Index.get(uid); ok {
+			s.markDirty(e) // a no-op when it changed since
 		}
+		// Not indexed any more: deleted since, and deleted lists it.
 	}
 	for _, uid := range d.Deletes {
-		if _, ok := s.dirty[uid]; !ok {
-			s.dirty[uid] = false
+		if _, ok := s.Index.get(uid); !ok {
+			s.deleted = append(s.deleted, uid)
 		}
+		// Indexed again: upserted since, and dirty.
 	}
 }
 
