@@ -22,6 +22,7 @@ var pullerFlags struct {
 	verificationPolicy string
 	preloadedAllowlist []string
 	ackWait            time.Duration
+	pullOnPodAdd       bool
 }
 
 func init() {
@@ -38,6 +39,7 @@ func init() {
 			fs.StringVar(&pullerFlags.verificationPolicy, "image-pull-credentials-verification-policy", puller.NeverVerifyPreloadedImages, "KEP-2535: NeverVerify, NeverVerifyPreloadedImages, NeverVerifyAllowlistedImages or AlwaysVerify")
 			fs.StringSliceVar(&pullerFlags.preloadedAllowlist, "preloaded-images-verification-allowlist", nil, "repositories (or host/path/*) never verified under NeverVerifyAllowlistedImages")
 			fs.DurationVar(&pullerFlags.ackWait, "pull-ack-wait", 30*time.Second, "how long a silent puller keeps a request before another replica gets it")
+			fs.BoolVar(&pullerFlags.pullOnPodAdd, "pull-on-pod-add", false, "enqueue a pull for each image of a pod added on this node (pod.added events), with the container's pull policy and the pod's pull secrets")
 		},
 		Build: func(_ context.Context, env *agentEnv) (runnable, error) {
 			cfg := pullerConfig(env.Node)
@@ -53,7 +55,7 @@ func pullerConfig(node string) puller.Config {
 	f := pullerFlags
 	cfg := puller.Config{Node: node, RegistryPullQPS: f.qps, RegistryBurst: f.burst, PullSecretsDir: f.secretsDir,
 		NodeKeyring: f.nodeKeyring, CredentialVerificationPolicy: f.verificationPolicy,
-		PreloadedImagesAllowlist: f.preloadedAllowlist, AckWait: f.ackWait}
+		PreloadedImagesAllowlist: f.preloadedAllowlist, AckWait: f.ackWait, PullOnPodAdd: f.pullOnPodAdd}
 	if f.fs != nil && f.fs.Changed("serialize-image-pulls") {
 		v := f.serialize
 		cfg.SerializeImagePulls = &v

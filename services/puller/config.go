@@ -15,6 +15,9 @@ import (
 type Config struct {
 	// Node is the node name (required).
 	Node string
+	// PullOnPodAdd (--pull-on-pod-add): a pod.added event of the node enqueues a pull for each of the pod's
+	// images (PodPullRequests), so images are on the node before its containers start.
+	PullOnPodAdd bool
 	// SerializeImagePulls (--serialize-image-pulls): one pull at a time. Default: true when
 	// MaxParallelImagePulls is nil or below 2, else false (the kubelet's defaulting).
 	SerializeImagePulls *bool

@@ -113,6 +113,13 @@ func (s *Service) Run(ctx context.Context) error {
 			s.handlePodDeleted(data)
 		})
 	})
+	if s.cfg.PullOnPodAdd {
+		goRun(func() error {
+			return s.bus.Subscribe(ctx, events.EventSubject(s.cfg.Node, events.EntityPod, events.ActionAdded), func(_ string, data []byte) {
+				s.handlePodAdded(ctx, data)
+			})
+		})
+	}
 	goRun(func() error {
 		tokens := s.cfg.Tokens()
 		cc := bus.ConsumerConfig{Stream: events.PullStream, Durable: Durable(s.cfg.Node),
