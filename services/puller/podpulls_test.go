@@ -80,7 +80,7 @@ func TestPodPullRequests(t *testing.T) {
 }
 
 // TestPodAddedEnqueuesPulls: with PullOnPodAdd, a pod.added event on the node's subject pulls each of the
-// pod's images once, even when the event arrives twice; without it, nothing is pulled.
+// pod's images once, even when the event arrives again and again.
 func TestPodAddedEnqueuesPulls(t *testing.T) {
 	bustest.VerifyNoLeaks(t)
 	_, b := bustest.Start(t)
@@ -94,18 +94,36 @@ func TestPodAddedEnqueuesPulls(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The puller subscribes to pod events (core NATS) when it starts: the event is published again and
+	// again until the results come, which also delivers it several times.
 	subject := events.EventSubject(testNode, events.EntityPod, events.ActionAdded)
-	for range 2 {
-		if err := b.PublishRaw(subject, data); err != nil {
-			t.Fatal(err)
+	stopPublishing := make(chan struct{})
+	published := make(chan int)
+	go func() {
+		n := 0
+		defer func() { published <- n }()
+		for {
+			if err := b.PublishRaw(subject, data); err == nil {
+				n++
+			}
+			select {
+			case <-stopPublishing:
+				return
+			case <-time.After(100 * time.Millisecond):
+			}
 		}
-	}
+	}()
 	reqs := PodPullRequests(pod, time.Now())
 	var ids []string
 	for _, r := range reqs {
 		ids = append(ids, r.ID)
 	}
 	results := collectResults(t, sub, ids, 10*time.Second)
+	time.Sleep(300 * time.Millisecond)
+	close(stopPublishing)
+	if n := <-published; n < 2 {
+		t.Fatalf("the pod event was published %d times, want at least 2", n)
+	}
 	byImage := map[string]events.PullResult{}
 	for _, r := range reqs {
 		byImage[r.Image] = results[r.ID]
@@ -118,7 +136,7 @@ func TestPodAddedEnqueuesPulls(t *testing.T) {
 			t.Errorf("%s: %+v, want pulled", img, r)
 		}
 	}
-	// The duplicate event's requests were dropped by the stream: no more results come, no more pulls.
+	// The repeated events' requests were dropped by the stream: no more pulls.
 	time.Sleep(300 * time.Millisecond)
 	if n := rt.pulls.Load(); n != 2 {
 		t.Errorf("runtime pulls = %d, want 2 (app and proxy, once each)", n)
