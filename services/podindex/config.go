@@ -3,6 +3,7 @@ package podindex
 import (
 	"fmt"
 	"log/slog"
+	"runtime"
 	"time"
 
 	"github.com/imagefleet/imagefleet/events"
@@ -17,6 +18,9 @@ type Config struct {
 	FlushInterval time.Duration
 	// FlushEvents forces a flush once this many events were applied since the last one (default 20000).
 	FlushEvents int
+	// DecodeWorkers is how many goroutines decode pod events ahead of the one that applies them in order
+	// (default GOMAXPROCS, at most 4).
+	DecodeWorkers int
 	// Logger (default slog.Default()).
 	Logger *slog.Logger
 }
@@ -39,6 +43,12 @@ func (c *Config) setDefaults() error {
 	}
 	if c.FlushEvents == 0 {
 		c.FlushEvents = 20000
+	}
+	if c.DecodeWorkers < 0 {
+		return fmt.Errorf("pod index: decode workers %d must not be negative", c.DecodeWorkers)
+	}
+	if c.DecodeWorkers == 0 {
+		c.DecodeWorkers = min(runtime.GOMAXPROCS(0), 4)
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()

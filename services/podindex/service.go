@@ -123,10 +123,8 @@ func (s *Service) Run(ctx context.Context) error {
 // tailLoop applies events until ctx ends, resuming after the last applied sequence after any error.
 func (s *Service) tailLoop(ctx context.Context, errs <-chan error) error {
 	delay := 100 * time.Millisecond
-	filter := events.PodEventSubjects(s.cfg.Node)
 	for {
-		start := s.state.Applied() + 1
-		err := s.bus.Tail(ctx, events.EventsStream, filter, start, s.handleMsg)
+		err := s.tailOnce(ctx)
 		if ctx.Err() != nil {
 			return nil
 		}
@@ -149,17 +147,97 @@ func (s *Service) tailLoop(ctx context.Context, errs <-chan error) error {
 	}
 }
 
-// handleMsg applies one stored pod event. Malformed events are dead-lettered and counted; an error stops the
+// decoded is a stream message and what decoding it gave.
+type decoded struct {
+	m   bus.StreamMsg
+	ev  PodEvent
+	err error
+}
+
+// decodeQueue is how many messages each decoder holds ahead of the applier.
+const decodeQueue = 128
+
+// tailOnce reads the node's pod events from the one after the last applied until ctx ends or something
+// fails. Decoding (the JSON of a Pod, most of the cost of an event) runs on cfg.DecodeWorkers goroutines
+// while the previous events are applied: message i goes to decoder i mod n, and the applier takes the
+// results from the decoders in the same rotation, so events are applied strictly in stream order. When the
+// applier fails (a dead letter that could not be stored), it stops applying and stops the tail; the next
+// tail starts again at the event it could not handle. Every goroutine ends before tailOnce returns, and every
+// event decoded before the tail ended is applied (they are the stream's next events, in order).
+func (s *Service) tailOnce(ctx context.Context) error {
+	n := s.cfg.DecodeWorkers
+	tctx, stop := context.WithCancel(ctx)
+	defer stop()
+	in := make([]chan bus.StreamMsg, n)
+	out := make([]chan decoded, n)
+	var wg sync.WaitGroup
+	for k := range n {
+		in[k] = make(chan bus.StreamMsg, decodeQueue)
+		out[k] = make(chan decoded, decodeQueue)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer close(out[k])
+			for m := range in[k] {
+				ev, err := DecodePodEvent(m.Subject, m.Header, m.Data)
+				out[k] <- decoded{m: m, ev: ev, err: err}
+			}
+		}()
+	}
+	applyErr := make(chan error, 1)
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		var err error
+		for i := 0; ; i = (i + 1) % n {
+			d, ok := <-out[i]
+			if !ok {
+				break // in order: once decoder i is done, every later message was never sent
+			}
+			if err != nil {
+				continue // drain without applying after a failure
+			}
+			if err = s.handleDecoded(d); err != nil {
+				stop()
+			}
+		}
+		applyErr <- err
+	}()
+
+	next := 0
+	tailErr := s.bus.Tail(tctx, events.EventsStream, events.PodEventSubjects(s.cfg.Node), s.state.Applied()+1,
+		func(m bus.StreamMsg) error {
+			select {
+			case in[next] <- m:
+			case <-tctx.Done():
+				return tctx.Err()
+			}
+			next = (next + 1) % n
+			return nil
+		})
+	for k := range n {
+		close(in[k])
+	}
+	wg.Wait()
+	if err := <-applyErr; err != nil {
+		return err
+	}
+	if ctx.Err() != nil {
+		return nil
+	}
+	return tailErr
+}
+
+// handleDecoded applies one decoded pod event, or dead-letters it when it did not decode; an error stops the
 // tail, which resumes at the same event.
-func (s *Service) handleMsg(m bus.StreamMsg) error {
-	if m.Seq != 0 && m.Seq <= s.state.Applied() {
+func (s *Service) handleDecoded(d decoded) error {
+	if d.m.Seq != 0 && d.m.Seq <= s.state.Applied() {
 		return nil // already applied (a resumed tail)
 	}
-	ev, err := DecodePodEvent(m.Subject, m.Header, m.Data)
-	if err != nil {
-		return s.Reject(m, err)
+	if d.err != nil {
+		return s.Reject(d.m, d.err)
 	}
-	return s.Apply(m.Seq, ev)
+	return s.Apply(d.m.Seq, d.ev)
 }
 
 // Reject dead-letters a malformed event with its reason, counts it and moves past it.

@@ -33,6 +33,7 @@ func TestNewValidatesConfig(t *testing.T) {
 		{"bad node", Config{Node: "Node_A"}, `pod index: node name "Node_A" is not a DNS-1123 subdomain`},
 		{"negative flush", Config{Node: "n", FlushInterval: -time.Second}, "pod index: flush interval -1s must not be negative"},
 		{"negative flush events", Config{Node: "n", FlushEvents: -1}, "pod index: flush events -1 must not be negative"},
+		{"negative decode workers", Config{Node: "n", DecodeWorkers: -1}, "pod index: decode workers -1 must not be negative"},
 		{"ok", Config{Node: "n"}, ""},
 	}
 	for _, tc := range tests {
