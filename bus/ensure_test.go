@@ -97,3 +97,43 @@ authorization {
 		t.Errorf("events stream max age after the update = %v, want 48h", info.MaxAge)
 	}
 }
+
+// TestEnsureWaitsForTheServer: a worker opening its bucket and streams while the server is away (a cluster
+// electing its leaders, a restart) waits for it and goes on, instead of failing its start.
+func TestEnsureWaitsForTheServer(t *testing.T) {
+	r := startRestartable(t)
+	b, err := bus.Connect(t.Context(), r.url(), bus.Options{Name: t.Name()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(b.Close)
+	r.stop()
+	for deadline := time.Now().Add(10 * time.Second); b.Connected(); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the client did not notice the server stopped")
+		}
+	}
+	// No deadline, as an agent's: each JetStream call then times out after 5 s by itself.
+	ctx := t.Context()
+	done := make(chan error, 1)
+	go func() {
+		if err := b.EnsureStreams(ctx, bus.StreamsConfig{}); err != nil {
+			done <- err
+			return
+		}
+		_, err := b.KV(ctx, bus.KVConfig{Bucket: "imagefleet-wait"})
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		t.Fatalf("returned while the server was down: %v", err)
+	case <-time.After(6 * time.Second): // longer than the JetStream API timeout (5 s)
+	}
+	r.start()
+	if err := <-done; err != nil {
+		t.Fatalf("after the server came back: %v", err)
+	}
+	if _, err := b.Stream(ctx, events.EventsStream); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
+	"github.com/cenkalti/backoff/v4"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -79,7 +81,38 @@ func IsTransient(err error) bool {
 	return errors.Is(err, nats.ErrTimeout) || errors.Is(err, context.DeadlineExceeded) ||
 		errors.Is(err, nats.ErrNoResponders) || errors.Is(err, jetstream.ErrNoStreamResponse) ||
 		errors.Is(err, nats.ErrConnectionClosed) || errors.Is(err, nats.ErrDisconnected) ||
-		errors.Is(err, nats.ErrConnectionReconnecting) || errors.Is(err, jetstream.ErrJetStreamNotEnabled)
+		errors.Is(err, nats.ErrConnectionReconnecting) || errors.Is(err, jetstream.ErrJetStreamNotEnabled) ||
+		unavailable(err)
+}
+
+// unavailable: the server answered "JetStream system temporarily unavailable" or "no suitable peers"
+// (503, while a cluster elects its leaders or lacks the servers a replicated stream needs).
+func unavailable(err error) bool {
+	var apiErr *jetstream.APIError
+	return errors.As(err, &apiErr) && apiErr.Code == 503
+}
+
+// retryTransient runs op until it succeeds, fails for good, or ctx ends: a transient failure (IsTransient,
+// not a permissions violation) is retried with exponential backoff (cenkalti, 250 ms to 5 s) and logged, so
+// a worker starting while a cluster elects its leaders waits for it instead of exiting.
+func (b *Bus) retryTransient(ctx context.Context, what string, op func() error) error {
+	bo := backoff.NewExponentialBackOff()
+	bo.InitialInterval = 250 * time.Millisecond
+	bo.MaxInterval = 5 * time.Second
+	bo.MaxElapsedTime = 0
+	attempt := 0
+	return backoff.Retry(func() error {
+		err := op()
+		if err == nil || ctx.Err() != nil || errors.Is(err, ErrPermissionViolation) || !IsTransient(err) {
+			if err != nil {
+				return backoff.Permanent(err)
+			}
+			return nil
+		}
+		attempt++
+		b.log.Warn("NATS not ready; retrying", "what", what, "attempt", attempt, "err", err)
+		return err
+	}, backoff.WithContext(bo, ctx))
 }
 
 // ServerName is the name of the server this connection is on now ("" when disconnected).

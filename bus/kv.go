@@ -44,6 +44,15 @@ func (b *Bus) KV(ctx context.Context, cfg KVConfig) (*KV, error) {
 	if cfg.MaxBytes == 0 {
 		kvc.MaxBytes = -1
 	}
+	var out *KV
+	err := b.retryTransient(ctx, "bucket "+cfg.Bucket, func() (err error) {
+		out, err = b.openKV(ctx, cfg, kvc)
+		return err
+	})
+	return out, err
+}
+
+func (b *Bus) openKV(ctx context.Context, cfg KVConfig, kvc jetstream.KeyValueConfig) (*KV, error) {
 	kv, err := b.js.KeyValue(ctx, cfg.Bucket)
 	switch {
 	case err == nil:

@@ -93,6 +93,10 @@ func (b *Bus) ensureStream(ctx context.Context, sc jetstream.StreamConfig) error
 	if sc.Replicas == 0 {
 		sc.Replicas = b.replicas
 	}
+	return b.retryTransient(ctx, "stream "+sc.Name, func() error { return b.ensureStreamOnce(ctx, sc) })
+}
+
+func (b *Bus) ensureStreamOnce(ctx context.Context, sc jetstream.StreamConfig) error {
 	// Look before writing: a node identity may read stream info but not create or update streams, so an
 	// agent started with one finds the streams an operator made and goes on (a refused update would cost a
 	// JetStream API timeout at every start).
