@@ -16,6 +16,7 @@ import (
 	"strings"
 	"sync"
 	"time"
+	"unicode/utf8"
 
 	"github.com/fsnotify/fsnotify"
 	v1 "k8s.io/api/core/v1"
@@ -314,24 +315,33 @@ func ReadManifest(path, node string) (*v1.Pod, error) {
 	return DecodeManifest(data, path, node)
 }
 
-// DecodeManifest decodes a static pod manifest read from path (see ReadManifest).
+// maxManifestErrorBytes bounds the parser's part of a DecodeManifest error: the reason is logged for every bad
+// file at every resync, and a parser error can quote the input.
+const maxManifestErrorBytes = 512
+
+// DecodeManifest decodes a static pod manifest read from path (see ReadManifest). Every error starts with
+// path and says what is wrong.
 func DecodeManifest(data []byte, path, node string) (*v1.Pod, error) {
 	js, err := yaml.YAMLToJSON(data)
 	if err != nil {
-		return nil, fmt.Errorf("%s: couldn't parse as pod(%v), please check config file", path, err)
+		return nil, fmt.Errorf("%s: couldn't parse as pod(%s), please check config file", path, truncate(err.Error()))
+	}
+	if bytes.Equal(bytes.TrimSpace(js), []byte("null")) {
+		return nil, fmt.Errorf("%s: manifest is empty", path)
 	}
 	pod := &v1.Pod{}
 	if err := json.Unmarshal(js, pod); err != nil {
-		return nil, fmt.Errorf("%s: couldn't parse as pod(%v), please check config file", path, err)
+		return nil, fmt.Errorf("%s: couldn't parse as pod(%s), please check config file", path, truncate(err.Error()))
 	}
 	if pod.Kind != "Pod" || (pod.APIVersion != "v1" && pod.APIVersion != "") {
-		return nil, fmt.Errorf("%s: couldn't parse as pod(kind %q, apiVersion %q), please check config file", path, pod.Kind, pod.APIVersion)
+		return nil, fmt.Errorf("%s: couldn't parse as pod(kind %q, apiVersion %q), please check config file", path,
+			truncateTo(pod.Kind, 64), truncateTo(pod.APIVersion, 64))
 	}
 	if pod.Name == "" {
-		return nil, fmt.Errorf("invalid pod: name is needed for the pod")
+		return nil, fmt.Errorf("%s: invalid pod: name is needed for the pod", path)
 	}
 	if len(pod.Spec.Containers) == 0 {
-		return nil, fmt.Errorf("invalid pod: spec.containers: Required value")
+		return nil, fmt.Errorf("%s: invalid pod: spec.containers: Required value", path)
 	}
 	if pod.UID == "" {
 		pod.UID = StaticPodUID(pod, path, node)
@@ -349,6 +359,21 @@ func DecodeManifest(data []byte, path, node string) (*v1.Pod, error) {
 	addNoExecuteToleration(pod)
 	pod.Status.Phase = v1.PodPending
 	return pod, nil
+}
+
+// truncate cuts s to maxManifestErrorBytes.
+func truncate(s string) string { return truncateTo(s, maxManifestErrorBytes) }
+
+// truncateTo cuts s to n bytes at a rune boundary, marking the cut with "...".
+func truncateTo(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	cut := n
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return s[:cut] + "..."
 }
 
 // StaticPodUID is the kubelet's UID of a static pod read from a file: FNV-128a over the dump of the pod as

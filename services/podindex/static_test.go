@@ -5,11 +5,13 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"go.uber.org/goleak"
+	v1 "k8s.io/api/core/v1"
 
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
@@ -178,9 +180,16 @@ func TestStaticPodUIDIsStable(t *testing.T) {
 	if a.UID != b.UID || a.UID == c.UID || a.UID == d.UID {
 		t.Fatalf("uids: same %s %s, other node %s, other path %s", a.UID, b.UID, c.UID, d.UID)
 	}
-	for _, bad := range []string{"kind: Pod\napiVersion: v1\nspec: {containers: [{name: c}]}", "kind: Secret\napiVersion: v1\nmetadata: {name: x}", "kind: Pod\nmetadata: {name: x}"} {
-		if _, err := DecodeManifest([]byte(bad), "f", "n"); err == nil {
-			t.Errorf("accepted %q", bad)
+	for _, bad := range []struct{ manifest, err string }{
+		{"kind: Pod\napiVersion: v1\nspec: {containers: [{name: c}]}", "f: invalid pod: name is needed for the pod"},
+		{"kind: Secret\napiVersion: v1\nmetadata: {name: x}", `f: couldn't parse as pod(kind "Secret", apiVersion "v1"), please check config file`},
+		{"kind: Pod\nmetadata: {name: x}", "f: invalid pod: spec.containers: Required value"},
+		{"", "f: manifest is empty"},
+		{"# only a comment\n", "f: manifest is empty"},
+		{"kind: Pod\nmetadata: [", "f: couldn't parse as pod(yaml: line 2: did not find expected node content), please check config file"},
+	} {
+		if _, err := DecodeManifest([]byte(bad.manifest), "f", "n"); err == nil || err.Error() != bad.err {
+			t.Errorf("%q: error %v, want %s", bad.manifest, err, bad.err)
 		}
 	}
 }
@@ -211,4 +220,80 @@ func TestStaticSourceRunWatchesAndStops(t *testing.T) {
 	if err := <-done; err != nil {
 		t.Fatal(err)
 	}
+}
+
+// FuzzDecodeManifest feeds DecodeManifest any bytes as a manifest: it must not panic; an error must name the
+// file and say what is wrong in a bounded message (it is logged for every bad file at every resync); and a
+// pod it accepts must carry the kubelet's file-source defaults, get the same UID again, and be accepted by
+// the pod index's own decoder once published.
+func FuzzDecodeManifest(f *testing.F) {
+	for _, seed := range []string{
+		etcdYAML,
+		schedJSON,
+		"apiVersion: v1\nkind: Pod\nmetadata: {name: fixed, uid: fixed-uid, namespace: ns}\nspec: {containers: [{name: c, image: a:1}]}\n",
+		"apiVersion: v1\nkind: Pod\nmetadata:\n  name: web\n  annotations: {a: b}\nspec:\n  tolerations: [{operator: Exists, effect: NoExecute}]\n" +
+			"  containers:\n  - name: c\n    image: nginx\n    envFrom: [{secretRef: {name: s}}]\n  volumes: [{name: v, configMap: {name: cm}}]\n",
+		"kind: Pod\nmetadata: {name: a}\nspec: {containers: [{name: c}]}\n---\nkind: Pod\nmetadata: {name: b}\n",
+		"base: &b {name: c, image: x}\nkind: Pod\nmetadata: {name: a}\nspec: {containers: [*b]}\n",
+		`{"kind":"Pod","apiVersion":"v1","metadata":{"name":"a","uid":""},"spec":{"containers":[{"name":"c"}]},"status":{"phase":"Running"}}`,
+		// Broken ones.
+		"",
+		"null",
+		"[]",
+		"kind: Pod\nmetadata: [",
+		"kind: Pod\napiVersion: v1\nspec: {containers: [{name: c}]}",
+		"kind: Secret\napiVersion: v1\nmetadata: {name: x}",
+		"kind: Pod\nmetadata: {name: x}",
+		"kind: Pod\napiVersion: v2\nmetadata: {name: x}\nspec: {containers: [{name: c}]}",
+		`{"kind":"Pod","metadata":{"name":1}}`,
+		`{"kind":"Pod","metadata":{"name":"a"},"spec":{"containers":[{"name":"c"}],"hostNetwork":"yes"}}`,
+		"kind: Pod\n\tmetadata: {name: x}\n",
+		"kind: Pod\nmetadata: {name: x, name: y}\nspec: {containers: [{name: c}]}\n",
+		"\xff\xfe\x00k\x00i\x00n\x00d",
+	} {
+		f.Add([]byte(seed), "node-a")
+	}
+	f.Fuzz(func(t *testing.T, data []byte, node string) {
+		if events.ValidateNodeName(node) != nil {
+			node = "node-a" // the source only runs with a valid node name
+		}
+		const path = "/etc/kubernetes/manifests/fuzz.yaml"
+		pod, err := DecodeManifest(data, path, node)
+		if err != nil {
+			msg := err.Error()
+			if !strings.HasPrefix(msg, path+": ") || len(msg) <= len(path)+2 {
+				t.Fatalf("error %q does not start with the file name and a reason", msg)
+			}
+			if len(msg) > len(path)+2*maxManifestErrorBytes {
+				t.Fatalf("error of %d bytes for a manifest of %d: %.200q...", len(msg), len(data), msg)
+			}
+			return
+		}
+		if len(pod.Spec.Containers) == 0 || pod.UID == "" || pod.Namespace == "" || pod.Kind != "Pod" ||
+			!strings.HasSuffix(pod.Name, "-"+node) || pod.Name == "-"+node || pod.Spec.NodeName != node ||
+			pod.Status.Phase != v1.PodPending || pod.Annotations[ConfigHashAnnotationKey] != string(pod.UID) ||
+			pod.Annotations[ConfigSourceAnnotationKey] != FileSource || !IsStaticPod(pod) {
+			t.Fatalf("accepted pod lacks the file-source defaults: %s/%s uid %q node %q phase %q annotations %v",
+				pod.Namespace, pod.Name, pod.UID, pod.Spec.NodeName, pod.Status.Phase, pod.Annotations)
+		}
+		tolerated := false
+		for _, tol := range pod.Spec.Tolerations {
+			tolerated = tolerated || (tol.Operator == v1.TolerationOpExists && tol.Effect == v1.TaintEffectNoExecute && tol.Key == "")
+		}
+		if !tolerated {
+			t.Fatalf("accepted pod lacks the NoExecute toleration: %+v", pod.Spec.Tolerations)
+		}
+		again, err := DecodeManifest(data, path, node)
+		if err != nil || again.UID != pod.UID {
+			t.Fatalf("decoding again gave uid %q, err %v; first %q", again.UID, err, pod.UID)
+		}
+		m, err := PodEventMsg(node, events.ActionAdded, pod, "", time.Now())
+		if err != nil {
+			t.Fatalf("accepted pod does not encode: %v", err)
+		}
+		ev, err := DecodePodEvent(m.Subject, nil, m.Data)
+		if err != nil || ev.Pod.UID != pod.UID {
+			t.Fatalf("the index rejects an accepted manifest's pod event: %v", err)
+		}
+	})
 }
