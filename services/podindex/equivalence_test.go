@@ -298,12 +298,23 @@ func compareDirty(t *testing.T, at string, s *State, m *mState, fail bool) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	gputs := map[types.UID][]byte{}
+	for _, r := range gd.Puts {
+		if _, dup := gputs[r.UID]; dup {
+			t.Fatalf("%s: TakeDirty put %s twice", at, r.UID)
+		}
+		b, err := r.Encode()
+		if err != nil {
+			t.Fatal(err)
+		}
+		gputs[r.UID] = b
+	}
 	gdel, wdel := slices.Clone(gd.Deletes), slices.Clone(wd.Deletes)
 	slices.Sort(gdel)
 	slices.Sort(wdel)
-	if len(gd.Puts)+len(wd.Puts) > 0 && !reflect.DeepEqual(gd.Puts, wd.Puts) || !slices.Equal(gdel, wdel) || gd.Applied != wd.Applied {
+	if len(gputs)+len(wd.Puts) > 0 && !reflect.DeepEqual(gputs, wd.Puts) || !slices.Equal(gdel, wdel) || gd.Applied != wd.Applied {
 		t.Fatalf("%s: TakeDirty\n got puts %d %s deletes %v applied %d\nwant puts %d %s deletes %v applied %d", at,
-			len(gd.Puts), dirtyKeys(gd.Puts), gdel, gd.Applied, len(wd.Puts), dirtyKeys(wd.Puts), wdel, wd.Applied)
+			len(gputs), dirtyKeys(gputs), gdel, gd.Applied, len(wd.Puts), dirtyKeys(wd.Puts), wdel, wd.Applied)
 	}
 	if fail {
 		s.Redirty(gd)

@@ -157,54 +157,64 @@ type record struct {
 	Pod   json.RawMessage `json:"pod"`
 }
 
-// Dirty is what changed since the last TakeDirty: pods to store (key: UID) and UIDs to delete, as of the
-// stream sequence Applied.
+// PodRecord is one pod to write to the snapshot.
+type PodRecord struct {
+	UID   types.UID
+	Order uint64 // the stream sequence of its last upsert
+	// Raw is the pod's JSON as received; when nil (a pod added in process), Pod is encoded.
+	Raw []byte
+	Pod *v1.Pod
+}
+
+// Encode is the record as the snapshot stores it: {"order":<Order>,"pod":<the pod's JSON>}.
+func (r PodRecord) Encode() ([]byte, error) {
+	raw := r.Raw
+	if raw == nil {
+		var err error
+		if raw, err = json.Marshal(r.Pod); err != nil {
+			return nil, fmt.Errorf("encode pod %s: %w", r.UID, err)
+		}
+	}
+	buf := make([]byte, 0, len(raw)+40)
+	buf = append(buf, `{"order":`...)
+	buf = strconv.AppendUint(buf, r.Order, 10)
+	buf = append(buf, `,"pod":`...)
+	buf = append(buf, raw...)
+	return append(buf, '}'), nil
+}
+
+// Dirty is what changed since the last TakeDirty: pods to store (one record per UID) and UIDs to delete,
+// as of the stream sequence Applied.
 type Dirty struct {
-	Puts    map[types.UID][]byte
+	Puts    []PodRecord
 	Deletes []types.UID
 	Applied uint64
 }
 
-// TakeDirty returns the changes since the last call and clears them.
+// TakeDirty returns the changes since the last call and clears them. It only collects them: encoding the
+// records is left to the writer (Store.Write), outside the lock that Apply waits for.
 func (s *State) TakeDirty() (Dirty, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	d := Dirty{Puts: make(map[types.UID][]byte, len(s.dirty)), Applied: s.applied}
+	d := Dirty{Puts: make([]PodRecord, 0, len(s.dirty)), Applied: s.applied}
 	for _, e := range s.dirty {
 		e.dirty = false
 		if e.removed {
 			continue // a later upsert of its UID is another entry; deleted lists a deletion
 		}
-		raw := e.raw
-		if raw == nil {
-			var err error
-			if raw, err = json.Marshal(e.pod); err != nil {
-				for _, e := range s.dirty {
-					e.dirty = true // nothing taken: everything stays dirty
-				}
-				return Dirty{}, fmt.Errorf("encode pod %s: %w", e.pod.UID, err)
-			}
-		}
-		buf := make([]byte, 0, len(raw)+40)
-		buf = append(buf, `{"order":`...)
-		buf = strconv.AppendUint(buf, e.order, 10)
-		buf = append(buf, `,"pod":`...)
-		buf = append(buf, raw...)
-		buf = append(buf, '}')
-		d.Puts[e.pod.UID] = buf
+		d.Puts = append(d.Puts, PodRecord{UID: e.pod.UID, Order: e.order, Raw: e.raw, Pod: e.pod})
 	}
 	if len(s.deleted) > 0 {
-		// A deleted UID that is indexed again was upserted after its deletion, so it is in Puts.
 		seen := make(map[types.UID]struct{}, len(s.deleted))
 		for _, uid := range s.deleted {
-			if _, put := d.Puts[uid]; put {
-				continue
-			}
 			if _, dup := seen[uid]; dup {
 				continue
 			}
 			seen[uid] = struct{}{}
-			d.Deletes = append(d.Deletes, uid)
+			// A deleted UID that is indexed again was upserted after its deletion, so it is in Puts.
+			if _, indexed := s.Index.get(uid); !indexed {
+				d.Deletes = append(d.Deletes, uid)
+			}
 		}
 	}
 	clear(s.dirty)
@@ -217,8 +227,8 @@ func (s *State) TakeDirty() (Dirty, error) {
 func (s *State) Redirty(d Dirty) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	for uid := range d.Puts {
-		if e, ok := s.Index.get(uid); ok {
+	for _, r := range d.Puts {
+		if e, ok := s.Index.get(r.UID); ok {
 			s.markDirty(e) // a no-op when it changed since
 		}
 		// Not indexed any more: deleted since, and deleted lists it.

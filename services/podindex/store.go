@@ -69,8 +69,12 @@ func (s *Store) Load(ctx context.Context) (records [][]byte, applied uint64, err
 // Write stores d: the changed pods first, then the applied sequence.
 func (s *Store) Write(ctx context.Context, d Dirty) error {
 	puts := make(map[string][]byte, len(d.Puts))
-	for uid, b := range d.Puts {
-		puts[s.podKey(uid)] = b
+	for _, r := range d.Puts {
+		b, err := r.Encode()
+		if err != nil {
+			return fmt.Errorf("write pod index of %s: %w", s.node, err)
+		}
+		puts[s.podKey(r.UID)] = b
 	}
 	dels := make([]string, 0, len(d.Deletes))
 	for _, uid := range d.Deletes {
