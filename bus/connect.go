@@ -37,9 +37,10 @@ type Options struct {
 	// JournalMaxBytes bounds the journal file (default 64 MiB).
 	JournalDir      string
 	JournalMaxBytes int64
-	// Replicas is the replica count of the streams and buckets this connection creates when their own
-	// config leaves it at 0 (default 1; 3 on a three-server cluster): one setting (`--stream-replicas`) puts
-	// every worker's state on as many servers.
+	// Replicas is the replica count of the streams and buckets this connection creates or ensures when
+	// their own config leaves it at 0 (3 on a three-server cluster): one setting (`--stream-replicas`) puts
+	// every worker's state on as many servers. 0: new streams and buckets get 1, existing ones keep theirs
+	// (a command that opens a bucket never scales it down).
 	Replicas int
 }
 
@@ -67,7 +68,7 @@ func Connect(ctx context.Context, url string, o Options) (*Bus, error) {
 	if o.ConnectTimeout == 0 {
 		o.ConnectTimeout = 30 * time.Second
 	}
-	b := &Bus{log: o.Logger, replicas: max(o.Replicas, 1)}
+	b := &Bus{log: o.Logger, replicas: max(o.Replicas, 0)}
 	opts := []nats.Option{
 		nats.Name(o.Name),
 		nats.MaxReconnects(-1),

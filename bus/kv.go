@@ -56,7 +56,7 @@ func (b *Bus) openKV(ctx context.Context, cfg KVConfig, kvc jetstream.KeyValueCo
 	kv, err := b.js.KeyValue(ctx, cfg.Bucket)
 	switch {
 	case err == nil:
-		if bucketMatches(ctx, kv, kvc) {
+		if bucketMatches(ctx, kv, &kvc) {
 			return &KV{b: b, kv: kv}, nil
 		}
 		var updated jetstream.KeyValue
@@ -70,6 +70,7 @@ func (b *Bus) openKV(ctx context.Context, cfg KVConfig, kvc jetstream.KeyValueCo
 		}
 		return &KV{b: b, kv: updated}, nil
 	case errors.Is(err, jetstream.ErrBucketNotFound):
+		kvc.Replicas = max(kvc.Replicas, 1)
 		err = b.refusable(ctx, "$JS.API.STREAM.CREATE.KV_"+cfg.Bucket, func(ctx context.Context) (err error) {
 			kv, err = b.js.CreateKeyValue(ctx, kvc)
 			return err
@@ -86,8 +87,9 @@ func (b *Bus) openKV(ctx context.Context, cfg KVConfig, kvc jetstream.KeyValueCo
 	}
 }
 
-// bucketMatches reports whether an open bucket has the settings KV would give it.
-func bucketMatches(ctx context.Context, kv jetstream.KeyValue, want jetstream.KeyValueConfig) bool {
+// bucketMatches reports whether an open bucket has the settings KV would give it. Unspecified replicas (0)
+// take the bucket's own.
+func bucketMatches(ctx context.Context, kv jetstream.KeyValue, want *jetstream.KeyValueConfig) bool {
 	st, err := kv.Status(ctx)
 	if err != nil {
 		return false
@@ -97,6 +99,9 @@ func bucketMatches(ctx context.Context, kv jetstream.KeyValue, want jetstream.Ke
 		return false
 	}
 	have := bs.StreamInfo().Config
+	if want.Replicas == 0 {
+		want.Replicas = have.Replicas
+	}
 	return have.MaxAge == want.TTL && have.MaxMsgsPerSubject == int64(want.History) &&
 		have.Replicas == want.Replicas && have.MaxBytes == want.MaxBytes
 }

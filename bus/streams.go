@@ -27,7 +27,8 @@ type StreamsConfig struct {
 	EventsMaxAge time.Duration
 	// EventsMaxBytes caps the events stream (default 1 GiB).
 	EventsMaxBytes int64
-	// Replicas for every stream (default: the connection's Options.Replicas, itself 1 by default).
+	// Replicas for every stream (0: the connection's Options.Replicas; if that is 0 too, new streams get 1
+	// and existing ones keep theirs).
 	Replicas int
 }
 
@@ -39,9 +40,6 @@ func (b *Bus) EnsureStreams(ctx context.Context, cfg StreamsConfig) error {
 	}
 	if cfg.EventsMaxBytes == 0 {
 		cfg.EventsMaxBytes = 1 << 30
-	}
-	if cfg.Replicas == 0 {
-		cfg.Replicas = b.replicas
 	}
 	streams := []jetstream.StreamConfig{
 		{
@@ -104,6 +102,9 @@ func (b *Bus) ensureStreamOnce(ctx context.Context, sc jetstream.StreamConfig) e
 	switch {
 	case err == nil:
 		have := s.CachedInfo().Config
+		if sc.Replicas == 0 {
+			sc.Replicas = have.Replicas // unspecified: keep
+		}
 		if streamMatches(have, sc) {
 			return nil
 		}
@@ -118,6 +119,7 @@ func (b *Bus) ensureStreamOnce(ctx context.Context, sc jetstream.StreamConfig) e
 		}
 		return nil
 	case errors.Is(err, jetstream.ErrStreamNotFound):
+		sc.Replicas = max(sc.Replicas, 1)
 		err := b.refusable(ctx, "$JS.API.STREAM.CREATE."+sc.Name, func(ctx context.Context) error {
 			_, err := b.js.CreateStream(ctx, sc)
 			return err

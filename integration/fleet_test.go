@@ -524,5 +524,20 @@ func TestFleetOnThreeContainerdsAndANATSCluster(t *testing.T) {
 		}
 		return nil
 	})
+	// Every command above (records, where, images, gc, pull, follow, nodes) connected without
+	// --stream-replicas: none may have scaled a stream or bucket down.
+	names, err := b.StreamNames(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range names {
+		info, err := b.Stream(ctx, n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if info.Replicas != 3 {
+			t.Errorf("stream %s has %d replicas at the end, want 3", n, info.Replicas)
+		}
+	}
 	t.Logf("fleet test done in %s", time.Since(began).Round(time.Millisecond))
 }

@@ -94,7 +94,7 @@ Each worker can run alone (--workers gc) and be replicated.`,
 	fs.StringVar(&f.dataDir, "data-dir", defaultDataDir(), "state directory (embedded NATS store, journal)")
 	fs.StringVar(&f.workers, "workers", "", "comma-separated workers to run (default: "+defaultWorkers()+")")
 	fs.DurationVar(&f.criTimeout, "runtime-request-timeout", 2*time.Minute, "timeout of every CRI call but pulls")
-	fs.IntVar(&f.replicas, "stream-replicas", 1, "replicas of the JetStream streams and buckets the agent creates (3 on a 3-server cluster)")
+	fs.IntVar(&f.replicas, "stream-replicas", 0, "replicas of the JetStream streams and buckets the agent creates or ensures (3 on a 3-server cluster; 0: 1 for new ones, existing ones keep theirs)")
 	for _, w := range workerDefs {
 		if w.Flags != nil {
 			w.Flags(fs)

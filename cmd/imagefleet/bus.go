@@ -97,6 +97,6 @@ admin identity (--nkey admin.nk). Agents that find them open them as they are.`,
 			return nil
 		},
 	}
-	cmd.Flags().IntVar(&replicas, "stream-replicas", 1, "replicas of every stream and bucket (3 on a 3-server cluster)")
+	cmd.Flags().IntVar(&replicas, "stream-replicas", 0, "replicas of every stream and bucket (3 on a 3-server cluster; 0: 1 for new ones, existing ones keep theirs)")
 	return cmd
 }

@@ -172,7 +172,8 @@ func runDemo(ctx context.Context, w io.Writer, f demoFlags) error {
 	if gcErr != nil {
 		st.done("unavailable: %v", gcErr)
 	} else {
-		st.done("usage %d%%: would remove %d images, %s (%d kept)", plan.UsagePercent, len(plan.Removed), FormatSize(plan.AmountToFree), len(plan.Skipped))
+		st.done("usage %d%%, %s to free: would remove %d images, %s (%d kept)", plan.UsagePercent, FormatSize(plan.AmountToFree),
+			len(plan.Removed), FormatSize(plan.FreedBytes), len(plan.Skipped))
 	}
 
 	st.begin("image GC")

@@ -179,7 +179,7 @@ func (f *rolloutFlags) register(cmd *cobra.Command) {
 	fs.IntVar(&f.initialBatch, "initial-batch", fleet.SlowStartInitialBatchSize, "size of the first batch; each next batch doubles")
 	fs.DurationVar(&f.nodeTimeout, "node-timeout", 60*time.Second, "a node that does not answer within this time has failed")
 	fs.BoolVar(&f.includeLost, "include-lost", false, "also act on nodes the registry shows as lost")
-	fs.IntVar(&f.replicas, "stream-replicas", 1, "replicas of the rollout stream (3 on a 3-server cluster)")
+	fs.IntVar(&f.replicas, "stream-replicas", 0, "replicas of the rollout stream (3 on a 3-server cluster; 0: 1 if new, else kept)")
 	fs.StringVar(&f.memProfile, "mem-profile", "", "write the orchestrator's allocation profile to this file at the end (diagnostics)")
 	_ = fs.MarkHidden("mem-profile")
 }

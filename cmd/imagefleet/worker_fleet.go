@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"runtime/debug"
-	"strconv"
 	"strings"
 	"time"
 
@@ -33,7 +32,7 @@ func init() {
 				return nil, err
 			}
 			return fleet.NewHeartbeat(fleet.HeartbeatConfig{Node: env.Node, Labels: labels, Period: fleetFlags.heartbeatPeriod,
-				AgentVersion: agentVersion(), Workers: agentWorkerNames(), Replicas: agentStreamReplicas(), Logger: env.Log}, env.CRI, env.Bus)
+				AgentVersion: agentVersion(), Workers: agentWorkerNames(), Logger: env.Log}, env.CRI, env.Bus)
 		},
 	})
 	registerWorker(workerDef{
@@ -43,7 +42,7 @@ func init() {
 		},
 		Build: func(ctx context.Context, env *agentEnv) (runnable, error) {
 			return fleet.NewInventory(ctx, fleet.InventoryConfig{Replica: env.Node, Concurrency: fleetFlags.inventoryConc,
-				Replicas: agentStreamReplicas(), Logger: env.Log}, env.Bus)
+				Logger: env.Log}, env.Bus)
 		},
 	})
 }
@@ -74,16 +73,4 @@ func agentWorkerNames() []string {
 		}
 	}
 	return out
-}
-
-// agentStreamReplicas reads the agent's --stream-replicas for the fleet buckets.
-func agentStreamReplicas() int {
-	if fleetFlags.fs != nil {
-		if f := fleetFlags.fs.Lookup("stream-replicas"); f != nil {
-			if n, err := strconv.Atoi(f.Value.String()); err == nil {
-				return n
-			}
-		}
-	}
-	return 1
 }

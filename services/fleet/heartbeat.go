@@ -28,7 +28,7 @@ type HeartbeatConfig struct {
 	AgentVersion string
 	// Workers are the agent's worker names, reported as is.
 	Workers []string
-	// Replicas of the registry buckets (default 1; 3 on a 3-server cluster).
+	// Replicas of the registry buckets (3 on a 3-server cluster; 0: the connection's Options.Replicas).
 	Replicas int
 	// Statfs returns the capacity and available bytes of the filesystem holding a path (default cri.Statfs).
 	Statfs func(path string) (capacity, available int64, err error)

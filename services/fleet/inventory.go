@@ -30,7 +30,7 @@ type InventoryConfig struct {
 	Durable string
 	// Concurrency is the number of events this replica applies at once (default 32).
 	Concurrency int
-	// Replicas of the inventory bucket (default 1; 3 on a 3-server cluster).
+	// Replicas of the inventory bucket (3 on a 3-server cluster; 0: the connection's Options.Replicas).
 	Replicas int
 	// DeliverNew starts a new durable at the end of the events stream instead of its beginning (default
 	// false: the inventory is rebuilt from every event the stream still holds).

@@ -42,7 +42,7 @@ type RolloutConfig struct {
 	DryRun bool
 	GC     *events.GCRequest
 	Image  string
-	// Replicas of the rollout stream (default 1; 3 on a 3-server cluster).
+	// Replicas of the rollout stream (3 on a 3-server cluster; 0: the connection's Options.Replicas).
 	Replicas int
 	// Progress, when set, is called after each node's outcome and each batch start (from several
 	// goroutines; it must be safe for that).
