@@ -67,6 +67,9 @@ type entry struct {
 	// removed is set when the entry leaves the index; dirty while State has it to write (guarded by
 	// State.mu, not Index.mu).
 	removed, dirty bool
+	// reg is the pod's registration when State registered it last (guarded by State.mu; a hint that
+	// Registry checks).
+	reg *registration
 }
 
 // Index is the kubelet's pod manager (pkg/kubelet/pod.basicManager): non-mirror pods by UID and by full name,

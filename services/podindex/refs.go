@@ -185,6 +185,8 @@ type registration struct {
 	next *registration
 	// inline backs secrets and configMaps when they fit: one allocation per registered pod.
 	inline [6]*objRef
+	// removed is set when the key is unregistered (a holder of the pointer then looks the key up again).
+	removed bool
 }
 
 // appendRefNames appends the secret and configmap names pod references to secrets and configMaps,
@@ -373,13 +375,23 @@ func (r *Registry) lookup(key podRefKey) *registration {
 
 // RegisterPod registers pod's references and returns the objects whose count went 0 -> 1 or 1 -> 0.
 func (r *Registry) RegisterPod(pod *v1.Pod) []Transition {
+	out, _ := r.register(pod, nil)
+	return out
+}
+
+// register is RegisterPod given the registration this pod had last time (nil, or one since unregistered or
+// of another key: it is looked up). It returns the pod's registration, for the next time.
+func (r *Registry) register(pod *v1.Pod, last *registration) ([]Transition, *registration) {
 	key := refKey(pod)
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.secretNames, r.configMapNames = appendRefNames(r.secretNames[:0], r.configMapNames[:0], pod)
 	secrets, configMaps := r.secretNames, r.configMapNames
 	var out []Transition
-	reg := r.lookup(key)
+	reg := last
+	if reg == nil || reg.removed || reg.key != key {
+		reg = r.lookup(key)
+	}
 	if reg == nil {
 		reg = &registration{key: key, next: r.pods[key.uid]}
 		ns, nc := len(secrets), len(configMaps)
@@ -400,14 +412,14 @@ func (r *Registry) RegisterPod(pod *v1.Pod) []Transition {
 			reg.configMaps = append(reg.configMaps, ref)
 		}
 		r.pods[key.uid] = reg
-		return out
+		return out, reg
 	}
 	if sameNames(reg.secrets, secrets) && sameNames(reg.configMaps, configMaps) {
-		return nil // nothing added, nothing dropped
+		return nil, reg // nothing added, nothing dropped
 	}
 	reg.secrets, out = r.diff(out, key, events.KindSecret, reg.secrets, secrets)
 	reg.configMaps, out = r.diff(out, key, events.KindConfigMap, reg.configMaps, configMaps)
-	return out
+	return out, reg
 }
 
 // UnregisterPod drops the references of the registered pod with pod's key; an unknown pod is a no-op.
@@ -434,6 +446,7 @@ func (r *Registry) unregisterKey(key podRefKey) []Transition {
 	default:
 		delete(r.pods, key.uid)
 	}
+	reg.removed, reg.next = true, nil
 	var out []Transition
 	for _, ref := range reg.secrets {
 		out = r.dec(out, key, ref)

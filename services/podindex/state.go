@@ -82,7 +82,7 @@ func (s *State) Apply(seq uint64, ev PodEvent) []Transition {
 		if prev != nil && refKey(prev) != refKey(pod) {
 			out = append(out, s.Refs.UnregisterPod(prev)...)
 		}
-		out = append(out, s.register(pod)...)
+		out = append(out, s.registerEntry(e)...)
 		s.markDirty(e)
 	}
 	if seq > s.applied {
@@ -96,6 +96,18 @@ func (s *State) register(pod *v1.Pod) []Transition {
 		return s.Refs.UnregisterPod(pod)
 	}
 	return s.Refs.RegisterPod(pod)
+}
+
+// registerEntry is register for the pod of e, which keeps the pod's registration so that the next update
+// of the pod does not look it up again.
+func (s *State) registerEntry(e *entry) []Transition {
+	if IsMirrorPod(e.pod) || IsTerminal(e.pod) {
+		e.reg = nil
+		return s.Refs.UnregisterPod(e.pod)
+	}
+	var out []Transition
+	out, e.reg = s.Refs.register(e.pod, e.reg)
+	return out
 }
 
 // Skip records that seq was handled without changing the state (a rejected event).
