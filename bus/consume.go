@@ -106,34 +106,76 @@ func (b *Bus) Consume(ctx context.Context, cfg ConsumerConfig, h MsgHandler) err
 		// this consumer with this filter only (deploy/natsconf). The server stores both forms alike.
 		cc.FilterSubject, cc.FilterSubjects = cc.FilterSubjects[0], nil
 	}
-	cons, err := b.js.CreateOrUpdateConsumer(ctx, cfg.Stream, cc)
-	if err != nil {
-		return fmt.Errorf("consumer %s on %s: %w", cfg.Durable, cfg.Stream, err)
-	}
 	log := b.log.With("stream", cfg.Stream, "consumer", cfg.Durable)
-	msgs, err := cons.Messages(jetstream.PullMaxMessages(cfg.Concurrency))
-	if err != nil {
-		return fmt.Errorf("consume %s on %s: %w", cfg.Durable, cfg.Stream, err)
+	// open creates (or finds) the consumer and starts pulling from it. It is also how the loop recovers
+	// when pulling fails (a server of the cluster lost, the consumer's leader moved): the pull requests
+	// went to a server that is gone, so new ones are made, once the consumer answers again.
+	open := func() (jetstream.MessagesContext, error) {
+		var msgs jetstream.MessagesContext
+		err := b.retryTransient(ctx, "consumer "+cfg.Durable, func() error {
+			cons, err := b.js.CreateOrUpdateConsumer(ctx, cfg.Stream, cc)
+			if err != nil {
+				return fmt.Errorf("consumer %s on %s: %w", cfg.Durable, cfg.Stream, err)
+			}
+			msgs, err = cons.Messages(jetstream.PullMaxMessages(cfg.Concurrency))
+			if err != nil {
+				return fmt.Errorf("consume %s on %s: %w", cfg.Durable, cfg.Stream, err)
+			}
+			return nil
+		})
+		return msgs, err
 	}
+	first, err := open()
+	if err != nil {
+		return err
+	}
+	// stop ends the loop's context, so the stopper below runs for an error return as for a shutdown.
+	ctx, stop := context.WithCancel(ctx)
+	defer stop()
+	var loopErr error
+	var (
+		mu      sync.Mutex
+		current = first
+	)
 	sem := make(chan struct{}, cfg.Concurrency)
 	var wg sync.WaitGroup
 	stopped := make(chan struct{})
 	go func() {
 		<-ctx.Done()
-		msgs.Stop()
+		mu.Lock()
+		current.Stop()
+		mu.Unlock()
 		close(stopped)
 	}()
 	for {
+		mu.Lock()
+		msgs := current
+		mu.Unlock()
 		jm, err := msgs.Next()
 		if err != nil {
-			if errors.Is(err, jetstream.ErrMsgIteratorClosed) || ctx.Err() != nil {
+			if ctx.Err() != nil {
 				break
 			}
-			log.Warn("consume next failed", "err", err)
+			log.Warn("consume next failed; pulling anew", "err", err)
+			msgs.Stop()
 			select {
 			case <-stopped:
 			case <-time.After(250 * time.Millisecond):
 			}
+			next, oErr := open()
+			if oErr != nil {
+				if ctx.Err() == nil {
+					loopErr = oErr // not transient: the consumer cannot be had (permissions, a conflicting config)
+					stop()
+				}
+				break
+			}
+			mu.Lock()
+			if ctx.Err() != nil {
+				next.Stop()
+			}
+			current = next
+			mu.Unlock()
 			continue
 		}
 		select {
@@ -151,7 +193,7 @@ func (b *Bus) Consume(ctx context.Context, cfg ConsumerConfig, h MsgHandler) err
 	}
 	<-stopped
 	wg.Wait()
-	return nil
+	return loopErr
 }
 
 func (b *Bus) handle(ctx context.Context, cfg ConsumerConfig, jm jetstream.Msg, h MsgHandler) {

@@ -2,6 +2,7 @@ package bus_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"os"
 	"path/filepath"
@@ -135,5 +136,69 @@ func TestEnsureWaitsForTheServer(t *testing.T) {
 	}
 	if _, err := b.Stream(ctx, events.EventsStream); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestConsumeGoesOnAfterTheServerReturns: a consumer whose server went away and came back (its pull requests
+// lost with it) pulls anew and handles what is published afterwards; a Consume that cannot have its
+// consumer at all returns the error instead of spinning.
+func TestConsumeGoesOnAfterTheServerReturns(t *testing.T) {
+	r := startRestartable(t)
+	b, err := bus.Connect(t.Context(), r.url(), bus.Options{Name: t.Name()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(b.Close)
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	if err := b.EnsureStream(ctx, bus.StreamConfig{Name: "R", Subjects: []string{"r.>"}, WorkQueue: true}); err != nil {
+		t.Fatal(err)
+	}
+	got := make(chan string, 10)
+	done := make(chan error, 1)
+	go func() {
+		done <- b.Consume(ctx, bus.ConsumerConfig{Stream: "R", Durable: "r"}, func(_ context.Context, m *bus.Msg) error {
+			got <- string(m.Data)
+			return nil
+		})
+	}()
+	publish := func(body string) {
+		t.Helper()
+		pctx, pcancel := context.WithTimeout(ctx, 20*time.Second)
+		defer pcancel()
+		if _, err := b.PublishCommand(pctx, "r."+body, body, json.RawMessage(`"`+body+`"`), nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want := func(body string) {
+		t.Helper()
+		select {
+		case m := <-got:
+			if m != `"`+body+`"` {
+				t.Fatalf("handled %s, want %q", m, body)
+			}
+		case <-time.After(30 * time.Second):
+			t.Fatalf("%s not handled", body)
+		}
+	}
+	publish("before")
+	want("before")
+	r.stop()
+	time.Sleep(time.Second)
+	r.start()
+	publish("after")
+	want("after")
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatalf("Consume after shutdown: %v", err)
+	}
+
+	// A consumer that cannot be created (a filter outside the stream) is an error, at once.
+	cctx, ccancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer ccancel()
+	err = b.Consume(cctx, bus.ConsumerConfig{Stream: "R", Durable: "bad", FilterSubjects: []string{"elsewhere.>"}},
+		func(context.Context, *bus.Msg) error { return nil })
+	if err == nil || cctx.Err() != nil {
+		t.Fatalf("Consume with an impossible filter: %v (context %v)", err, cctx.Err())
 	}
 }
