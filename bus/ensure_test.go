@@ -202,3 +202,38 @@ func TestConsumeGoesOnAfterTheServerReturns(t *testing.T) {
 		t.Fatalf("Consume with an impossible filter: %v (context %v)", err, cctx.Err())
 	}
 }
+
+// TestKVPutWaitsOutAnOutage: a put while the server is away (longer than one JetStream API timeout) is
+// retried until the server is back, within the bound, instead of failing the caller's work (a puller's
+// pull intent, a heartbeat).
+func TestKVPutWaitsOutAnOutage(t *testing.T) {
+	r := startRestartable(t)
+	b, err := bus.Connect(t.Context(), r.url(), bus.Options{Name: t.Name()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(b.Close)
+	kv, err := b.KV(t.Context(), bus.KVConfig{Bucket: "imagefleet-outage"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.stop()
+	done := make(chan error, 1)
+	go func() {
+		_, err := kv.Put(t.Context(), "k", []byte("v"))
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		t.Fatalf("put returned while the server was down: %v", err)
+	case <-time.After(6 * time.Second): // longer than the JetStream API timeout (5 s)
+	}
+	r.start()
+	if err := <-done; err != nil {
+		t.Fatalf("put after the server came back: %v", err)
+	}
+	v, _, err := kv.Get(t.Context(), "k")
+	if err != nil || string(v) != "v" {
+		t.Fatalf("get: %q, %v", v, err)
+	}
+}

@@ -96,10 +96,19 @@ func unavailable(err error) bool {
 // not a permissions violation) is retried with exponential backoff (cenkalti, 250 ms to 5 s) and logged, so
 // a worker starting while a cluster elects its leaders waits for it instead of exiting.
 func (b *Bus) retryTransient(ctx context.Context, what string, op func() error) error {
+	return b.retryTransientFor(ctx, what, 0, op)
+}
+
+// kvRetryFor bounds the retries of one key-value operation: a cluster that lost a server elects new stream
+// leaders within seconds; past this the caller hears of the failure.
+const kvRetryFor = 20 * time.Second
+
+// retryTransientFor is retryTransient giving up after maxElapsed (0: only when ctx ends).
+func (b *Bus) retryTransientFor(ctx context.Context, what string, maxElapsed time.Duration, op func() error) error {
 	bo := backoff.NewExponentialBackOff()
 	bo.InitialInterval = 250 * time.Millisecond
 	bo.MaxInterval = 5 * time.Second
-	bo.MaxElapsedTime = 0
+	bo.MaxElapsedTime = maxElapsed
 	attempt := 0
 	return backoff.Retry(func() error {
 		err := op()

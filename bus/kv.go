@@ -108,7 +108,11 @@ func bucketMatches(ctx context.Context, kv jetstream.KeyValue, want *jetstream.K
 
 // Get returns the value and revision of key, or ErrKeyNotFound.
 func (k *KV) Get(ctx context.Context, key string) ([]byte, uint64, error) {
-	e, err := k.kv.Get(ctx, key)
+	var e jetstream.KeyValueEntry
+	err := k.b.retryTransientFor(ctx, "kv get "+k.kv.Bucket(), kvRetryFor, func() (err error) {
+		e, err = k.kv.Get(ctx, key)
+		return err
+	})
 	if err != nil {
 		if errors.Is(err, jetstream.ErrKeyNotFound) {
 			return nil, 0, ErrKeyNotFound
@@ -120,7 +124,11 @@ func (k *KV) Get(ctx context.Context, key string) ([]byte, uint64, error) {
 
 // Put stores value under key.
 func (k *KV) Put(ctx context.Context, key string, value []byte) (uint64, error) {
-	rev, err := k.kv.Put(ctx, key, value)
+	var rev uint64
+	err := k.b.retryTransientFor(ctx, "kv put "+k.kv.Bucket(), kvRetryFor, func() (err error) {
+		rev, err = k.kv.Put(ctx, key, value)
+		return err
+	})
 	if err != nil {
 		return 0, fmt.Errorf("kv put %s/%s: %w", k.kv.Bucket(), key, err)
 	}
@@ -129,7 +137,8 @@ func (k *KV) Put(ctx context.Context, key string, value []byte) (uint64, error) 
 
 // Delete removes key (a missing key is not an error).
 func (k *KV) Delete(ctx context.Context, key string) error {
-	if err := k.kv.Delete(ctx, key); err != nil && !errors.Is(err, jetstream.ErrKeyNotFound) {
+	err := k.b.retryTransientFor(ctx, "kv delete "+k.kv.Bucket(), kvRetryFor, func() error { return k.kv.Delete(ctx, key) })
+	if err != nil && !errors.Is(err, jetstream.ErrKeyNotFound) {
 		return fmt.Errorf("kv delete %s/%s: %w", k.kv.Bucket(), key, err)
 	}
 	return nil
@@ -173,7 +182,11 @@ func (k *KV) List(ctx context.Context, filter string) ([]Entry, error) {
 	if filter == "" {
 		filter = ">"
 	}
-	w, err := k.kv.Watch(ctx, filter, jetstream.IgnoreDeletes())
+	var w jetstream.KeyWatcher
+	err := k.b.retryTransientFor(ctx, "kv list "+k.kv.Bucket(), kvRetryFor, func() (err error) {
+		w, err = k.kv.Watch(ctx, filter, jetstream.IgnoreDeletes())
+		return err
+	})
 	if err != nil {
 		return nil, fmt.Errorf("kv list %s/%s: %w", k.kv.Bucket(), filter, err)
 	}
@@ -201,7 +214,12 @@ func (k *KV) Watch(ctx context.Context, filter string, fn func(e Entry, initialD
 	if filter == "" {
 		filter = ">"
 	}
-	w, err := k.kv.Watch(ctx, filter)
+	// A watch lasts as long as its worker: its start waits out a cluster electing leaders.
+	var w jetstream.KeyWatcher
+	err := k.b.retryTransient(ctx, "kv watch "+k.kv.Bucket(), func() (err error) {
+		w, err = k.kv.Watch(ctx, filter)
+		return err
+	})
 	if err != nil {
 		return fmt.Errorf("kv watch %s/%s: %w", k.kv.Bucket(), filter, err)
 	}
