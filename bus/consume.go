@@ -164,7 +164,8 @@ func (b *Bus) Consume(ctx context.Context, cfg ConsumerConfig, h MsgHandler) err
 			}
 			next, oErr := open()
 			if oErr != nil {
-				if ctx.Err() == nil {
+				// A closed connection is its owner's shutdown, not the consumer's failure.
+				if ctx.Err() == nil && !b.nc.IsClosed() {
 					loopErr = oErr // not transient: the consumer cannot be had (permissions, a conflicting config)
 					stop()
 				}

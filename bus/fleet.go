@@ -112,7 +112,9 @@ func (b *Bus) retryTransientFor(ctx context.Context, what string, maxElapsed tim
 	attempt := 0
 	return backoff.Retry(func() error {
 		err := op()
-		if err == nil || ctx.Err() != nil || errors.Is(err, ErrPermissionViolation) || !IsTransient(err) {
+		// A closed connection (Close was called) never comes back: not worth a retry.
+		if err == nil || ctx.Err() != nil || errors.Is(err, ErrPermissionViolation) || !IsTransient(err) ||
+			errors.Is(err, nats.ErrConnectionClosed) || b.nc.IsClosed() {
 			if err != nil {
 				return backoff.Permanent(err)
 			}
