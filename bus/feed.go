@@ -22,13 +22,20 @@ type StreamMsg struct {
 // ReadStream reads the stored messages of stream matching filter from startSeq (0: the first) and calls fn
 // for each until fn returns false or the end of the stream (as of the call) is reached.
 func (b *Bus) ReadStream(ctx context.Context, stream, filter string, startSeq uint64, fn func(StreamMsg) bool) error {
-	s, err := b.js.Stream(ctx, stream)
+	var info *jetstream.StreamInfo
+	err := b.retryTransientFor(ctx, "stream "+stream, kvRetryFor, func() error {
+		s, err := b.js.Stream(ctx, stream)
+		if err != nil {
+			return fmt.Errorf("stream %s: %w", stream, err)
+		}
+		info, err = s.Info(ctx)
+		if err != nil {
+			return fmt.Errorf("stream %s info: %w", stream, err)
+		}
+		return nil
+	})
 	if err != nil {
-		return fmt.Errorf("stream %s: %w", stream, err)
-	}
-	info, err := s.Info(ctx)
-	if err != nil {
-		return fmt.Errorf("stream %s info: %w", stream, err)
+		return err
 	}
 	if info.State.Msgs == 0 {
 		return nil
@@ -58,7 +65,11 @@ func (b *Bus) follow(ctx context.Context, stream, filter string, startSeq, stopS
 		occ.DeliverPolicy = jetstream.DeliverByStartSequencePolicy
 		occ.OptStartSeq = startSeq
 	}
-	cons, err := b.js.OrderedConsumer(ctx, stream, occ)
+	var cons jetstream.Consumer
+	err := b.retryTransientFor(ctx, "read "+stream, kvRetryFor, func() (err error) {
+		cons, err = b.js.OrderedConsumer(ctx, stream, occ)
+		return err
+	})
 	if err != nil {
 		return fmt.Errorf("read %s: %w", stream, err)
 	}

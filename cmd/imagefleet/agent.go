@@ -173,9 +173,13 @@ func runAgent(ctx context.Context, cmd *cobra.Command, f agentFlags) error {
 	}
 	opts := busOptions("imagefleet-agent-" + f.node)
 	opts.Replicas = f.replicas
+	opts.JournalDir, opts.JournalMaxBytes = agentJournal(f.dataDir), journalMaxBytes
 	b, err := bus.Connect(ctx, url, opts)
 	if err != nil {
 		return err
+	}
+	if opts.JournalDir != "" {
+		log.Info("event journal open", "dir", opts.JournalDir)
 	}
 	defer b.Close()
 	env.Bus = b

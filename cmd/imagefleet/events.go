@@ -25,26 +25,24 @@ var (
 
 func init() {
 	registerCommand(newEventsCmd)
-	// The journal is a worker so it is on in every agent (whatever --workers says, the bus is shared): it is
-	// registered before the worker_* files, so it is built first and journals every event the others publish.
+	// The journal is opened by the agent with its connection (agentJournal), before any worker publishes,
+	// whatever --workers says. "journal" stays a worker name only so that lists naming it keep working.
 	registerWorker(workerDef{
 		Name: "journal", Default: true,
 		Flags: func(fs *pflag.FlagSet) {
 			fs.BoolVar(&journalOff, "no-journal", false, "do not journal events locally before publishing them")
 			fs.Int64Var(&journalMaxBytes, "journal-max-bytes", 64<<20, "size bound of the event journal file under --data-dir/journal (rotated past it)")
 		},
-		Build: func(_ context.Context, env *agentEnv) (runnable, error) {
-			if journalOff {
-				return idle{}, nil
-			}
-			dir := filepath.Join(env.DataDir, "journal")
-			if err := env.Bus.OpenJournal(bus.JournalConfig{Dir: dir, MaxBytes: journalMaxBytes}); err != nil {
-				return nil, err
-			}
-			env.Log.Info("event journal open", "dir", dir)
-			return idle{}, nil
-		},
+		Build: func(context.Context, *agentEnv) (runnable, error) { return idle{}, nil },
 	})
+}
+
+// agentJournal is the agent's event journal directory under dataDir ("" with --no-journal).
+func agentJournal(dataDir string) string {
+	if journalOff {
+		return ""
+	}
+	return filepath.Join(dataDir, "journal")
 }
 
 // idle is a worker with nothing to run: its work happens in the bus (the journal) or in Build.
