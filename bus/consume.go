@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -53,6 +54,10 @@ type ConsumerConfig struct {
 	Backoff []time.Duration
 	// DeliverNew starts a new consumer at the end of the stream instead of the beginning.
 	DeliverNew bool
+	// StallAfter: when messages wait (the consumer's NumPending > 0, a free ack slot) and none has been
+	// delivered for this long, the pull is started anew (default 15s). A pull request left on a server that
+	// was lost or lost its leadership is not always reported by a missed heartbeat.
+	StallAfter time.Duration
 }
 
 // Msg is one delivered message.
@@ -89,6 +94,9 @@ func (b *Bus) Consume(ctx context.Context, cfg ConsumerConfig, h MsgHandler) err
 	if len(cfg.Backoff) == 0 {
 		cfg.Backoff = []time.Duration{time.Second, 5 * time.Second, 30 * time.Second}
 	}
+	if cfg.StallAfter == 0 {
+		cfg.StallAfter = 15 * time.Second
+	}
 	cc := jetstream.ConsumerConfig{
 		Durable:        cfg.Durable,
 		FilterSubjects: cfg.FilterSubjects,
@@ -110,6 +118,12 @@ func (b *Bus) Consume(ctx context.Context, cfg ConsumerConfig, h MsgHandler) err
 	// open creates (or finds) the consumer and starts pulling from it. It is also how the loop recovers
 	// when pulling fails (a server of the cluster lost, the consumer's leader moved): the pull requests
 	// went to a server that is gone, so new ones are made, once the consumer answers again.
+	var (
+		mu         sync.Mutex
+		current    jetstream.MessagesContext
+		currentCon jetstream.Consumer
+		lastActive atomic.Int64 // unix nanoseconds of the last delivery or (re)start of the pull
+	)
 	open := func() (jetstream.MessagesContext, error) {
 		var msgs jetstream.MessagesContext
 		err := b.retryTransient(ctx, "consumer "+cfg.Durable, func() error {
@@ -121,6 +135,10 @@ func (b *Bus) Consume(ctx context.Context, cfg ConsumerConfig, h MsgHandler) err
 			if err != nil {
 				return fmt.Errorf("consume %s on %s: %w", cfg.Durable, cfg.Stream, err)
 			}
+			mu.Lock()
+			currentCon = cons
+			mu.Unlock()
+			lastActive.Store(time.Now().UnixNano())
 			return nil
 		})
 		return msgs, err
@@ -133,10 +151,37 @@ func (b *Bus) Consume(ctx context.Context, cfg ConsumerConfig, h MsgHandler) err
 	ctx, stop := context.WithCancel(ctx)
 	defer stop()
 	var loopErr error
-	var (
-		mu      sync.Mutex
-		current = first
-	)
+	mu.Lock()
+	current = first
+	mu.Unlock()
+	// The stall watchdog: stopping the iterator makes the loop below pull anew.
+	go func() {
+		t := time.NewTicker(max(cfg.StallAfter/3, 10*time.Millisecond))
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+			}
+			if time.Since(time.Unix(0, lastActive.Load())) < cfg.StallAfter {
+				continue
+			}
+			mu.Lock()
+			cons, msgs := currentCon, current
+			mu.Unlock()
+			ictx, cancel := context.WithTimeout(ctx, 5*time.Second)
+			info, err := cons.Info(ictx)
+			cancel()
+			if err != nil || info.NumPending == 0 || info.NumAckPending >= info.Config.MaxAckPending {
+				continue
+			}
+			log.Warn("consumer stalled: messages wait but none was delivered; pulling anew",
+				"pending", info.NumPending, "stalled_for", cfg.StallAfter)
+			lastActive.Store(time.Now().UnixNano())
+			msgs.Stop()
+		}
+	}()
 	sem := make(chan struct{}, cfg.Concurrency)
 	var wg sync.WaitGroup
 	stopped := make(chan struct{})
@@ -179,6 +224,7 @@ func (b *Bus) Consume(ctx context.Context, cfg ConsumerConfig, h MsgHandler) err
 			mu.Unlock()
 			continue
 		}
+		lastActive.Store(time.Now().UnixNano())
 		select {
 		case sem <- struct{}{}:
 		case <-ctx.Done():
