@@ -126,8 +126,8 @@ func (b *Bus) Consume(ctx context.Context, cfg ConsumerConfig, h MsgHandler) err
 	)
 	open := func() (jetstream.MessagesContext, error) {
 		var msgs jetstream.MessagesContext
-		err := b.retryTransient(ctx, "consumer "+cfg.Durable, func() error {
-			cons, err := b.js.CreateOrUpdateConsumer(ctx, cfg.Stream, cc)
+		err := b.retryTransient(ctx, "consumer "+cfg.Durable, func(actx context.Context) error {
+			cons, err := b.js.CreateOrUpdateConsumer(actx, cfg.Stream, cc)
 			if err != nil {
 				return fmt.Errorf("consumer %s on %s: %w", cfg.Durable, cfg.Stream, err)
 			}
@@ -164,7 +164,8 @@ func (b *Bus) Consume(ctx context.Context, cfg ConsumerConfig, h MsgHandler) err
 				return
 			case <-t.C:
 			}
-			if time.Since(time.Unix(0, lastActive.Load())) < cfg.StallAfter {
+			idle := time.Since(time.Unix(0, lastActive.Load()))
+			if idle < cfg.StallAfter {
 				continue
 			}
 			mu.Lock()
@@ -173,11 +174,17 @@ func (b *Bus) Consume(ctx context.Context, cfg ConsumerConfig, h MsgHandler) err
 			ictx, cancel := context.WithTimeout(ctx, 5*time.Second)
 			info, err := cons.Info(ictx)
 			cancel()
-			if err != nil || info.NumPending == 0 || info.NumAckPending >= info.Config.MaxAckPending {
+			switch {
+			case err != nil && idle >= 2*cfg.StallAfter:
+				// The consumer does not answer (no leader yet, or its server is gone): make it anew, which
+				// waits for the cluster.
+				log.Warn("consumer does not answer; pulling anew", "idle", idle.Round(time.Second), "err", err)
+			case err != nil || info.NumPending == 0 || info.NumAckPending >= info.Config.MaxAckPending:
 				continue
+			default:
+				log.Warn("consumer stalled: messages wait but none was delivered; pulling anew",
+					"pending", info.NumPending, "idle", idle.Round(time.Second))
 			}
-			log.Warn("consumer stalled: messages wait but none was delivered; pulling anew",
-				"pending", info.NumPending, "stalled_for", cfg.StallAfter)
 			lastActive.Store(time.Now().UnixNano())
 			msgs.Stop()
 		}

@@ -23,12 +23,12 @@ type StreamMsg struct {
 // for each until fn returns false or the end of the stream (as of the call) is reached.
 func (b *Bus) ReadStream(ctx context.Context, stream, filter string, startSeq uint64, fn func(StreamMsg) bool) error {
 	var info *jetstream.StreamInfo
-	err := b.retryTransientFor(ctx, "stream "+stream, kvRetryFor, func() error {
-		s, err := b.js.Stream(ctx, stream)
+	err := b.retryTransientFor(ctx, "stream "+stream, kvRetryFor, func(actx context.Context) error {
+		s, err := b.js.Stream(actx, stream)
 		if err != nil {
 			return fmt.Errorf("stream %s: %w", stream, err)
 		}
-		info, err = s.Info(ctx)
+		info, err = s.Info(actx)
 		if err != nil {
 			return fmt.Errorf("stream %s info: %w", stream, err)
 		}
@@ -66,7 +66,7 @@ func (b *Bus) follow(ctx context.Context, stream, filter string, startSeq, stopS
 		occ.OptStartSeq = startSeq
 	}
 	var cons jetstream.Consumer
-	err := b.retryTransientFor(ctx, "read "+stream, kvRetryFor, func() (err error) {
+	err := b.retryTransientFor(ctx, "read "+stream, kvRetryFor, func(context.Context) (err error) {
 		cons, err = b.js.OrderedConsumer(ctx, stream, occ)
 		return err
 	})

@@ -95,23 +95,31 @@ func unavailable(err error) bool {
 // retryTransient runs op until it succeeds, fails for good, or ctx ends: a transient failure (IsTransient,
 // not a permissions violation) is retried with exponential backoff (cenkalti, 250 ms to 5 s) and logged, so
 // a worker starting while a cluster elects its leaders waits for it instead of exiting.
-func (b *Bus) retryTransient(ctx context.Context, what string, op func() error) error {
+func (b *Bus) retryTransient(ctx context.Context, what string, op func(attempt context.Context) error) error {
 	return b.retryTransientFor(ctx, what, 0, op)
 }
+
+// attemptTimeout bounds one attempt of a retried call (the JetStream API's own default): a caller's long
+// deadline (a command's --timeout) leaves room for retries instead of one attempt waiting all of it.
+const attemptTimeout = 5 * time.Second
 
 // kvRetryFor bounds the retries of one key-value operation: a cluster that lost a server elects new stream
 // leaders within seconds; past this the caller hears of the failure.
 const kvRetryFor = 20 * time.Second
 
 // retryTransientFor is retryTransient giving up after maxElapsed (0: only when ctx ends).
-func (b *Bus) retryTransientFor(ctx context.Context, what string, maxElapsed time.Duration, op func() error) error {
+// op gets a context for the attempt (ctx bounded by attemptTimeout); what must outlive the attempt (a
+// watcher, a consumer's iterator) is made with ctx instead.
+func (b *Bus) retryTransientFor(ctx context.Context, what string, maxElapsed time.Duration, op func(attempt context.Context) error) error {
 	bo := backoff.NewExponentialBackOff()
 	bo.InitialInterval = 250 * time.Millisecond
 	bo.MaxInterval = 5 * time.Second
 	bo.MaxElapsedTime = maxElapsed
 	attempt := 0
 	return backoff.Retry(func() error {
-		err := op()
+		actx, cancel := context.WithTimeout(ctx, attemptTimeout)
+		err := op(actx)
+		cancel()
 		// A closed connection (Close was called) never comes back: not worth a retry.
 		if err == nil || ctx.Err() != nil || errors.Is(err, ErrPermissionViolation) || !IsTransient(err) ||
 			errors.Is(err, nats.ErrConnectionClosed) || b.nc.IsClosed() {

@@ -45,8 +45,8 @@ func (b *Bus) KV(ctx context.Context, cfg KVConfig) (*KV, error) {
 		kvc.MaxBytes = -1
 	}
 	var out *KV
-	err := b.retryTransient(ctx, "bucket "+cfg.Bucket, func() (err error) {
-		out, err = b.openKV(ctx, cfg, kvc)
+	err := b.retryTransient(ctx, "bucket "+cfg.Bucket, func(actx context.Context) (err error) {
+		out, err = b.openKV(actx, cfg, kvc)
 		return err
 	})
 	return out, err
@@ -109,8 +109,8 @@ func bucketMatches(ctx context.Context, kv jetstream.KeyValue, want *jetstream.K
 // Get returns the value and revision of key, or ErrKeyNotFound.
 func (k *KV) Get(ctx context.Context, key string) ([]byte, uint64, error) {
 	var e jetstream.KeyValueEntry
-	err := k.b.retryTransientFor(ctx, "kv get "+k.kv.Bucket(), kvRetryFor, func() (err error) {
-		e, err = k.kv.Get(ctx, key)
+	err := k.b.retryTransientFor(ctx, "kv get "+k.kv.Bucket(), kvRetryFor, func(actx context.Context) (err error) {
+		e, err = k.kv.Get(actx, key)
 		return err
 	})
 	if err != nil {
@@ -125,8 +125,8 @@ func (k *KV) Get(ctx context.Context, key string) ([]byte, uint64, error) {
 // Put stores value under key.
 func (k *KV) Put(ctx context.Context, key string, value []byte) (uint64, error) {
 	var rev uint64
-	err := k.b.retryTransientFor(ctx, "kv put "+k.kv.Bucket(), kvRetryFor, func() (err error) {
-		rev, err = k.kv.Put(ctx, key, value)
+	err := k.b.retryTransientFor(ctx, "kv put "+k.kv.Bucket(), kvRetryFor, func(actx context.Context) (err error) {
+		rev, err = k.kv.Put(actx, key, value)
 		return err
 	})
 	if err != nil {
@@ -137,7 +137,7 @@ func (k *KV) Put(ctx context.Context, key string, value []byte) (uint64, error) 
 
 // Delete removes key (a missing key is not an error).
 func (k *KV) Delete(ctx context.Context, key string) error {
-	err := k.b.retryTransientFor(ctx, "kv delete "+k.kv.Bucket(), kvRetryFor, func() error { return k.kv.Delete(ctx, key) })
+	err := k.b.retryTransientFor(ctx, "kv delete "+k.kv.Bucket(), kvRetryFor, func(actx context.Context) error { return k.kv.Delete(actx, key) })
 	if err != nil && !errors.Is(err, jetstream.ErrKeyNotFound) {
 		return fmt.Errorf("kv delete %s/%s: %w", k.kv.Bucket(), key, err)
 	}
@@ -183,7 +183,7 @@ func (k *KV) List(ctx context.Context, filter string) ([]Entry, error) {
 		filter = ">"
 	}
 	var w jetstream.KeyWatcher
-	err := k.b.retryTransientFor(ctx, "kv list "+k.kv.Bucket(), kvRetryFor, func() (err error) {
+	err := k.b.retryTransientFor(ctx, "kv list "+k.kv.Bucket(), kvRetryFor, func(context.Context) (err error) {
 		w, err = k.kv.Watch(ctx, filter, jetstream.IgnoreDeletes())
 		return err
 	})
@@ -216,7 +216,7 @@ func (k *KV) Watch(ctx context.Context, filter string, fn func(e Entry, initialD
 	}
 	// A watch lasts as long as its worker: its start waits out a cluster electing leaders.
 	var w jetstream.KeyWatcher
-	err := k.b.retryTransient(ctx, "kv watch "+k.kv.Bucket(), func() (err error) {
+	err := k.b.retryTransient(ctx, "kv watch "+k.kv.Bucket(), func(context.Context) (err error) {
 		w, err = k.kv.Watch(ctx, filter)
 		return err
 	})

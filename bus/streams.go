@@ -91,7 +91,7 @@ func (b *Bus) ensureStream(ctx context.Context, sc jetstream.StreamConfig) error
 	if sc.Replicas == 0 {
 		sc.Replicas = b.replicas
 	}
-	return b.retryTransient(ctx, "stream "+sc.Name, func() error { return b.ensureStreamOnce(ctx, sc) })
+	return b.retryTransient(ctx, "stream "+sc.Name, func(actx context.Context) error { return b.ensureStreamOnce(actx, sc) })
 }
 
 func (b *Bus) ensureStreamOnce(ctx context.Context, sc jetstream.StreamConfig) error {
