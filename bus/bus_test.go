@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -12,6 +13,7 @@ import (
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/internal/testport"
 )
 
 func TestPublishIsDeduplicatedAndCarriesCloudEventsHeaders(t *testing.T) {
@@ -171,7 +173,7 @@ func TestKVBatchAndList(t *testing.T) {
 
 func TestConnectSurvivesServerRestart(t *testing.T) {
 	dir := t.TempDir()
-	srv, err := bus.StartServer(bus.ServerConfig{Listen: "127.0.0.1:-1", StoreDir: dir})
+	srv, err := bus.StartServer(bus.ServerConfig{Listen: fmt.Sprintf("127.0.0.1:%d", testport.Free(t)), StoreDir: dir})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -2,6 +2,7 @@ package bus
 
 import (
 	"fmt"
+	"log/slog"
 	"net"
 	"strconv"
 	"time"
@@ -68,6 +69,11 @@ func StartServer(cfg ServerConfig) (*Server, error) {
 	if err != nil {
 		return nil, fmt.Errorf("create nats-server: %w", err)
 	}
+	if opts.LogFile != "" || opts.Syslog || opts.RemoteSyslog != "" {
+		s.ConfigureLogger() // the configuration file asks for nats-server's own log
+	} else {
+		s.SetLoggerV2(serverLog{slog.Default()}, opts.Debug, opts.Trace, false)
+	}
 	s.Start()
 	if !s.ReadyForConnections(30 * time.Second) {
 		s.Shutdown()
@@ -83,4 +89,27 @@ func (s *Server) ClientURL() string { return s.s.ClientURL() }
 func (s *Server) Shutdown() {
 	s.s.Shutdown()
 	s.s.WaitForShutdown()
+}
+
+// serverLog sends nats-server's errors and warnings to slog (a port already in use, a route that cannot be
+// reached, a store that cannot be written); its notices go to debug, so a healthy server is quiet.
+type serverLog struct{ l *slog.Logger }
+
+func (s serverLog) Noticef(format string, v ...any) {
+	s.l.Debug("nats-server: " + fmt.Sprintf(format, v...))
+}
+func (s serverLog) Warnf(format string, v ...any) {
+	s.l.Warn("nats-server: " + fmt.Sprintf(format, v...))
+}
+func (s serverLog) Errorf(format string, v ...any) {
+	s.l.Error("nats-server: " + fmt.Sprintf(format, v...))
+}
+func (s serverLog) Fatalf(format string, v ...any) {
+	s.l.Error("nats-server: " + fmt.Sprintf(format, v...))
+}
+func (s serverLog) Debugf(format string, v ...any) {
+	s.l.Debug("nats-server: " + fmt.Sprintf(format, v...))
+}
+func (s serverLog) Tracef(format string, v ...any) {
+	s.l.Debug("nats-server: " + fmt.Sprintf(format, v...))
 }

@@ -13,6 +13,7 @@ import (
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/internal/testport"
 )
 
 // restartable is an embedded nats-server that can be stopped and started again on the same port and store.
@@ -25,7 +26,7 @@ type restartable struct {
 
 func startRestartable(t *testing.T) *restartable {
 	t.Helper()
-	r := &restartable{t: t, addr: "127.0.0.1:-1", store: t.TempDir()}
+	r := &restartable{t: t, addr: fmt.Sprintf("127.0.0.1:%d", testport.Free(t)), store: t.TempDir()}
 	r.start()
 	u, err := url.Parse(r.srv.ClientURL())
 	if err != nil {

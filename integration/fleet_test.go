@@ -5,7 +5,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -19,6 +18,7 @@ import (
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
 	"github.com/imagefleet/imagefleet/integration/lab"
+	"github.com/imagefleet/imagefleet/internal/testport"
 	"github.com/imagefleet/imagefleet/services/fleet"
 )
 
@@ -111,12 +111,7 @@ func tail(path string, n int) string {
 
 func freePort(t testing.TB) int {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
+	return testport.Free(t)
 }
 
 // clusterConfigs renders deploy/nats/cluster/server-{1,2,3}.conf for this test: the same files with free

@@ -2,6 +2,7 @@ package integration_test
 
 import (
 	"context"
+	"fmt"
 	"net/url"
 	"os"
 	"sync"
@@ -11,6 +12,7 @@ import (
 
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/internal/testport"
 )
 
 // natsServer is an embedded nats-server that can be killed and started again on the same port and store,
@@ -26,7 +28,7 @@ type natsServer struct {
 
 func startNATS(t testing.TB, conf string) *natsServer {
 	t.Helper()
-	s := &natsServer{t: t, addr: "127.0.0.1:-1", store: t.TempDir(), conf: conf}
+	s := &natsServer{t: t, addr: fmt.Sprintf("127.0.0.1:%d", testport.Free(t)), store: t.TempDir(), conf: conf}
 	s.start()
 	u, err := url.Parse(s.srv.ClientURL())
 	if err != nil {

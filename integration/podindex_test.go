@@ -17,6 +17,7 @@ import (
 
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/internal/testport"
 	"github.com/imagefleet/imagefleet/services/podindex"
 )
 
@@ -27,7 +28,7 @@ import (
 func TestPodIndexSurvivesNATSAndWorkerRestarts(t *testing.T) {
 	const node = "node-int.example"
 	dir := t.TempDir()
-	srv, err := bus.StartServer(bus.ServerConfig{Listen: "127.0.0.1:-1", StoreDir: dir})
+	srv, err := bus.StartServer(bus.ServerConfig{Listen: fmt.Sprintf("127.0.0.1:%d", testport.Free(t)), StoreDir: dir})
 	if err != nil {
 		t.Fatal(err)
 	}
