@@ -1,0 +1,79 @@
+package podindex
+
+import (
+	stdjson "encoding/json"
+	"reflect"
+	"testing"
+
+	json "github.com/go-json-experiment/json/v1"
+	v1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
+)
+
+// richPod uses the parts of a Pod with their own JSON methods (times, quantities, int-or-string) and the
+// optional pointers, maps and slices, so the differential fuzz starts from every kind of field.
+func richPod() *v1.Pod {
+	grace := int64(30)
+	root := true
+	p := benchPod(3, 1)
+	p.CreationTimestamp = metav1.Unix(1700000000, 0)
+	p.DeletionGracePeriodSeconds = &grace
+	p.Annotations = map[string]string{"kubernetes.io/config.source": "file", "kubernetes.io/config.hash": "abc"}
+	p.OwnerReferences = []metav1.OwnerReference{{APIVersion: "v1", Kind: "Node", Name: "n", UID: "owner", Controller: &root}}
+	c := &p.Spec.Containers[0]
+	c.Resources = v1.ResourceRequirements{Limits: v1.ResourceList{v1.ResourceCPU: resource.MustParse("500m"), v1.ResourceMemory: resource.MustParse("1Gi")}}
+	c.Ports = []v1.ContainerPort{{ContainerPort: 8080, Protocol: v1.ProtocolTCP}}
+	c.LivenessProbe = &v1.Probe{ProbeHandler: v1.ProbeHandler{HTTPGet: &v1.HTTPGetAction{Path: "/", Port: intstr.FromString("http")}}, PeriodSeconds: 5}
+	c.SecurityContext = &v1.SecurityContext{RunAsNonRoot: &root}
+	p.Spec.InitContainers = []v1.Container{{Name: "init", Image: "busybox", Command: []string{"sh", "-c", "true"}}}
+	p.Spec.Volumes = append(p.Spec.Volumes, v1.Volume{Name: "proj", VolumeSource: v1.VolumeSource{Projected: &v1.ProjectedVolumeSource{
+		Sources: []v1.VolumeProjection{{Secret: &v1.SecretProjection{LocalObjectReference: v1.LocalObjectReference{Name: "p-s"}}}}}}})
+	p.Status.Conditions = []v1.PodCondition{{Type: v1.PodReady, Status: v1.ConditionTrue, LastTransitionTime: metav1.Unix(1700000100, 0)}}
+	p.Status.ContainerStatuses = []v1.ContainerStatus{{Name: "app", Ready: true, RestartCount: 2, ImageID: "sha256:1",
+		State: v1.ContainerState{Running: &v1.ContainerStateRunning{StartedAt: metav1.Unix(1700000050, 0)}}}}
+	return p
+}
+
+// FuzzPodDecoderMatchesEncodingJSON is the differential test of the pod decoder: for any body,
+// go-json-experiment/json/v1 (what DecodePodEvent uses) must accept exactly what encoding/json accepts and
+// decode it to the same Pod.
+func FuzzPodDecoderMatchesEncodingJSON(f *testing.F) {
+	for _, p := range []*v1.Pod{benchPod(1, 0), richPod()} {
+		b, err := stdjson.Marshal(p)
+		if err != nil {
+			f.Fatal(err)
+		}
+		f.Add(b)
+	}
+	for _, s := range []string{
+		`{"metadata":{"name":"a","namespace":"ns","uid":"u"}}`,
+		`{"Metadata":{"NAME":"a","namespace":"ns","uid":"u"}}`,                   // names match without case
+		`{"metadata":{"name":"a","name":"b","namespace":"ns","uid":"u"}}`,        // duplicate names: last wins
+		"{\"metadata\":{\"name\":\"a\xff\",\"namespace\":\"ns\",\"uid\":\"u\"}}", // invalid UTF-8
+		`{"metadata":{"name":"\ud800","namespace":"ns","uid":"u"}}`,              // lone surrogate
+		`{"metadata":{"name":"a","namespace":"ns","uid":"u"}} x`,                 // trailing data
+		`{"metadata":{"name":"a","namespace":"ns","uid":"u","generation":1e3}}`,  // float for an int
+		`{"metadata":{"name":"a","namespace":"ns","uid":"u","generation":99999999999999999999}}`,
+		`{"metadata":{"name":null,"namespace":"ns","uid":"u","labels":null}}`,
+		`{"spec":{"containers":[{"name":"c","resources":{"limits":{"cpu":"1.5.5"}}}]}}`, // a bad quantity
+		`{"metadata":{"creationTimestamp":"yesterday"}}`,                                // a bad time
+		`{"spec":{"containers":[{"livenessProbe":{"httpGet":{"port":true}}}]}}`,         // a bad int-or-string
+		`{"metadata":{"labels":{"a":1}}}`,
+		`[]`, `null`, `""`, ``, `{`, `{"metadata":{}}`, ` {"status":{"phase":"Running"}} `,
+	} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, body []byte) {
+		var want, got v1.Pod
+		wantErr := stdjson.Unmarshal(body, &want)
+		gotErr := json.Unmarshal(body, &got)
+		if (wantErr == nil) != (gotErr == nil) {
+			t.Fatalf("encoding/json error %v, go-json-experiment error %v, for %q", wantErr, gotErr, body)
+		}
+		if wantErr == nil && !reflect.DeepEqual(want, got) {
+			t.Fatalf("decoded pods differ for %q:\nencoding/json:       %+v\ngo-json-experiment: %+v", body, want, got)
+		}
+	})
+}
