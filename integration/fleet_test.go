@@ -405,6 +405,7 @@ func TestFleetOnThreeContainerdsAndANATSCluster(t *testing.T) {
 	case <-time.After(3 * time.Minute):
 		t.Fatal("pull rollout did not finish after a server was killed")
 	}
+	t.Logf("pull rollout done %s in", time.Since(began).Round(time.Millisecond))
 	reg.SetDelay(0)
 	if pullRes.Succeeded != 3 || !slices.Equal(pullRes.Batches, []int{1, 2}) || len(pullRes.Failed) != 0 {
 		t.Fatalf("pull rollout: %+v", pullRes)
@@ -443,12 +444,21 @@ func TestFleetOnThreeContainerdsAndANATSCluster(t *testing.T) {
 	// 3. The real GC, on the two servers left, once every node's detector answers again (the workers'
 	// own recovery from the lost server is theirs; the rollout needs them able to answer).
 	for _, n := range nodeNames {
+		asked, fails := time.Now(), 0
+		var lastErr error
 		eventually(t, "detector of "+n+" answers after the server loss", 2*time.Minute, func() error {
 			c, cancel := context.WithTimeout(ctx, 10*time.Second)
 			defer cancel()
 			_, err := cli(c, bin, append([]string{"detect", "--node", n}, common...)...)
+			if err != nil {
+				fails, lastErr = fails+1, err
+			}
 			return err
 		})
+		if fails > 0 {
+			t.Logf("detector of %s answered after %s and %d failed tries; the last: %v", n,
+				time.Since(asked).Round(time.Millisecond), fails, lastErr)
+		}
 	}
 	t.Logf("node workers answer again %s in", time.Since(began).Round(time.Millisecond))
 	var gcRes events.RolloutResult
