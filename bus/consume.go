@@ -131,7 +131,7 @@ func (b *Bus) Consume(ctx context.Context, cfg ConsumerConfig, h MsgHandler) err
 			if err != nil {
 				return fmt.Errorf("consumer %s on %s: %w", cfg.Durable, cfg.Stream, err)
 			}
-			msgs, err = cons.Messages(jetstream.PullMaxMessages(cfg.Concurrency), jetstream.PullExpiry(pullExpiry), jetstream.PullHeartbeat(pullHeartbeat))
+			msgs, err = cons.Messages(jetstream.PullMaxMessages(cfg.Concurrency))
 			if err != nil {
 				return fmt.Errorf("consume %s on %s: %w", cfg.Durable, cfg.Stream, err)
 			}
@@ -347,13 +347,3 @@ func (b *Bus) DeadLetters(ctx context.Context, filter string) ([]DeadLetter, err
 	})
 	return out, err
 }
-
-// A pull request lives pullExpiry and the server sends an idle heartbeat every pullHeartbeat while it waits.
-// nats.go's defaults (30 s, 15 s) mean a pull request lost with a cluster server (the consumer's leader
-// moved) is noticed only after two missed heartbeats, 30 s; the fleet test's pre-pull waited that long after
-// a server was killed. With these a lost pull is noticed in about 6 s, for one heartbeat every 3 s and one
-// pull request every 10 s per idle consumer.
-const (
-	pullExpiry    = 10 * time.Second
-	pullHeartbeat = 3 * time.Second
-)

@@ -171,7 +171,7 @@ func (b *Bus) Tail(ctx context.Context, stream, filter string, startSeq uint64, 
 		}
 		return fmt.Errorf("tail %s: %w", stream, err)
 	}
-	it, err := cons.Messages(jetstream.PullMaxMessages(2048), jetstream.PullExpiry(pullExpiry), jetstream.PullHeartbeat(pullHeartbeat))
+	it, err := cons.Messages(jetstream.PullMaxMessages(2048))
 	if err != nil {
 		return fmt.Errorf("tail %s: %w", stream, err)
 	}
