@@ -461,6 +461,23 @@ func TestFleetOnThreeContainerdsAndANATSCluster(t *testing.T) {
 		}
 	}
 	t.Logf("node workers answer again %s in", time.Since(began).Round(time.Millisecond))
+	// Each stream and bucket elects its own leader after the loss, some after the detectors answer (the
+	// node registry's buckets once took over 27 s): the rollout below starts when every one answers.
+	eventually(t, "every stream answers after the server loss", 2*time.Minute, func() error {
+		c, cancel := context.WithTimeout(ctx, 5*time.Second)
+		defer cancel()
+		names, err := b.StreamNames(c)
+		if err != nil {
+			return err
+		}
+		for _, n := range names {
+			if _, err := b.Stream(c, n); err != nil {
+				return fmt.Errorf("stream %s: %w", n, err)
+			}
+		}
+		return nil
+	})
+	t.Logf("every stream answers again %s in", time.Since(began).Round(time.Millisecond))
 	var gcRes events.RolloutResult
 	if err := cliJSON(t, bin, &gcRes, append([]string{"fleet", "gc", "--all-unused", "--selector", "fleet=lab", "--stream-replicas", "3",
 		"--id", "gc-lab"}, common...)...); err != nil {
