@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -211,5 +212,25 @@ func waitFor(t *testing.T, cond func() bool) {
 			t.Fatal("condition not met within 15s")
 		}
 		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func TestStartServerOnAPortInUseFailsAtOnce(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	began := time.Now()
+	srv, err := bus.StartServer(bus.ServerConfig{Listen: l.Addr().String(), StoreDir: t.TempDir()})
+	if err == nil {
+		srv.Shutdown()
+		t.Fatal("a server started on a port in use")
+	}
+	if !strings.Contains(err.Error(), "address already in use") {
+		t.Errorf("error %q does not say the address is in use", err)
+	}
+	if took := time.Since(began); took > 10*time.Second {
+		t.Errorf("took %s to fail, want well under the 30 s readiness wait", took)
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"log/slog"
 	"net"
 	"strconv"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats-server/v2/server"
@@ -69,15 +70,23 @@ func StartServer(cfg ServerConfig) (*Server, error) {
 	if err != nil {
 		return nil, fmt.Errorf("create nats-server: %w", err)
 	}
+	fatal := new(atomic.Pointer[string])
 	if opts.LogFile != "" || opts.Syslog || opts.RemoteSyslog != "" {
 		s.ConfigureLogger() // the configuration file asks for nats-server's own log
 	} else {
-		s.SetLoggerV2(serverLog{slog.Default()}, opts.Debug, opts.Trace, false)
+		s.SetLoggerV2(serverLog{l: slog.Default(), fatal: fatal}, opts.Debug, opts.Trace, false)
 	}
 	s.Start()
-	if !s.ReadyForConnections(30 * time.Second) {
-		s.Shutdown()
-		return nil, fmt.Errorf("nats-server on %s:%d not ready after 30s", opts.Host, opts.Port)
+	// A fatal error (a port in use) does not stop nats-server's start: it would wait out the 30 s.
+	for deadline := time.Now().Add(30 * time.Second); !s.ReadyForConnections(100 * time.Millisecond); {
+		if msg := fatal.Load(); msg != nil {
+			s.Shutdown()
+			return nil, fmt.Errorf("nats-server on %s:%d: %s", opts.Host, opts.Port, *msg)
+		}
+		if time.Now().After(deadline) {
+			s.Shutdown()
+			return nil, fmt.Errorf("nats-server on %s:%d not ready after 30s", opts.Host, opts.Port)
+		}
 	}
 	return &Server{s: s}, nil
 }
@@ -93,7 +102,10 @@ func (s *Server) Shutdown() {
 
 // serverLog sends nats-server's errors and warnings to slog (a port already in use, a route that cannot be
 // reached, a store that cannot be written); its notices go to debug, so a healthy server is quiet.
-type serverLog struct{ l *slog.Logger }
+type serverLog struct {
+	l     *slog.Logger
+	fatal *atomic.Pointer[string] // the first fatal error, which ends StartServer's wait
+}
 
 func (s serverLog) Noticef(format string, v ...any) {
 	s.l.Debug("nats-server: " + fmt.Sprintf(format, v...))
@@ -105,7 +117,9 @@ func (s serverLog) Errorf(format string, v ...any) {
 	s.l.Error("nats-server: " + fmt.Sprintf(format, v...))
 }
 func (s serverLog) Fatalf(format string, v ...any) {
-	s.l.Error("nats-server: " + fmt.Sprintf(format, v...))
+	msg := fmt.Sprintf(format, v...)
+	s.fatal.CompareAndSwap(nil, &msg)
+	s.l.Error("nats-server: " + msg)
 }
 func (s serverLog) Debugf(format string, v ...any) {
 	s.l.Debug("nats-server: " + fmt.Sprintf(format, v...))
