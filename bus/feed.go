@@ -73,6 +73,31 @@ func (b *Bus) follow(ctx context.Context, stream, filter string, startSeq, stopS
 	if err != nil {
 		return fmt.Errorf("read %s: %w", stream, err)
 	}
+	// A fetch that fails transiently (the server it went to was lost, the stream elects a leader: "no
+	// responders") is tried again, the ordered consumer going on after the last message delivered, for up to
+	// kvRetryFor without progress.
+	var failingSince time.Time
+	retry := func(err error) error {
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		if !IsTransient(err) || errors.Is(err, nats.ErrConnectionClosed) {
+			return fmt.Errorf("read %s: %w", stream, err)
+		}
+		if failingSince.IsZero() {
+			failingSince = time.Now()
+		}
+		if time.Since(failingSince) > kvRetryFor {
+			return fmt.Errorf("read %s: failing for %s: %w", stream, kvRetryFor, err)
+		}
+		b.log.Warn("NATS not ready; retrying", "what", "read "+stream, "err", err)
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(500 * time.Millisecond):
+		}
+		return nil
+	}
 	for {
 		fctx := ctx
 		var cancel context.CancelFunc = func() {}
@@ -82,10 +107,10 @@ func (b *Bus) follow(ctx context.Context, stream, filter string, startSeq, stopS
 		batch, err := cons.Fetch(500, jetstream.FetchContext(fctx))
 		if err != nil {
 			cancel()
-			if ctx.Err() != nil {
-				return ctx.Err()
+			if rerr := retry(err); rerr != nil {
+				return rerr
 			}
-			return fmt.Errorf("read %s: %w", stream, err)
+			continue
 		}
 		n := 0
 		for jm := range batch.Messages() {
@@ -110,13 +135,33 @@ func (b *Bus) follow(ctx context.Context, stream, filter string, startSeq, stopS
 		}
 		cancel()
 		if err := batch.Error(); err != nil && !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, nats.ErrTimeout) {
-			if ctx.Err() != nil {
-				return ctx.Err()
+			if rerr := retry(err); rerr != nil {
+				return rerr
 			}
-			return fmt.Errorf("read %s: %w", stream, err)
+			continue
 		}
 		if n == 0 && stopSeq > 0 {
-			return nil
+			// Nothing came within the fetch's wait: the end, unless the consumer still has messages for us
+			// (a fetch that timed out in an outage is not the end of the stream).
+			ictx, icancel := context.WithTimeout(ctx, attemptTimeout)
+			info, err := cons.Info(ictx)
+			icancel()
+			if err != nil {
+				if rerr := retry(err); rerr != nil {
+					return rerr
+				}
+				continue
+			}
+			if info.NumPending == 0 {
+				return nil
+			}
+			if rerr := retry(fmt.Errorf("%d messages pending but none delivered: %w", info.NumPending, nats.ErrTimeout)); rerr != nil {
+				return rerr
+			}
+			continue
+		}
+		if n > 0 {
+			failingSince = time.Time{}
 		}
 	}
 }
