@@ -140,28 +140,9 @@ func (b *Bus) follow(ctx context.Context, stream, filter string, startSeq, stopS
 			}
 			continue
 		}
+		failingSince = time.Time{}
 		if n == 0 && stopSeq > 0 {
-			// Nothing came within the fetch's wait: the end, unless the consumer still has messages for us
-			// (a fetch that timed out in an outage is not the end of the stream).
-			ictx, icancel := context.WithTimeout(ctx, attemptTimeout)
-			info, err := cons.Info(ictx)
-			icancel()
-			if err != nil {
-				if rerr := retry(err); rerr != nil {
-					return rerr
-				}
-				continue
-			}
-			if info.NumPending == 0 {
-				return nil
-			}
-			if rerr := retry(fmt.Errorf("%d messages pending but none delivered: %w", info.NumPending, nats.ErrTimeout)); rerr != nil {
-				return rerr
-			}
-			continue
-		}
-		if n > 0 {
-			failingSince = time.Time{}
+			return nil
 		}
 	}
 }
