@@ -65,6 +65,9 @@ type JournalConfig struct {
 	SendTimeout time.Duration
 }
 
+// journalFullLogEvery bounds how often a full journal logs its drops (the counter counts every one).
+const journalFullLogEvery = 5 * time.Second
+
 // journalBatch is how many pending events one attempt publishes (pipelined).
 const journalBatch = 256
 
@@ -108,6 +111,10 @@ type journal struct {
 	pending      []*journalEntry
 	pendingBytes int64
 	stats        JournalStats
+	// fullLogged is when "journal full" was last logged; droppedUnlogged counts the drops since (one line
+	// per journalFullLogEvery, not one per event, in a long outage).
+	fullLogged      time.Time
+	droppedUnlogged int64
 
 	failing   atomic.Bool
 	kick      chan struct{} // new events
@@ -337,7 +344,12 @@ func (j *journal) rotateLocked(incoming int64) error {
 		j.stats.Dropped += int64(dropped)
 		journalDropped.Add(float64(dropped))
 		journalPending.Sub(float64(dropped))
-		j.log.Error("journal full: dropped the oldest pending events", "dropped", dropped, "max_bytes", j.cfg.MaxBytes)
+		j.droppedUnlogged += int64(dropped)
+		if now := time.Now(); now.Sub(j.fullLogged) >= journalFullLogEvery {
+			j.log.Error("journal full: dropped the oldest pending events", "dropped", j.droppedUnlogged,
+				"dropped_total", j.stats.Dropped, "pending", len(j.pending), "max_bytes", j.cfg.MaxBytes)
+			j.fullLogged, j.droppedUnlogged = now, 0
+		}
 	}
 	tmp := filepath.Join(j.cfg.Dir, journalTmpFile)
 	active := filepath.Join(j.cfg.Dir, JournalFile)
@@ -599,6 +611,10 @@ func (j *journal) close() {
 		defer j.mu.Unlock()
 		for _, e := range j.pending {
 			e.finish()
+		}
+		if j.droppedUnlogged > 0 {
+			j.log.Error("journal full: dropped the oldest pending events", "dropped", j.droppedUnlogged,
+				"dropped_total", j.stats.Dropped, "pending", len(j.pending), "max_bytes", j.cfg.MaxBytes)
 		}
 		if err := j.writeCursorLocked(); err != nil {
 			j.log.Warn("journal: write cursor failed", "err", err)

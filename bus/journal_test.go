@@ -318,7 +318,11 @@ func TestJournalRotationBoundsDisk(t *testing.T) {
 	r := startRestartable(t)
 	dir := t.TempDir()
 	const node, maxBytes = "journal-d", 8192
-	b := connectJournaled(t, r, bus.JournalConfig{Dir: dir, MaxBytes: maxBytes})
+	// A publish waits for its event's first attempt unless an attempt failed; then the next ones are only
+	// journaled, and past MaxBytes of them the oldest are dropped (TestJournalDropsTheOldestWhenFull). The
+	// tests' 1 s SendTimeout is short enough for a loaded CI machine to fail an attempt (suspected in a CI
+	// failure of this test): here an attempt has 10 s, as nothing in this test is meant to fail.
+	b := connectJournaled(t, r, bus.JournalConfig{Dir: dir, MaxBytes: maxBytes, SendTimeout: 10 * time.Second})
 	var ids []string
 	for i := range 200 {
 		ev := newEvent(t, node, i)
@@ -326,6 +330,9 @@ func TestJournalRotationBoundsDisk(t *testing.T) {
 		if err := b.Publish(t.Context(), ev); err != nil {
 			t.Fatal(err)
 		}
+	}
+	if st := b.JournalStats(); st.Dropped > 0 || st.FailedAttempts > 0 {
+		t.Fatalf("journal stats %+v: an attempt failed with the server up, and events were dropped", st)
 	}
 	waitStored(t, b, node, ids)
 	for _, name := range []string{bus.JournalFile, bus.JournalFile + ".1"} {
