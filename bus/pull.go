@@ -63,6 +63,10 @@ type ConsumerState struct {
 	// NumPending: stored, not yet delivered. NumAckPending: delivered, not yet acked (in flight).
 	NumPending, NumAckPending, NumRedelivered int
 	MaxAckPending                             int
+	// NumWaiting is how many pull requests of its subscribers the server holds (0 while nobody pulls).
+	NumWaiting int
+	// Leader is the server leading the consumer in a cluster ("" on a single server).
+	Leader string
 }
 
 // Consumer reports the state of a durable consumer.
@@ -75,8 +79,12 @@ func (b *Bus) Consumer(ctx context.Context, stream, durable string) (ConsumerSta
 	if err != nil {
 		return ConsumerState{}, fmt.Errorf("consumer %s on %s info: %w", durable, stream, err)
 	}
-	return ConsumerState{NumPending: int(info.NumPending), NumAckPending: info.NumAckPending,
-		NumRedelivered: info.NumRedelivered, MaxAckPending: info.Config.MaxAckPending}, nil
+	st := ConsumerState{NumPending: int(info.NumPending), NumAckPending: info.NumAckPending,
+		NumRedelivered: info.NumRedelivered, MaxAckPending: info.Config.MaxAckPending, NumWaiting: info.NumWaiting}
+	if info.Cluster != nil {
+		st.Leader = info.Cluster.Leader
+	}
+	return st, nil
 }
 
 // IsConsumerNotFound reports whether err says the consumer does not exist.

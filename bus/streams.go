@@ -195,6 +195,8 @@ type StreamInfo struct {
 	// MaxAge and Replicas are the stream's settings.
 	MaxAge   time.Duration
 	Replicas int
+	// Leader is the server leading the stream in a cluster ("" on a single server).
+	Leader string
 }
 
 // Stream reports the state of a stream.
@@ -209,5 +211,12 @@ func (b *Bus) Stream(ctx context.Context, name string) (StreamInfo, error) {
 	}
 	return StreamInfo{Name: name, Messages: info.State.Msgs, Bytes: info.State.Bytes,
 		FirstSeq: info.State.FirstSeq, LastSeq: info.State.LastSeq, MaxAge: info.Config.MaxAge,
-		Replicas: info.Config.Replicas}, nil
+		Replicas: info.Config.Replicas, Leader: leader(info.Cluster)}, nil
+}
+
+func leader(c *jetstream.ClusterInfo) string {
+	if c == nil {
+		return ""
+	}
+	return c.Leader
 }

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -20,6 +21,7 @@ import (
 	"github.com/imagefleet/imagefleet/integration/lab"
 	"github.com/imagefleet/imagefleet/internal/testport"
 	"github.com/imagefleet/imagefleet/services/fleet"
+	"github.com/imagefleet/imagefleet/services/puller"
 )
 
 // buildImagefleet builds the imagefleet binary once per test binary run.
@@ -184,6 +186,52 @@ func eventually(t *testing.T, what string, timeout time.Duration, cond func() er
 			t.Fatalf("%s: not within %v: %v", what, timeout, err)
 		}
 		time.Sleep(250 * time.Millisecond)
+	}
+}
+
+// logPullState logs, a line each, where a pre-pull stands on the bus: the work queue, each node's puller
+// consumer (pending, in flight, pull requests the server holds, leader), the rollout's claims and results,
+// and the pull events of the rollout's requests. It is what a failed pre-pull needs to say which part lost
+// the request: the queue, the node's consumer, the puller, or the result's way back.
+func logPullState(t *testing.T, b *bus.Bus, rolloutID string, nodes []string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if info, err := b.Stream(ctx, events.PullStream); err != nil {
+		t.Logf("state: pull queue: %v", err)
+	} else {
+		t.Logf("state: pull queue: %d messages, seq %d-%d, leader %q", info.Messages, info.FirstSeq, info.LastSeq, info.Leader)
+	}
+	for _, n := range nodes {
+		st, err := b.Consumer(ctx, events.PullStream, puller.Durable(n))
+		if err != nil {
+			t.Logf("state: consumer of %s: %v", n, err)
+			continue
+		}
+		t.Logf("state: consumer of %s: pending %d, in flight %d, redelivered %d, waiting pulls %d, leader %q",
+			n, st.NumPending, st.NumAckPending, st.NumRedelivered, st.NumWaiting, st.Leader)
+	}
+	if _, claims, results, err := fleet.LoadRollout(ctx, b, rolloutID); err != nil {
+		t.Logf("state: rollout %s: %v", rolloutID, err)
+	} else {
+		t.Logf("state: rollout %s: claims %v, results %v", rolloutID, slices.Sorted(maps.Keys(claims)), slices.Sorted(maps.Keys(results)))
+	}
+	if info, err := b.Stream(ctx, events.EventsStream); err != nil {
+		t.Logf("state: events stream: %v", err)
+	} else {
+		t.Logf("state: events stream: %d messages, last seq %d, leader %q", info.Messages, info.LastSeq, info.Leader)
+	}
+	filter := events.Prefix + ".evt.*." + events.EntityPull + ".>"
+	err := b.ReadStream(ctx, events.EventsStream, filter, 0, func(m bus.StreamMsg) bool {
+		ev, err := events.DecodeEvent(m.Data)
+		var r events.PullResult
+		if err == nil && ev.DecodeData(&r) == nil && strings.HasPrefix(r.RequestID, rolloutID+".") {
+			t.Logf("state: event %d %s %s at %s: %s %s", m.Seq, ev.Type, ev.Node, ev.Time.Format(time.RFC3339Nano), r.Error, r.Message)
+		}
+		return true
+	})
+	if err != nil {
+		t.Logf("state: pull events: %v", err)
 	}
 }
 
@@ -400,14 +448,17 @@ func TestFleetOnThreeContainerdsAndANATSCluster(t *testing.T) {
 	select {
 	case err := <-pullOut:
 		if err != nil {
+			logPullState(t, b, "pull-lab", nodeNames)
 			t.Fatalf("pull rollout with a server killed: %v", err)
 		}
 	case <-time.After(3 * time.Minute):
+		logPullState(t, b, "pull-lab", nodeNames)
 		t.Fatal("pull rollout did not finish after a server was killed")
 	}
 	t.Logf("pull rollout done %s in", time.Since(began).Round(time.Millisecond))
 	reg.SetDelay(0)
 	if pullRes.Succeeded != 3 || !slices.Equal(pullRes.Batches, []int{1, 2}) || len(pullRes.Failed) != 0 {
+		logPullState(t, b, "pull-lab", nodeNames)
 		t.Fatalf("pull rollout: %+v", pullRes)
 	}
 	for i := range ctrds {
