@@ -83,7 +83,7 @@ type PullWatch struct {
 // StartPullWatch starts following pull results from the current end of the events stream.
 func StartPullWatch(ctx context.Context, b *bus.Bus, rolloutID, image, policy string) (*PullWatch, error) {
 	var start uint64
-	if err := retryTransient(ctx, func() error {
+	if err := retryTransient(ctx, func(ctx context.Context) error {
 		info, err := b.Stream(ctx, events.EventsStream)
 		start = info.LastSeq + 1
 		return err
@@ -146,6 +146,9 @@ func pullResult(m bus.StreamMsg) (events.PullResult, bool) {
 // lookup reads node's latest pull results directly (no consumer): the level-based fallback of a waiter, in
 // case the follower is still catching up after a server loss.
 func (w *PullWatch) lookup(ctx context.Context, node, id string) (events.PullResult, bool) {
+	// Bounded like an attempt: a reply lost with a server must not hold the waiter until the node timeout.
+	ctx, cancel := context.WithTimeout(ctx, attemptTimeout)
+	defer cancel()
 	for _, action := range []string{events.ActionPulled, events.ActionFailed} {
 		m, err := w.b.LastMsg(ctx, events.EventsStream, events.EventSubject(node, events.EntityPull, action))
 		if err != nil {
@@ -196,7 +199,7 @@ func (w *PullWatch) Action() NodeAction {
 		id := PullRequestID(w.rolloutID, node)
 		ch := w.wait(id)
 		req := events.PullRequest{ID: id, Image: w.image, Policy: w.policy, Enqueued: time.Now().UTC()}
-		if err := retryTransient(ctx, func() error {
+		if err := retryTransient(ctx, func(ctx context.Context) error {
 			_, err := w.b.PublishCommand(ctx, events.CommandSubject(node, events.VerbPull), id, req, nil)
 			return err
 		}); err != nil {

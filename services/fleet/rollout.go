@@ -214,7 +214,7 @@ func (r *Rollout) Run(ctx context.Context) (events.RolloutResult, error) {
 	began := cfg.Clock()
 	res := events.RolloutResult{ID: cfg.ID, Kind: cfg.Kind, DryRun: cfg.DryRun, Started: began.UTC(),
 		Failed: []events.RolloutNodeError{}, Nodes: []events.RolloutNodeResult{}, Batches: []int{}}
-	if err := retryTransient(ctx, func() error { return EnsureRolloutStream(ctx, r.b, cfg.Replicas) }); err != nil {
+	if err := retryTransient(ctx, func(ctx context.Context) error { return EnsureRolloutStream(ctx, r.b, cfg.Replicas) }); err != nil {
 		return res, err
 	}
 	st, err := loadRollout(ctx, r.b, cfg.ID)
@@ -226,7 +226,7 @@ func (r *Rollout) Run(ctx context.Context) (events.RolloutResult, error) {
 		Nodes: append([]string{}, cfg.Nodes...), Skipped: cfg.Skipped, Time: began.UTC()}
 	if st.started == nil {
 		var won bool
-		err := retryTransient(ctx, func() error {
+		err := retryTransient(ctx, func(ctx context.Context) error {
 			var err error
 			won, err = r.publishFirst(ctx, events.RolloutSubject(cfg.ID, events.RolloutStartedKind, ""), "started."+r.owner, plan)
 			return err
@@ -271,7 +271,7 @@ func (r *Rollout) Run(ctx context.Context) (events.RolloutResult, error) {
 		batchIndex++
 		b := events.RolloutBatch{Index: batchIndex, Size: size, Nodes: append([]string{}, nodes[start:start+size]...), Time: cfg.Clock().UTC()}
 		// The batch record is informational (followers show it); losing it does not change any outcome.
-		if err := retryTransient(ctx, func() error {
+		if err := retryTransient(ctx, func(ctx context.Context) error {
 			_, err := r.publish(ctx, events.RolloutSubject(cfg.ID, events.RolloutBatchKind, ""), fmt.Sprintf("batch.%d.%s", batchIndex, r.owner), b)
 			return err
 		}); err != nil {
@@ -327,7 +327,7 @@ func (r *Rollout) Run(ctx context.Context) (events.RolloutResult, error) {
 	// thousand GC results would not fit in one message.
 	summary := res
 	summary.Nodes = nil
-	if err := retryTransient(ctx, func() error {
+	if err := retryTransient(ctx, func(ctx context.Context) error {
 		_, err := r.publish(ctx, events.RolloutSubject(cfg.ID, events.RolloutFinishedKind, ""), "finished."+r.owner, summary)
 		return err
 	}); err != nil {
@@ -368,7 +368,7 @@ func (r *Rollout) node(ctx context.Context, st rolloutState, node string, batch 
 	}
 	claim := events.RolloutClaim{Node: node, Owner: r.owner, Batch: batch, Time: cfg.Clock().UTC()}
 	var claimed bool
-	if err := retryTransient(ctx, func() error {
+	if err := retryTransient(ctx, func(ctx context.Context) error {
 		var err error
 		claimed, err = r.publishFirst(ctx, events.RolloutSubject(cfg.ID, events.RolloutClaimKind, node), "claim."+events.NodeToken(node)+"."+r.owner, claim)
 		return err
@@ -391,7 +391,7 @@ func (r *Rollout) node(ctx context.Context, st rolloutState, node string, batch 
 	if !nr.OK && nr.Error == "" {
 		nr.Error = "failed without an error message"
 	}
-	if err := retryTransient(ctx, func() error {
+	if err := retryTransient(ctx, func(ctx context.Context) error {
 		_, err := r.publish(ctx, events.RolloutSubject(cfg.ID, events.RolloutNodeKind, node), "node."+events.NodeToken(node), nr)
 		return err
 	}); err != nil {
@@ -419,12 +419,17 @@ func (r *Rollout) publishFirst(ctx context.Context, subject, id string, v any) (
 }
 
 // retryTransient retries f while it fails with a transient bus error (a cluster server went away, a stream
-// leader election), for up to 30 s. Every write it wraps is idempotent (Nats-Msg-Id).
-func retryTransient(ctx context.Context, f func() error) error {
+// leader election), for up to 30 s. Every write it wraps is idempotent (Nats-Msg-Id). Each attempt gets its
+// own context of at most attemptTimeout: a publish whose ack is lost with a killed server (the message
+// stored, the ack routed through the dead server) would otherwise wait out the caller's whole deadline (a
+// pre-pull's 90 s node timeout, CI's fleet test) instead of being sent again and answered as a duplicate.
+func retryTransient(ctx context.Context, f func(attempt context.Context) error) error {
 	deadline := time.Now().Add(30 * time.Second)
 	wait := 50 * time.Millisecond
 	for {
-		err := f()
+		actx, cancel := context.WithTimeout(ctx, attemptTimeout)
+		err := f(actx)
+		cancel()
 		if err == nil || !bus.IsTransient(err) || ctx.Err() != nil || time.Now().After(deadline) {
 			return err
 		}
@@ -436,6 +441,9 @@ func retryTransient(ctx context.Context, f func() error) error {
 		wait = min(2*wait, time.Second)
 	}
 }
+
+// attemptTimeout bounds one attempt of retryTransient (the JetStream API's own default timeout).
+const attemptTimeout = 5 * time.Second
 
 // batchIndexer maps a call index to its 1-based batch number under the slow-start plan.
 func batchIndexer(count, initial int) func(int) int {
