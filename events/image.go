@@ -95,7 +95,11 @@ type RecordsReply struct {
 
 // GCRequest is the body of imagefleet.cmd.<node>.gc. Unset policy fields keep the agent's configuration.
 type GCRequest struct {
-	DryRun    bool `json:"dryRun,omitempty"`
+	// ID, when set, names the request: the node's executor answers a repeat of an id it saw in the last 10
+	// minutes with the first request's result, without a second pass. A sender whose reply was lost (a
+	// server of the cluster went away) can so ask again safely; fleet GC sets it to <rollout id>.<node>.
+	ID        string `json:"id,omitempty"`
+	DryRun    bool   `json:"dryRun,omitempty"`
 	AllUnused bool `json:"allUnused,omitempty"` // DeleteUnusedImages: every eligible unused image
 	// Policy overrides.
 	HighThresholdPercent *int      `json:"highThresholdPercent,omitempty"`
@@ -106,6 +110,9 @@ type GCRequest struct {
 
 // Validate checks the overrides with the kubelet's image GC policy messages.
 func (r GCRequest) Validate() error {
+	if r.ID != "" && !requestIDRE.MatchString(r.ID) {
+		return fmt.Errorf("gc request id %q must be 1-128 characters of letters, digits, '-', '_' and '.'", r.ID)
+	}
 	if r.HighThresholdPercent != nil && (*r.HighThresholdPercent < 0 || *r.HighThresholdPercent > 100) {
 		return fmt.Errorf("invalid HighThresholdPercent %d, must be in range [0-100]", *r.HighThresholdPercent)
 	}

@@ -374,7 +374,9 @@ func newFleetGCCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			req := events.GCRequest{DryRun: dryRun, AllUnused: allUnused}
+			// The rollout id names each node's request (<id>.<node>): a node asked again after a lost reply
+			// answers with its first pass's result.
+			req := events.GCRequest{ID: cfg.ID, DryRun: dryRun, AllUnused: allUnused}
 			cfg.DryRun, cfg.GC = dryRun, &req
 			err = runRollout(cmd, b, cfg, fleet.GCAction(b, req))
 			return errors.Join(err, writeMemProfile(f.memProfile))

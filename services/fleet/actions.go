@@ -21,17 +21,29 @@ type requester interface {
 // GCAction asks each node's GC executor (imagefleet.cmd.<node>.gc) to run req. A node whose executor
 // answers with an error, or whose GC reports the kubelet's failure (GCResult.Error), has failed. A request
 // nobody received (no responders: the node's agent is reconnecting, or not running) is sent again until the
-// node timeout: it cannot have been acted on.
+// node timeout: it cannot have been acted on. When req.ID is set (fleet gc sets the rollout id), each node
+// gets the id <req.ID>.<node> and an unanswered attempt is also sent again after gcAttemptTimeout: the
+// executor answers a repeated id with the first pass's result, so a reply lost with a server costs one
+// attempt, not the node timeout, and never a second pass.
 func GCAction(b requester, req events.GCRequest) NodeAction {
 	return func(ctx context.Context, node string) events.RolloutNodeResult {
 		var res events.GCResult
 		subject := events.CommandSubject(node, events.VerbGC)
+		nreq := req
+		if req.ID != "" {
+			nreq.ID = NodeRequestID(req.ID, node)
+		}
 		for {
-			err := b.Request(ctx, subject, req, &res)
+			actx, cancel := ctx, context.CancelFunc(func() {})
+			if nreq.ID != "" {
+				actx, cancel = context.WithTimeout(ctx, gcAttemptTimeout)
+			}
+			err := b.Request(actx, subject, nreq, &res)
+			cancel()
 			if err == nil {
 				break
 			}
-			if errors.Is(err, bus.ErrNoResponders) && ctx.Err() == nil {
+			if ctx.Err() == nil && (errors.Is(err, bus.ErrNoResponders) || (nreq.ID != "" && bus.IsTransient(err))) {
 				select {
 				case <-ctx.Done():
 				case <-time.After(250 * time.Millisecond):
@@ -50,10 +62,13 @@ func GCAction(b requester, req events.GCRequest) NodeAction {
 	}
 }
 
-// PullRequestID is the pull request id a rollout uses for node: <rollout id>.<node token>, or a hash of it
-// when that is longer than a request id may be. The work queue and the result events de-duplicate on it,
-// so a retried publish is pulled and reported once.
-func PullRequestID(rolloutID, node string) string {
+// gcAttemptTimeout is how long GCAction waits for one answer before asking again with the same id (a pass
+// that takes longer is answered to a later attempt, from the executor's memory of the id).
+var gcAttemptTimeout = 15 * time.Second
+
+// NodeRequestID is the id of a rollout's request to node: <rollout id>.<node token>, or a hash of it when
+// that is longer than a request id may be.
+func NodeRequestID(rolloutID, node string) string {
 	id := rolloutID + "." + events.NodeToken(node)
 	if len(id) <= 128 {
 		return id
@@ -61,6 +76,10 @@ func PullRequestID(rolloutID, node string) string {
 	sum := sha256.Sum256([]byte(id))
 	return rolloutID + "." + hex.EncodeToString(sum[:16])
 }
+
+// PullRequestID is the pull request id a rollout uses for node (NodeRequestID). The work queue and the
+// result events de-duplicate on it, so a retried publish is pulled and reported once.
+func PullRequestID(rolloutID, node string) string { return NodeRequestID(rolloutID, node) }
 
 // PullWatch runs a fleet pre-pull: it publishes one pull request per node to the node's work queue and
 // waits for the result event the node's puller publishes (pull.pulled or pull.failed, matched by request

@@ -43,6 +43,9 @@ type Service struct {
 
 	// prevFailed is the periodic loop's "previous pass failed" (only the loop goroutine touches it).
 	prevFailed bool
+
+	// recent answers repeats of a GC request id (handleGC).
+	recent recentRequests
 }
 
 // New validates cfg (see Config.Validate for the messages) and builds the executor.

@@ -331,3 +331,45 @@ func TestNewNeedsRuntimeAndBus(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestRepeatedRequestIDRunsOnePass: a GC request repeated with the same id (a fleet orchestrator asking again
+// after its reply was lost) gets the first pass's result and runs no second pass; another id runs its own;
+// a request id that is not one is refused.
+func TestRepeatedRequestIDRunsOnePass(t *testing.T) {
+	_, b := bustest.Start(t)
+	rt := gctest.NewRuntime(makeImage(0, 100), makeImage(1, 200))
+	s := newService(t, b, Config{Policy: Policy{HighThresholdPercent: 100, LowThresholdPercent: 80}}, rt, gctest.NewRecords(rt, nil),
+		func(string) (int64, int64, error) { return 1000, 500, nil })
+	runService(t, s)
+	request(t, b, []byte(`{"dryRun":true}`)) // wait until served
+	ask := func(req events.GCRequest) events.GCResult {
+		t.Helper()
+		var res events.GCResult
+		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+		defer cancel()
+		if err := b.Request(ctx, gcSubject(), req, &res); err != nil {
+			t.Fatal(err)
+		}
+		return res
+	}
+	first := ask(events.GCRequest{ID: "gc-1.node-a", AllUnused: true, MinAge: &events.Duration{}})
+	if len(first.Removed) != 2 || first.FreedBytes != 300 || len(rt.Images()) != 0 {
+		t.Fatalf("first pass = %+v, %d images left", first, len(rt.Images()))
+	}
+	rt.SetImages(makeImage(2, 400)) // a second pass would remove it
+	again := ask(events.GCRequest{ID: "gc-1.node-a", AllUnused: true, MinAge: &events.Duration{}})
+	if again.FreedBytes != 300 || len(again.Removed) != 2 || len(rt.Images()) != 1 {
+		t.Fatalf("repeat = %+v, %d images left: want the first result and no second pass", again, len(rt.Images()))
+	}
+	if n := len(eventsOfType(streamEvents(t, b), events.EntityGC, events.ActionFinished)); n != 2 { // the dry run and one pass
+		t.Errorf("gc.finished events = %d, want 2", n)
+	}
+	other := ask(events.GCRequest{ID: "gc-2.node-a", AllUnused: true, MinAge: &events.Duration{}})
+	if other.FreedBytes != 400 || len(rt.Images()) != 0 {
+		t.Fatalf("another id = %+v, %d images left: want its own pass", other, len(rt.Images()))
+	}
+	rep := request(t, b, []byte(`{"id":"no spaces allowed"}`))
+	if !strings.Contains(rep.Error, `gc request id "no spaces allowed" must be 1-128 characters`) {
+		t.Errorf("bad id: reply %+v", rep)
+	}
+}
