@@ -100,7 +100,7 @@ type GCRequest struct {
 	// server of the cluster went away) can so ask again safely; fleet GC sets it to <rollout id>.<node>.
 	ID        string `json:"id,omitempty"`
 	DryRun    bool   `json:"dryRun,omitempty"`
-	AllUnused bool `json:"allUnused,omitempty"` // DeleteUnusedImages: every eligible unused image
+	AllUnused bool   `json:"allUnused,omitempty"` // DeleteUnusedImages: every eligible unused image
 	// Policy overrides.
 	HighThresholdPercent *int      `json:"highThresholdPercent,omitempty"`
 	LowThresholdPercent  *int      `json:"lowThresholdPercent,omitempty"`
