@@ -27,7 +27,7 @@ func goldenCases() map[string]any {
 			Message: "Insufficient free disk space on the node's image filesystem (95% of 10.0 GiB used). Failed to free sufficient space by deleting unused images (freed 524288000 bytes). Investigate disk usage, as it could be used by active images, logs, volumes, or other data."},
 		"image_record": ImageRecord{ID: "sha256:aa", RepoTags: []string{"docker.io/library/nginx:1.27"}, RepoDigests: []string{"docker.io/library/nginx@sha256:bb"},
 			Size: 1024, Pinned: true, InUse: true, FirstDetected: goldenTime, LastUsed: goldenTime.Add(time.Minute)},
-		"gc_request": GCRequest{DryRun: true, AllUnused: true, HighThresholdPercent: &high, LowThresholdPercent: &low,
+		"gc_request": GCRequest{ID: "gc-lab.node-1", DryRun: true, AllUnused: true, HighThresholdPercent: &high, LowThresholdPercent: &low,
 			MinAge: &Duration{2 * time.Minute}, MaxAge: &Duration{time.Hour}},
 		"gc_result": GCResult{Node: "node-1", DryRun: false, CapacityBytes: 1000, AvailableBytes: 50, UsagePercent: 95, AmountToFree: 150,
 			FreedBytes: 450, Removed: []GCRemoved{{ID: "image-0", Size: 450, Reason: "space"}}, Skipped: []GCSkipped{{ID: "image-1", Why: "in use"}},
