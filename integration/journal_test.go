@@ -62,7 +62,7 @@ func (s *natsServer) stop() {
 func (s *natsServer) url() string { return "nats://" + s.addr }
 
 // outage is how long NATS stays down in TestJournalOutage: IMAGEFLEET_OUTAGE (a Go duration), default 3s
-// to keep CI short; the recorded run uses 30s.
+// for a quick `go test`; `go tool task test` (and so CI) sets 30s, the issue's outage.
 func outage(t *testing.T) time.Duration {
 	v := os.Getenv("IMAGEFLEET_OUTAGE")
 	if v == "" {
