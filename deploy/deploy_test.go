@@ -272,3 +272,64 @@ func TestSystemdUnits(t *testing.T) {
 		}
 	}
 }
+
+// TestClusterTLSConfigs: the three servers of deploy/nats/cluster-tls (certificate paths pointed at test
+// certificates, ports at free ones) form a cluster over mutually authenticated TLS routes: a client with
+// the client certificate creates replicated (R3) streams and stores an event; a client without a
+// certificate is refused.
+func TestClusterTLSConfigs(t *testing.T) {
+	certs, err := natsconf.GenerateCerts(t.TempDir(), nil, time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	repl := []string{
+		"/etc/imagefleet/tls/server.pem", certs.ServerCert, "/etc/imagefleet/tls/server-key.pem", certs.ServerKey,
+		"/etc/imagefleet/tls/ca.pem", certs.CA,
+	}
+	for i := range 3 {
+		repl = append(repl,
+			fmt.Sprintf("127.0.0.1:%d", 4222+i), fmt.Sprintf("127.0.0.1:%d", freePort(t)),
+			fmt.Sprintf("127.0.0.1:%d", 6222+i), fmt.Sprintf("127.0.0.1:%d", freePort(t)),
+			fmt.Sprintf("127.0.0.1:%d", 8222+i), fmt.Sprintf("127.0.0.1:%d", freePort(t)))
+	}
+	var urls []string
+	for i := 1; i <= 3; i++ {
+		conf := rewrite(t, fmt.Sprintf("nats/cluster-tls/server-%d.conf", i), repl...)
+		srv, err := bus.StartServer(bus.ServerConfig{ConfigFile: conf, StoreDir: t.TempDir()})
+		if err != nil {
+			t.Fatalf("start server %d: %v", i, err)
+		}
+		t.Cleanup(srv.Shutdown)
+		urls = append(urls, srv.ClientURL())
+	}
+	url := strings.Join(urls, ",")
+	b, err := bus.Connect(t.Context(), url, bus.Options{Name: "cluster-tls", TLSCA: certs.CA, TLSCert: certs.ClientCert,
+		TLSKey: certs.ClientKey, ConnectTimeout: 5 * time.Second})
+	if err != nil {
+		t.Fatalf("connect with the client certificate: %v", err)
+	}
+	defer b.Close()
+	deadline := time.Now().Add(time.Minute)
+	for {
+		ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
+		err := b.EnsureStreams(ctx, bus.StreamsConfig{Replicas: 3})
+		cancel()
+		if err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("R3 streams over the TLS cluster: %v", err)
+		}
+		time.Sleep(250 * time.Millisecond)
+	}
+	info, err := b.Stream(t.Context(), "IMAGEFLEET_EVENTS")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.Replicas != 3 || info.Leader == "" {
+		t.Fatalf("events stream %+v: want 3 replicas and a leader", info)
+	}
+	if _, err := bus.Connect(t.Context(), urls[0], bus.Options{Name: "no-cert", TLSCA: certs.CA, ConnectTimeout: 2 * time.Second}); err == nil {
+		t.Fatal("a client without a certificate connected")
+	}
+}

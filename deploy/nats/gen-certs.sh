@@ -33,7 +33,8 @@ leaf() { # name cn extendedKeyUsage [san]
 		-extfile "$1.ext" -out "$1.pem" 2>/dev/null
 	rm -f "$1.csr" "$1.ext"
 }
-leaf server imagefleet-nats serverAuth "$san"
+# The server certificate is also a client one: a cluster server dials its peers with it (route mTLS).
+leaf server imagefleet-nats serverAuth,clientAuth "$san"
 leaf client imagefleet-client clientAuth
 rm -f ca.srl
 chmod 644 ca.pem server.pem client.pem

@@ -67,6 +67,8 @@ func GenerateCerts(dir string, hosts []string, validFor time.Duration) (Certs, e
 			KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{usage},
 		}
 		if usage == x509.ExtKeyUsageServerAuth {
+			// A server dials its cluster peers with the same certificate (route mTLS): it is a client there.
+			tmpl.ExtKeyUsage = append(tmpl.ExtKeyUsage, x509.ExtKeyUsageClientAuth)
 			for _, h := range append([]string{"127.0.0.1", "localhost"}, hosts...) {
 				if ip := net.ParseIP(h); ip != nil {
 					tmpl.IPAddresses = append(tmpl.IPAddresses, ip)
