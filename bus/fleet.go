@@ -99,16 +99,16 @@ func (b *Bus) retryTransient(ctx context.Context, what string, op func(attempt c
 	return b.retryTransientFor(ctx, what, 0, op)
 }
 
-// attemptTimeout bounds one attempt of a retried call (the JetStream API's own default): a caller's long
+// AttemptTimeout bounds one attempt of a retried call (the JetStream API's own default): a caller's long
 // deadline (a command's --timeout) leaves room for retries instead of one attempt waiting all of it.
-const attemptTimeout = 5 * time.Second
+const AttemptTimeout = 5 * time.Second
 
 // kvRetryFor bounds the retries of one key-value operation: a cluster that lost a server elects new stream
 // leaders within seconds; past this the caller hears of the failure.
 const kvRetryFor = 20 * time.Second
 
 // retryTransientFor is retryTransient giving up after maxElapsed (0: only when ctx ends).
-// op gets a context for the attempt (ctx bounded by attemptTimeout); what must outlive the attempt (a
+// op gets a context for the attempt (ctx bounded by AttemptTimeout); what must outlive the attempt (a
 // watcher, a consumer's iterator) is made with ctx instead.
 func (b *Bus) retryTransientFor(ctx context.Context, what string, maxElapsed time.Duration, op func(attempt context.Context) error) error {
 	bo := backoff.NewExponentialBackOff()
@@ -117,7 +117,7 @@ func (b *Bus) retryTransientFor(ctx context.Context, what string, maxElapsed tim
 	bo.MaxElapsedTime = maxElapsed
 	attempt := 0
 	return backoff.Retry(func() error {
-		actx, cancel := context.WithTimeout(ctx, attemptTimeout)
+		actx, cancel := context.WithTimeout(ctx, AttemptTimeout)
 		err := op(actx)
 		cancel()
 		// A closed connection (Close was called) never comes back: not worth a retry.

@@ -346,9 +346,8 @@ func (j *journal) rotateLocked(incoming int64) error {
 		journalPending.Sub(float64(dropped))
 		j.droppedUnlogged += int64(dropped)
 		if now := time.Now(); now.Sub(j.fullLogged) >= journalFullLogEvery {
-			j.log.Error("journal full: dropped the oldest pending events", "dropped", j.droppedUnlogged,
-				"dropped_total", j.stats.Dropped, "pending", len(j.pending), "max_bytes", j.cfg.MaxBytes)
-			j.fullLogged, j.droppedUnlogged = now, 0
+			j.logDropsLocked()
+			j.fullLogged = now
 		}
 	}
 	tmp := filepath.Join(j.cfg.Dir, journalTmpFile)
@@ -393,6 +392,13 @@ func (j *journal) rotateLocked(incoming int64) error {
 		j.first = j.pending[0].ev.ID
 	}
 	return j.writeCursorLocked()
+}
+
+// logDropsLocked logs the drops of a full journal since the last such line.
+func (j *journal) logDropsLocked() {
+	j.log.Error("journal full: dropped the oldest pending events", "dropped", j.droppedUnlogged,
+		"dropped_total", j.stats.Dropped, "pending", len(j.pending), "max_bytes", j.cfg.MaxBytes)
+	j.droppedUnlogged = 0
 }
 
 func (j *journal) writeCursorLocked() error {
@@ -613,8 +619,7 @@ func (j *journal) close() {
 			e.finish()
 		}
 		if j.droppedUnlogged > 0 {
-			j.log.Error("journal full: dropped the oldest pending events", "dropped", j.droppedUnlogged,
-				"dropped_total", j.stats.Dropped, "pending", len(j.pending), "max_bytes", j.cfg.MaxBytes)
+			j.logDropsLocked()
 		}
 		if err := j.writeCursorLocked(); err != nil {
 			j.log.Warn("journal: write cursor failed", "err", err)

@@ -79,12 +79,9 @@ func (b *Bus) Consumer(ctx context.Context, stream, durable string) (ConsumerSta
 	if err != nil {
 		return ConsumerState{}, fmt.Errorf("consumer %s on %s info: %w", durable, stream, err)
 	}
-	st := ConsumerState{NumPending: int(info.NumPending), NumAckPending: info.NumAckPending,
-		NumRedelivered: info.NumRedelivered, MaxAckPending: info.Config.MaxAckPending, NumWaiting: info.NumWaiting}
-	if info.Cluster != nil {
-		st.Leader = info.Cluster.Leader
-	}
-	return st, nil
+	return ConsumerState{NumPending: int(info.NumPending), NumAckPending: info.NumAckPending,
+		NumRedelivered: info.NumRedelivered, MaxAckPending: info.Config.MaxAckPending, NumWaiting: info.NumWaiting,
+		Leader: leader(info.Cluster)}, nil
 }
 
 // IsConsumerNotFound reports whether err says the consumer does not exist.

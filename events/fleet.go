@@ -30,6 +30,8 @@ const (
 	InventoryQuerySubject = Prefix + ".fleet.inventory.query"
 	// ImageEventsFilter matches every image event of every node (the inventory's input).
 	ImageEventsFilter = Prefix + ".evt.*." + EntityImage + ".>"
+	// PullEventsFilter matches every pull event of every node (a pre-pull's results).
+	PullEventsFilter = Prefix + ".evt.*." + EntityPull + ".>"
 )
 
 // Rollout event kinds (the subject token after the rollout id).

@@ -221,8 +221,7 @@ func logPullState(t *testing.T, b *bus.Bus, rolloutID string, nodes []string) {
 	} else {
 		t.Logf("state: events stream: %d messages, last seq %d, leader %q", info.Messages, info.LastSeq, info.Leader)
 	}
-	filter := events.Prefix + ".evt.*." + events.EntityPull + ".>"
-	err := b.ReadStream(ctx, events.EventsStream, filter, 0, func(m bus.StreamMsg) bool {
+	err := b.ReadStream(ctx, events.EventsStream, events.PullEventsFilter, 0, func(m bus.StreamMsg) bool {
 		ev, err := events.DecodeEvent(m.Data)
 		var r events.PullResult
 		if err == nil && ev.DecodeData(&r) == nil && strings.HasPrefix(r.RequestID, rolloutID+".") {

@@ -125,11 +125,10 @@ func (w *PullWatch) Stop() {
 
 func (w *PullWatch) follow(ctx context.Context, next uint64) {
 	defer close(w.done)
-	filter := events.Prefix + ".evt.*." + events.EntityPull + ".>"
 	for ctx.Err() == nil {
 		// Tail's ordered consumer notices a lost server by its missing heartbeats and recreates itself; an
 		// error it returns is resumed from the message after the last one seen.
-		err := w.b.Tail(ctx, events.EventsStream, filter, next, func(m bus.StreamMsg) error {
+		err := w.b.Tail(ctx, events.EventsStream, events.PullEventsFilter, next, func(m bus.StreamMsg) error {
 			next = m.Seq + 1
 			if r, ok := pullResult(m); ok {
 				w.deliver(r)
@@ -166,7 +165,7 @@ func pullResult(m bus.StreamMsg) (events.PullResult, bool) {
 // case the follower is still catching up after a server loss.
 func (w *PullWatch) lookup(ctx context.Context, node, id string) (events.PullResult, bool) {
 	// Bounded like an attempt: a reply lost with a server must not hold the waiter until the node timeout.
-	ctx, cancel := context.WithTimeout(ctx, attemptTimeout)
+	ctx, cancel := context.WithTimeout(ctx, bus.AttemptTimeout)
 	defer cancel()
 	for _, action := range []string{events.ActionPulled, events.ActionFailed} {
 		m, err := w.b.LastMsg(ctx, events.EventsStream, events.EventSubject(node, events.EntityPull, action))

@@ -6,11 +6,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
 )
 
 // TestRetryTransientBoundsEachAttempt: an attempt that never returns on its own (a publish whose ack was lost
-// with a killed server) ends after attemptTimeout and is tried again, within a caller's long deadline; the
+// with a killed server) ends after bus.AttemptTimeout and is tried again, within a caller's long deadline; the
 // second attempt's success is the result.
 func TestRetryTransientBoundsEachAttempt(t *testing.T) {
 	ctx, cancel := context.WithTimeout(t.Context(), 90*time.Second)
@@ -20,8 +21,8 @@ func TestRetryTransientBoundsEachAttempt(t *testing.T) {
 	err := retryTransient(ctx, func(actx context.Context) error {
 		attempts++
 		dl, ok := actx.Deadline()
-		if !ok || time.Until(dl) > attemptTimeout {
-			t.Errorf("attempt %d: deadline %v (set %v), want at most %v away", attempts, time.Until(dl), ok, attemptTimeout)
+		if !ok || time.Until(dl) > bus.AttemptTimeout {
+			t.Errorf("attempt %d: deadline %v (set %v), want at most %v away", attempts, time.Until(dl), ok, bus.AttemptTimeout)
 		}
 		if attempts == 1 {
 			<-actx.Done() // the lost ack
@@ -35,8 +36,8 @@ func TestRetryTransientBoundsEachAttempt(t *testing.T) {
 	if attempts != 2 {
 		t.Errorf("%d attempts, want 2", attempts)
 	}
-	if took := time.Since(began); took < attemptTimeout || took > attemptTimeout+5*time.Second {
-		t.Errorf("took %v, want about %v (one attempt timing out, then one succeeding)", took, attemptTimeout)
+	if took := time.Since(began); took < bus.AttemptTimeout || took > bus.AttemptTimeout+5*time.Second {
+		t.Errorf("took %v, want about %v (one attempt timing out, then one succeeding)", took, bus.AttemptTimeout)
 	}
 }
 

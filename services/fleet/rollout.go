@@ -420,14 +420,14 @@ func (r *Rollout) publishFirst(ctx context.Context, subject, id string, v any) (
 
 // retryTransient retries f while it fails with a transient bus error (a cluster server went away, a stream
 // leader election), for up to 30 s. Every write it wraps is idempotent (Nats-Msg-Id). Each attempt gets its
-// own context of at most attemptTimeout: a publish whose ack is lost with a killed server (the message
+// own context of at most bus.AttemptTimeout: a publish whose ack is lost with a killed server (the message
 // stored, the ack routed through the dead server) would otherwise wait out the caller's whole deadline (a
 // pre-pull's 90 s node timeout, CI's fleet test) instead of being sent again and answered as a duplicate.
 func retryTransient(ctx context.Context, f func(attempt context.Context) error) error {
 	deadline := time.Now().Add(30 * time.Second)
 	wait := 50 * time.Millisecond
 	for {
-		actx, cancel := context.WithTimeout(ctx, attemptTimeout)
+		actx, cancel := context.WithTimeout(ctx, bus.AttemptTimeout)
 		err := f(actx)
 		cancel()
 		if err == nil || !bus.IsTransient(err) || ctx.Err() != nil || time.Now().After(deadline) {
@@ -441,9 +441,6 @@ func retryTransient(ctx context.Context, f func(attempt context.Context) error) 
 		wait = min(2*wait, time.Second)
 	}
 }
-
-// attemptTimeout bounds one attempt of retryTransient (the JetStream API's own default timeout).
-const attemptTimeout = 5 * time.Second
 
 // batchIndexer maps a call index to its 1-based batch number under the slow-start plan.
 func batchIndexer(count, initial int) func(int) int {
