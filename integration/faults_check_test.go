@@ -239,9 +239,12 @@ func fmtTime(t time.Time) string {
 }
 
 // doubleRemovals finds an image removed twice with no pull of it in between: a removal reported twice, a
-// side effect done twice. A pull is a pull.pulling event or a pull.pulled event of a real pull (which name the
-// image by reference); a pull that began up to 2 s before the first removal counts too, since a pull racing a
-// removal brings the image back after it.
+// side effect done twice. A pull is a pull.pulling event or a pull.pulled event (which name the image by
+// reference): a pulled event of a real pull, or one saying the image was already present, which shows it was
+// back (a pull the killed agent had in flight finished after the first removal; its redelivered request then
+// found the image present, and its own pulling event had been stored under the same id before). A pull that
+// began up to 2 s before the first removal counts too, since a pull racing a removal brings the image back
+// after it.
 func doubleRemovals(removed, pulling, pulled []events.Event, idOf map[string]string) []string {
 	const slack = 2 * time.Second
 	removals := map[string][]events.Event{}
@@ -254,7 +257,7 @@ func doubleRemovals(removed, pulling, pulled []events.Event, idOf map[string]str
 	pulls := map[string][]time.Time{}
 	for _, ev := range append(slices.Clone(pulling), pulled...) {
 		var r events.PullResult
-		if ev.DecodeData(&r) != nil || (ev.Type == events.TypeName(events.EntityPull, events.ActionPulled) && !r.Pulled) {
+		if ev.DecodeData(&r) != nil {
 			continue
 		}
 		pulls[idOf[r.Image]] = append(pulls[idOf[r.Image]], ev.Time)
