@@ -234,3 +234,37 @@ func TestStartServerOnAPortInUseFailsAtOnce(t *testing.T) {
 		t.Errorf("took %s to fail, want well under the 30 s readiness wait", took)
 	}
 }
+
+// TestTailReportsPending: each message Tail delivers says how many matching messages followed it then (the
+// pod index's backlog), counting only the filter's subjects.
+func TestTailReportsPending(t *testing.T) {
+	_, b := bustest.Start(t)
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	var msgs []bus.RawMsg
+	for i := range 6 {
+		node := "tail-a"
+		if i%2 == 1 {
+			node = "tail-b" // not in the filter
+		}
+		msgs = append(msgs, bus.RawMsg{Subject: events.EventSubject(node, events.EntityPod, events.ActionAdded),
+			MsgID: fmt.Sprintf("tail-%d", i), Data: []byte("{}")})
+	}
+	if _, err := b.PublishMsgs(ctx, msgs); err != nil {
+		t.Fatal(err)
+	}
+	var pending []uint64
+	err := b.Tail(ctx, events.EventsStream, events.PodEventSubjects("tail-a"), 0, func(m bus.StreamMsg) error {
+		pending = append(pending, m.Pending)
+		if len(pending) == 3 {
+			cancel()
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := []uint64{2, 1, 0}; fmt.Sprint(pending) != fmt.Sprint(want) {
+		t.Fatalf("pending %v, want %v", pending, want)
+	}
+}

@@ -17,6 +17,9 @@ type StreamMsg struct {
 	Time    time.Time
 	Header  nats.Header
 	Data    []byte
+	// Pending is, for a message read by Tail, how many messages matching its filter followed it in the
+	// stream when it was delivered (the reader's backlog then); 0 elsewhere.
+	Pending uint64
 }
 
 // ReadStream reads the stored messages of stream matching filter from startSeq (0: the first) and calls fn

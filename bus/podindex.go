@@ -199,7 +199,7 @@ func (b *Bus) Tail(ctx context.Context, stream, filter string, startSeq uint64, 
 		}
 		sm := StreamMsg{Subject: jm.Subject(), Header: jm.Headers(), Data: jm.Data()}
 		if meta, mErr := jm.Metadata(); mErr == nil {
-			sm.Seq, sm.Time = meta.Sequence.Stream, meta.Timestamp
+			sm.Seq, sm.Time, sm.Pending = meta.Sequence.Stream, meta.Timestamp, meta.NumPending
 		}
 		if err := fn(sm); err != nil {
 			return err

@@ -23,7 +23,7 @@ func init() {
 		Flags: func(fs *pflag.FlagSet) {
 			fs.StringVar(&podManifestPath, "pod-manifest-path", "", "directory (or file) of static pod manifests; empty: no static pod source")
 			fs.DurationVar(&fileCheckFrequency, "file-check-frequency", 20*time.Second, "how often the static pod manifests are read again besides file notifications")
-			fs.DurationVar(&podIndexFlush, "pod-index-flush-interval", time.Second, "how often the pod index writes its snapshot")
+			fs.DurationVar(&podIndexFlush, "pod-index-flush-interval", 5*time.Second, "how often the pod index writes its snapshot while it keeps up with its events")
 		},
 		Build: func(_ context.Context, env *agentEnv) (runnable, error) {
 			ix, err := podindex.New(podindex.Config{Node: env.Node, FlushInterval: podIndexFlush, Logger: env.Log}, env.Bus)

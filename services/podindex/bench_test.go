@@ -6,7 +6,9 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"os"
 	"runtime"
+	"runtime/pprof"
 	"syscall"
 	"testing"
 	"time"
@@ -93,13 +95,35 @@ func cpuTime(b *testing.B) time.Duration {
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
+// startPhaseProfile writes a CPU profile of the end-to-end phase alone (not the set-up or the raw phase) to
+// the file named by IMAGEFLEET_BENCH_CPUPROFILE, when it is set; it returns the function that stops it.
+func startPhaseProfile(b *testing.B) func() {
+	path := os.Getenv("IMAGEFLEET_BENCH_CPUPROFILE")
+	if path == "" {
+		return func() {}
+	}
+	f, err := os.Create(path)
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		b.Fatal(err)
+	}
+	return func() {
+		pprof.StopCPUProfile()
+		if err := f.Close(); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
 // BenchmarkEndToEnd publishes pod events to a real embedded nats-server and waits until the pod index applied
 // the last one; the raw figure is the same messages published to another subject of the same stream, with
 // no consumer, in the same run.
 func BenchmarkEndToEnd(b *testing.B) {
 	for _, n := range []int{10000, 100000} {
 		b.Run(fmt.Sprintf("events=%d", n), func(b *testing.B) {
-			var rawRate, e2eRate, rawCPU, e2eCPU float64
+			var rawRate, e2eRate, rawCPU, e2eCPU, kvWrites float64
 			for range b.N {
 				b.StopTimer()
 				srv, bb := bustest.Start(b)
@@ -126,6 +150,7 @@ func BenchmarkEndToEnd(b *testing.B) {
 				rawRate = float64(n) / time.Since(start).Seconds()
 				rawCPU = (cpuTime(b) - cpu).Seconds() * 1e6 / float64(n)
 
+				stopProfile := startPhaseProfile(b)
 				start, cpu = time.Now(), cpuTime(b)
 				last := publishAll(b, bb, msgs)
 				for s.State().Applied() < last {
@@ -133,12 +158,18 @@ func BenchmarkEndToEnd(b *testing.B) {
 				}
 				e2eRate = float64(n) / time.Since(start).Seconds()
 				e2eCPU = (cpuTime(b) - cpu).Seconds() * 1e6 / float64(n)
+				stopProfile()
 
 				b.StopTimer()
 				cancel()
 				if err := <-done; err != nil {
 					b.Fatal(err)
 				}
+				kv, err := bb.Stream(context.Background(), "KV_"+SnapshotBucket)
+				if err != nil {
+					b.Fatal(err)
+				}
+				kvWrites = float64(kv.LastSeq)
 				if p, m := s.State().Index.Len(); n%(3*benchPods) == 0 && p+m != 0 {
 					b.Fatalf("%d pods left after whole add/update/delete rounds", p+m)
 				}
@@ -151,6 +182,8 @@ func BenchmarkEndToEnd(b *testing.B) {
 			// on a shared machine.
 			b.ReportMetric(e2eCPU, "cpu-µs/event")
 			b.ReportMetric(rawCPU, "raw-cpu-µs/event")
+			// Snapshot records written (pods, deletions, applied sequences) per event, final flush included.
+			b.ReportMetric(kvWrites/float64(n), "snapshot-writes/event")
 		})
 	}
 }

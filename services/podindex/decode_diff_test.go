@@ -2,10 +2,11 @@ package podindex
 
 import (
 	stdjson "encoding/json"
+	"fmt"
 	"reflect"
+	"strings"
 	"testing"
 
-	json "github.com/go-json-experiment/json/v1"
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -37,8 +38,8 @@ func richPod() *v1.Pod {
 }
 
 // FuzzPodDecoderMatchesEncodingJSON is the differential test of the pod decoder: for any body,
-// go-json-experiment/json/v1 (what DecodePodEvent uses) must accept exactly what encoding/json accepts and
-// decode it to the same Pod.
+// unmarshalPod (what DecodePodEvent uses) must accept exactly what encoding/json accepts and decode it to the
+// same Pod.
 func FuzzPodDecoderMatchesEncodingJSON(f *testing.F) {
 	for _, p := range []*v1.Pod{benchPod(1, 0), richPod()} {
 		b, err := stdjson.Marshal(p)
@@ -68,7 +69,7 @@ func FuzzPodDecoderMatchesEncodingJSON(f *testing.F) {
 	f.Fuzz(func(t *testing.T, body []byte) {
 		var want, got v1.Pod
 		wantErr := stdjson.Unmarshal(body, &want)
-		gotErr := json.Unmarshal(body, &got)
+		gotErr := unmarshalPod(body, &got)
 		if (wantErr == nil) != (gotErr == nil) {
 			t.Fatalf("encoding/json error %v, go-json-experiment error %v, for %q", wantErr, gotErr, body)
 		}
@@ -76,4 +77,84 @@ func FuzzPodDecoderMatchesEncodingJSON(f *testing.F) {
 			t.Fatalf("decoded pods differ for %q:\nencoding/json:       %+v\ngo-json-experiment: %+v", body, want, got)
 		}
 	})
+}
+
+// TestPodFieldNamesDifferWithoutCase backs podJSON: without the legacy error reporting, a JSON name that
+// matches several fields of a struct without case would be an error where encoding/json picks one. No struct
+// a Pod reaches has two JSON names equal without case (embedded and inline structs count as their fields).
+func TestPodFieldNamesDifferWithoutCase(t *testing.T) {
+	structs, collisions := caseCollisions(reflect.TypeFor[v1.Pod]())
+	for _, c := range collisions {
+		t.Error(c)
+	}
+	if structs < 100 {
+		t.Fatalf("walked %d struct types from v1.Pod, want the whole tree (over 100)", structs)
+	}
+	t.Logf("%d struct types checked", structs)
+
+	// The check finds such a pair, through an inline struct too.
+	type inner struct {
+		Name string `json:"NAME"`
+	}
+	type outer struct {
+		Meta inner  `json:",inline"`
+		Name string `json:"name"`
+	}
+	if _, got := caseCollisions(reflect.TypeFor[[]*outer]()); len(got) != 1 {
+		t.Fatalf("collisions in outer: %v, want one", got)
+	}
+}
+
+// caseCollisions walks the struct types root reaches and lists the JSON names of a struct that are equal
+// without case.
+func caseCollisions(root reflect.Type) (structs int, collisions []string) {
+	seen := map[reflect.Type]bool{}
+	var walk func(reflect.Type)
+	// names adds the JSON names of struct type st to out, following embedded and inline fields.
+	var names func(st reflect.Type, out map[string][]string)
+	names = func(st reflect.Type, out map[string][]string) {
+		for i := range st.NumField() {
+			f := st.Field(i)
+			name, opts, _ := strings.Cut(f.Tag.Get("json"), ",")
+			if name == "-" && opts == "" {
+				continue
+			}
+			ft := f.Type
+			if ft.Kind() == reflect.Pointer {
+				ft = ft.Elem()
+			}
+			if (f.Anonymous && name == "" || strings.Contains(","+opts+",", ",inline,")) && ft.Kind() == reflect.Struct {
+				names(ft, out)
+				continue
+			}
+			if !f.IsExported() {
+				continue
+			}
+			if name == "" {
+				name = f.Name
+			}
+			key := strings.ToLower(name)
+			out[key] = append(out[key], st.String()+"."+f.Name+" ("+name+")")
+			walk(f.Type)
+		}
+	}
+	walk = func(typ reflect.Type) {
+		for typ.Kind() == reflect.Pointer || typ.Kind() == reflect.Slice || typ.Kind() == reflect.Array || typ.Kind() == reflect.Map {
+			typ = typ.Elem()
+		}
+		if typ.Kind() != reflect.Struct || seen[typ] {
+			return
+		}
+		seen[typ] = true
+		structs++
+		out := map[string][]string{}
+		names(typ, out)
+		for key, fields := range out {
+			if len(fields) > 1 {
+				collisions = append(collisions, fmt.Sprintf("%s: JSON names equal without case (%q): %v", typ, key, fields))
+			}
+		}
+	}
+	walk(root)
+	return structs, collisions
 }

@@ -8,7 +8,10 @@ import (
 	"log/slog"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
@@ -21,7 +24,8 @@ const Consumer = "pod-index"
 //
 // Input: the node's pod events, read in stream order from IMAGEFLEET_EVENTS with an ordered consumer that
 // starts after the snapshot's applied sequence. Durability: a snapshot in the imagefleet-pods KV bucket
-// (every changed pod, then the applied sequence), flushed every FlushInterval and at shutdown. After a
+// (every changed pod, then the applied sequence), written every FlushInterval while the index keeps up, less
+// often while it catches up (see Config), and at shutdown. After a
 // restart of the worker or of NATS, the snapshot is loaded and the events after its sequence are replayed;
 // since the state is a function of its pods, and every pod record in the bucket is at least as new as the
 // sequence (pods are written before the sequence), the result equals a run without the restart.
@@ -38,13 +42,21 @@ type Service struct {
 
 	// mu is held while an event is applied and its transition events are queued, and while a flush takes the
 	// dirty pods and the queue, so a flush never writes pods whose transition events are not yet stored.
-	mu      sync.Mutex
-	pending []pendingEvents
-	since   int    // events applied since the last flush
-	flushed uint64 // the applied sequence of the last snapshot written
+	mu        sync.Mutex
+	pending   []pendingEvents
+	since     int       // events applied since the last snapshot write
+	flushed   uint64    // the applied sequence of the last snapshot written
+	lastWrite time.Time // when the last snapshot was written (or the index started)
+	writeNow  bool      // a dead letter asks for the next flush to write the snapshot
+
+	// backlog is how many of the node's pod events followed the last applied one in the stream when it was
+	// delivered: the index is catching up while it is over catchUpBacklog.
+	backlog atomic.Uint64
 
 	flushNow chan struct{}
 	ready    chan struct{}
+
+	applied map[string]prometheus.Counter // eventsApplied of this node, by action
 }
 
 // pendingEvents are transition events published asynchronously and not yet confirmed.
@@ -61,8 +73,12 @@ func New(cfg Config, b *bus.Bus) (*Service, error) {
 	if b == nil {
 		return nil, fmt.Errorf("pod index needs a bus")
 	}
+	applied := map[string]prometheus.Counter{}
+	for _, a := range []string{events.ActionAdded, events.ActionUpdated, events.ActionDeleted} {
+		applied[a] = eventsApplied.WithLabelValues(cfg.Node, a)
+	}
 	return &Service{cfg: cfg, bus: b, state: NewState(), log: cfg.Logger.With("worker", "pod-index"),
-		flushNow: make(chan struct{}, 1), ready: make(chan struct{})}, nil
+		flushNow: make(chan struct{}, 1), ready: make(chan struct{}), applied: applied}, nil
 }
 
 // State is the in-memory index (for tests and benchmarks; queries go over NATS).
@@ -88,6 +104,9 @@ func (s *Service) Run(ctx context.Context) error {
 	}
 	pods, mirrors := s.state.Index.Len()
 	s.log.Info("pod index loaded", "pods", pods, "mirror_pods", mirrors, "applied_seq", applied)
+	s.mu.Lock()
+	s.lastWrite = time.Now()
+	s.mu.Unlock()
 
 	var wg sync.WaitGroup
 	errs := make(chan error, 4)
@@ -234,6 +253,7 @@ func (s *Service) handleDecoded(d decoded) error {
 	if d.m.Seq != 0 && d.m.Seq <= s.state.Applied() {
 		return nil // already applied (a resumed tail)
 	}
+	s.backlog.Store(d.m.Pending)
 	if d.err != nil {
 		return s.Reject(d.m, d.err)
 	}
@@ -250,6 +270,9 @@ func (s *Service) Reject(m bus.StreamMsg, reason error) error {
 	eventsRejected.WithLabelValues(s.cfg.Node, RejectReason(reason)).Inc()
 	s.log.Warn("pod event rejected", "subject", m.Subject, "stream_seq", m.Seq, "err", reason)
 	s.state.Skip(m.Seq)
+	s.mu.Lock()
+	s.writeNow = true // the snapshot moves past it, so a restart does not dead-letter it again
+	s.mu.Unlock()
 	s.requestFlush()
 	return nil
 }
@@ -259,7 +282,11 @@ func (s *Service) Apply(seq uint64, ev PodEvent) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	trans := s.state.Apply(seq, ev)
-	eventsApplied.WithLabelValues(s.cfg.Node, ev.Action).Inc()
+	if c, ok := s.applied[ev.Action]; ok {
+		c.Inc()
+	} else {
+		eventsApplied.WithLabelValues(s.cfg.Node, ev.Action).Inc()
+	}
 	s.since++
 	if len(trans) > 0 {
 		evs := make([]events.Event, 0, len(trans))
@@ -317,14 +344,49 @@ func (s *Service) flushLoop(ctx context.Context) {
 		case <-tick.C:
 		case <-s.flushNow:
 		}
-		if err := s.Flush(ctx); err != nil && ctx.Err() == nil {
+		if err := s.flush(ctx, s.snapshotDue(time.Now())); err != nil && ctx.Err() == nil {
 			s.log.Warn("pod index flush failed", "err", err)
 		}
 	}
 }
 
+// catchUpBacklog is the backlog (events after the last applied one) over which the index is catching up.
+const catchUpBacklog = 1000
+
+// snapshotDue reports whether a flush at now writes the snapshot, or only confirms the registration events
+// published since the last one (see Config.FlushEvents).
+func (s *Service) snapshotDue(now time.Time) bool {
+	s.mu.Lock()
+	since, elapsed, forced := s.since, now.Sub(s.lastWrite), s.writeNow
+	s.mu.Unlock()
+	return snapshotPolicy{s.cfg.FlushInterval, s.cfg.FlushEvents, s.cfg.FlushMaxDelay}.due(
+		s.backlog.Load(), since, elapsed, forced)
+}
+
+// snapshotPolicy decides when the snapshot is written.
+type snapshotPolicy struct {
+	interval time.Duration
+	events   int
+	maxDelay time.Duration
+}
+
+// due: always after a dead letter, after p.events events or p.maxDelay; and, while the index keeps up (a
+// backlog of at most catchUpBacklog events), once p.interval passed (half of it, so a flush the ticker
+// brings a little early still writes).
+func (p snapshotPolicy) due(backlog uint64, since int, elapsed time.Duration, forced bool) bool {
+	switch {
+	case forced, since >= p.events, elapsed >= p.maxDelay:
+		return true
+	default:
+		return backlog <= catchUpBacklog && elapsed >= p.interval/2
+	}
+}
+
 // Flush confirms the queued registration events, then writes the changed pods and the applied sequence.
-func (s *Service) Flush(ctx context.Context) error {
+func (s *Service) Flush(ctx context.Context) error { return s.flush(ctx, true) }
+
+// flush confirms the queued registration events and, when write is set, writes the snapshot.
+func (s *Service) flush(ctx context.Context, write bool) error {
 	if s.store == nil {
 		return nil // not running
 	}
@@ -333,10 +395,14 @@ func (s *Service) Flush(ctx context.Context) error {
 		return fmt.Errorf("flush pod index of %s: not connected to nats", s.cfg.Node)
 	}
 	s.mu.Lock()
-	d, err := s.state.TakeDirty()
+	var d Dirty
+	var err error
+	if write {
+		d, err = s.state.TakeDirty()
+		s.since, s.writeNow = 0, false
+	}
 	pending := s.pending
 	s.pending = nil
-	s.since = 0
 	s.mu.Unlock()
 	if err != nil {
 		return err
@@ -344,8 +410,11 @@ func (s *Service) Flush(ctx context.Context) error {
 	restore := func() {
 		s.mu.Lock()
 		s.pending = append(pending, s.pending...)
+		s.writeNow = s.writeNow || write
 		s.mu.Unlock()
-		s.state.Redirty(d)
+		if write {
+			s.state.Redirty(d)
+		}
 	}
 	for i, pe := range pending {
 		if pe.p != nil && pe.p.Wait(ctx) == nil {
@@ -359,14 +428,14 @@ func (s *Service) Flush(ctx context.Context) error {
 		}
 	}
 	pending = nil
-	if len(d.Puts)+len(d.Deletes) == 0 && d.Applied == s.flushedSeq() {
+	if !write || len(d.Puts)+len(d.Deletes) == 0 && d.Applied == s.flushedSeq() {
 		return nil
 	}
 	if err := s.store.Write(ctx, d); err != nil {
 		restore()
 		return err
 	}
-	s.setFlushed(d.Applied)
+	s.setFlushed(d.Applied, time.Now())
 	return nil
 }
 
@@ -376,8 +445,8 @@ func (s *Service) flushedSeq() uint64 {
 	return s.flushed
 }
 
-func (s *Service) setFlushed(seq uint64) {
+func (s *Service) setFlushed(seq uint64, at time.Time) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	s.flushed = seq
+	s.flushed, s.lastWrite = seq, at
 }
