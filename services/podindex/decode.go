@@ -24,6 +24,10 @@ type PodEvent struct {
 	Pod *v1.Pod
 	// Raw is the body as received (the pod's JSON).
 	Raw []byte
+
+	// prep is what Apply needs of an added or updated pod that depends on the pod alone, worked out by the
+	// decoder (State.Apply works it out when it is not).
+	prep prepared
 }
 
 // Rejection reasons, the label values of the rejected-events counter.
@@ -102,7 +106,11 @@ func DecodePodEvent(subject string, header map[string][]string, data []byte) (Po
 	if pod.UID == "" {
 		return PodEvent{}, reject(ReasonNoUID, "pod %s/%s has no metadata.uid", pod.Namespace, pod.Name)
 	}
-	return PodEvent{Action: action, ID: headerGet(header, bus.HeaderID), Pod: pod, Raw: data}, nil
+	ev := PodEvent{Action: action, ID: headerGet(header, bus.HeaderID), Pod: pod, Raw: data}
+	if action != events.ActionDeleted {
+		ev.prep.set(pod)
+	}
+	return ev, nil
 }
 
 // podJSON are the options of unmarshalPod: github.com/go-json-experiment/json with the encoding/json

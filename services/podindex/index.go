@@ -140,14 +140,22 @@ func (ix *Index) UpdatePod(pod *v1.Pod) {
 // upsert stores pod with the order of its event; it returns the pod it replaced (same UID), if any, and the
 // entry that now holds pod.
 func (ix *Index) upsert(pod *v1.Pod, raw []byte, order uint64) (*v1.Pod, *entry) {
+	return ix.upsertPrepared(pod, raw, order, IsMirrorPod(pod), "")
+}
+
+// upsertPrepared is upsert given IsMirrorPod(pod) and PodFullName(pod) ("": worked out when needed).
+func (ix *Index) upsertPrepared(pod *v1.Pod, raw []byte, order uint64, mirror bool, fullName string) (*v1.Pod, *entry) {
 	ix.mu.Lock()
 	defer ix.mu.Unlock()
 	ix.next = max(ix.next, order)
-	return ix.upsertLocked(pod, raw, order)
+	return ix.upsertNamed(pod, raw, order, mirror, fullName)
 }
 
 func (ix *Index) upsertLocked(pod *v1.Pod, raw []byte, order uint64) (*v1.Pod, *entry) {
-	mirror := IsMirrorPod(pod)
+	return ix.upsertNamed(pod, raw, order, IsMirrorPod(pod), "")
+}
+
+func (ix *Index) upsertNamed(pod *v1.Pod, raw []byte, order uint64, mirror bool, fullName string) (*v1.Pod, *entry) {
 	m, other := ix.pods, ix.mirrors
 	if mirror {
 		m, other = ix.mirrors, ix.pods
@@ -165,7 +173,10 @@ func (ix *Index) upsertLocked(pod *v1.Pod, raw []byte, order uint64) (*v1.Pod, *
 	} else if e, ok := other[pod.UID]; ok {
 		prev = ix.dropLocked(pod.UID, e, !mirror)
 	}
-	e := &entry{pod: pod, order: order, raw: raw, fullName: PodFullName(pod)}
+	if fullName == "" {
+		fullName = PodFullName(pod)
+	}
+	e := &entry{pod: pod, order: order, raw: raw, fullName: fullName}
 	byName := ix.podsByFullName
 	if mirror {
 		byName = ix.mirrorByFullName

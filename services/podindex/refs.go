@@ -382,11 +382,20 @@ func (r *Registry) RegisterPod(pod *v1.Pod) []Transition {
 // register is RegisterPod given the registration this pod had last time (nil, or one since unregistered or
 // of another key: it is looked up). It returns the pod's registration, for the next time.
 func (r *Registry) register(pod *v1.Pod, last *registration) ([]Transition, *registration) {
-	key := refKey(pod)
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.secretNames, r.configMapNames = appendRefNames(r.secretNames[:0], r.configMapNames[:0], pod)
-	secrets, configMaps := r.secretNames, r.configMapNames
+	return r.registerLocked(refKey(pod), r.secretNames, r.configMapNames, last)
+}
+
+// registerNames is register given appendRefNames of the pod (secrets and configMaps are not kept).
+func (r *Registry) registerNames(key podRefKey, secrets, configMaps []string, last *registration) ([]Transition, *registration) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.registerLocked(key, secrets, configMaps, last)
+}
+
+func (r *Registry) registerLocked(key podRefKey, secrets, configMaps []string, last *registration) ([]Transition, *registration) {
 	var out []Transition
 	reg := last
 	if reg == nil || reg.removed || reg.key != key {

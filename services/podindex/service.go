@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"log/slog"
 	"strconv"
@@ -337,6 +338,7 @@ func (s *Service) requestFlush() {
 func (s *Service) flushLoop(ctx context.Context) {
 	tick := time.NewTicker(s.cfg.FlushInterval)
 	defer tick.Stop()
+	failing := false
 	for {
 		select {
 		case <-ctx.Done():
@@ -344,8 +346,15 @@ func (s *Service) flushLoop(ctx context.Context) {
 		case <-tick.C:
 		case <-s.flushNow:
 		}
-		if err := s.flush(ctx, s.snapshotDue(time.Now())); err != nil && ctx.Err() == nil {
+		err := s.flush(ctx, s.snapshotDue(time.Now()))
+		switch {
+		case err == nil:
+			failing = false
+		case ctx.Err() != nil:
+		case !failing || !errors.Is(err, errNotConnected):
+			// While NATS is away every flush fails the same way: said once, until one succeeds.
 			s.log.Warn("pod index flush failed", "err", err)
+			failing = true
 		}
 	}
 }
@@ -382,6 +391,8 @@ func (p snapshotPolicy) due(backlog uint64, since int, elapsed time.Duration, fo
 	}
 }
 
+var errNotConnected = errors.New("not connected to nats")
+
 // Flush confirms the queued registration events, then writes the changed pods and the applied sequence.
 func (s *Service) Flush(ctx context.Context) error { return s.flush(ctx, true) }
 
@@ -392,7 +403,7 @@ func (s *Service) flush(ctx context.Context, write bool) error {
 	}
 	if !s.bus.Connected() {
 		// Acks cannot come: keep everything dirty for the next flush (or the replay after a restart).
-		return fmt.Errorf("flush pod index of %s: not connected to nats", s.cfg.Node)
+		return fmt.Errorf("flush pod index of %s: %w", s.cfg.Node, errNotConnected)
 	}
 	s.mu.Lock()
 	var d Dirty

@@ -78,11 +78,21 @@ func (s *State) Apply(seq uint64, ev PodEvent) []Transition {
 		}
 		s.deleted = append(s.deleted, pod.UID)
 	default:
-		prev, e := s.Index.upsert(pod, ev.Raw, seq)
+		var prev *v1.Pod
+		var e *entry
+		if ev.prep.done {
+			prev, e = s.Index.upsertPrepared(pod, ev.Raw, seq, ev.prep.mirror, ev.prep.fullName)
+		} else {
+			prev, e = s.Index.upsert(pod, ev.Raw, seq)
+		}
 		if prev != nil && refKey(prev) != refKey(pod) {
 			out = append(out, s.Refs.UnregisterPod(prev)...)
 		}
-		out = append(out, s.registerEntry(e)...)
+		if ev.prep.done {
+			out = append(out, s.registerPrepared(e, &ev.prep)...)
+		} else {
+			out = append(out, s.registerEntry(e)...)
+		}
 		s.markDirty(e)
 	}
 	if seq > s.applied {
@@ -108,6 +118,44 @@ func (s *State) registerEntry(e *entry) []Transition {
 	var out []Transition
 	out, e.reg = s.Refs.register(e.pod, e.reg)
 	return out
+}
+
+// registerPrepared is registerEntry with what prepare worked out of e's pod.
+func (s *State) registerPrepared(e *entry, prep *prepared) []Transition {
+	if prep.mirror || prep.terminal {
+		e.reg = nil
+		return s.Refs.UnregisterPod(e.pod)
+	}
+	var out []Transition
+	out, e.reg = s.Refs.registerNames(refKey(e.pod), prep.names[:prep.secrets], prep.names[prep.secrets:], e.reg)
+	return out
+}
+
+// prepared is what Apply needs of an added or updated pod that depends on the pod alone. The decoders work
+// it out (in parallel, while the pod they just decoded is in their cache), so the applier, which takes one
+// event at a time, does only what depends on the state. Apply works it out itself for an event that does
+// not have it (done unset).
+type prepared struct {
+	done             bool
+	mirror, terminal bool
+	fullName         string
+	// names are the pod's secret names (the first secrets of them), then its configmap names, as
+	// appendRefNames gives them; none for a mirror pod or a terminal one, which are not registered.
+	names   []string
+	secrets int
+}
+
+// set works out p for pod.
+func (p *prepared) set(pod *v1.Pod) {
+	p.done, p.mirror, p.terminal, p.fullName = true, IsMirrorPod(pod), IsTerminal(pod), PodFullName(pod)
+	if p.mirror || p.terminal {
+		return
+	}
+	var scratch [16]string
+	secrets, configMaps := appendRefNames(scratch[:0:8], scratch[8:8:16], pod)
+	p.names = make([]string, 0, len(secrets)+len(configMaps))
+	p.names = append(append(p.names, secrets...), configMaps...)
+	p.secrets = len(secrets)
 }
 
 // Skip records that seq was handled without changing the state (a rejected event).
