@@ -23,16 +23,22 @@ type RawMsg struct {
 	Data    []byte
 }
 
+// natsMsg builds the message with its header values in one allocation (Header.Set makes one per value).
 func (r RawMsg) natsMsg() *nats.Msg {
-	m := nats.NewMsg(r.Subject)
-	m.Data = r.Data
+	n := len(r.Header) + 1
+	h := make(nats.Header, n)
+	vals := make([]string, 0, n)
+	set := func(k, v string) {
+		vals = append(vals, v)
+		h[k] = vals[len(vals)-1 : len(vals) : len(vals)]
+	}
 	for k, v := range r.Header {
-		m.Header.Set(k, v)
+		set(k, v)
 	}
 	if r.MsgID != "" {
-		m.Header.Set(jetstream.MsgIDHeader, r.MsgID)
+		set(jetstream.MsgIDHeader, r.MsgID)
 	}
-	return m
+	return &nats.Msg{Subject: r.Subject, Header: h, Data: r.Data}
 }
 
 // publishWindow bounds the acks PublishMsgs leaves outstanding (the client stalls past 4000).
