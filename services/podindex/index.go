@@ -61,6 +61,7 @@ type entry struct {
 	order    uint64
 	raw      []byte // the pod's JSON as received (what the snapshot stores), nil when added in process
 	fullName string // PodFullName(pod), kept so a removal builds no string
+	nameLen  int    // len(pod.Name): fullName is name "_" namespace, so fullName and nameLen say both
 	// sameName is the next entry of the same kind (mirror or not) with the same full name, in upsert order
 	// of their first upsert, newest first.
 	sameName *entry
@@ -140,11 +141,13 @@ func (ix *Index) UpdatePod(pod *v1.Pod) {
 // upsert stores pod with the order of its event; it returns the pod it replaced (same UID), if any, and the
 // entry that now holds pod.
 func (ix *Index) upsert(pod *v1.Pod, raw []byte, order uint64) (*v1.Pod, *entry) {
-	return ix.upsertPrepared(pod, raw, order, IsMirrorPod(pod), "")
+	prev, e, _ := ix.upsertPrepared(pod, raw, order, IsMirrorPod(pod), "")
+	return prev, e
 }
 
-// upsertPrepared is upsert given IsMirrorPod(pod) and PodFullName(pod) ("": worked out when needed).
-func (ix *Index) upsertPrepared(pod *v1.Pod, raw []byte, order uint64, mirror bool, fullName string) (*v1.Pod, *entry) {
+// upsertPrepared is upsert given IsMirrorPod(pod) and PodFullName(pod) ("": worked out when needed); it
+// also reports whether the pod replaced one of the same UID, kind, name and namespace in place.
+func (ix *Index) upsertPrepared(pod *v1.Pod, raw []byte, order uint64, mirror bool, fullName string) (*v1.Pod, *entry, bool) {
 	ix.mu.Lock()
 	defer ix.mu.Unlock()
 	ix.next = max(ix.next, order)
@@ -152,31 +155,33 @@ func (ix *Index) upsertPrepared(pod *v1.Pod, raw []byte, order uint64, mirror bo
 }
 
 func (ix *Index) upsertLocked(pod *v1.Pod, raw []byte, order uint64) (*v1.Pod, *entry) {
-	return ix.upsertNamed(pod, raw, order, IsMirrorPod(pod), "")
+	prev, e, _ := ix.upsertNamed(pod, raw, order, IsMirrorPod(pod), "")
+	return prev, e
 }
 
-func (ix *Index) upsertNamed(pod *v1.Pod, raw []byte, order uint64, mirror bool, fullName string) (*v1.Pod, *entry) {
+func (ix *Index) upsertNamed(pod *v1.Pod, raw []byte, order uint64, mirror bool, fullName string) (*v1.Pod, *entry, bool) {
 	m, other := ix.pods, ix.mirrors
 	if mirror {
 		m, other = ix.mirrors, ix.pods
 	}
+	if fullName == "" {
+		fullName = PodFullName(pod)
+	}
 	// A UID is in at most one of the two maps.
 	var prev *v1.Pod
 	if e, ok := m[pod.UID]; ok {
-		if e.pod.Name == pod.Name && e.pod.Namespace == pod.Namespace {
-			// The common update: same UID, same kind, same full name: replace in place.
+		if e.nameLen == len(pod.Name) && e.fullName == fullName {
+			// The common update: same UID, same kind, same name and namespace (the same full name split at
+			// the same place): replace in place, without reading the old pod.
 			prev = e.pod
 			e.pod, e.order, e.raw = pod, order, raw
-			return prev, e
+			return prev, e, true
 		}
 		prev = ix.dropLocked(pod.UID, e, mirror)
 	} else if e, ok := other[pod.UID]; ok {
 		prev = ix.dropLocked(pod.UID, e, !mirror)
 	}
-	if fullName == "" {
-		fullName = PodFullName(pod)
-	}
-	e := &entry{pod: pod, order: order, raw: raw, fullName: fullName}
+	e := &entry{pod: pod, order: order, raw: raw, fullName: fullName, nameLen: len(pod.Name)}
 	byName := ix.podsByFullName
 	if mirror {
 		byName = ix.mirrorByFullName
@@ -184,7 +189,7 @@ func (ix *Index) upsertNamed(pod *v1.Pod, raw []byte, order uint64, mirror bool,
 	m[pod.UID] = e
 	e.sameName = byName[e.fullName]
 	byName[e.fullName] = e
-	return prev, e
+	return prev, e, false
 }
 
 // RemovePod removes the pod with pod's UID (mirror or not); an unknown pod is a no-op.

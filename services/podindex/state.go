@@ -80,12 +80,13 @@ func (s *State) Apply(seq uint64, ev PodEvent) []Transition {
 	default:
 		var prev *v1.Pod
 		var e *entry
+		var inPlace bool // same UID, name and namespace: the same registration key
 		if ev.prep.done {
-			prev, e = s.Index.upsertPrepared(pod, ev.Raw, seq, ev.prep.mirror, ev.prep.fullName)
+			prev, e, inPlace = s.Index.upsertPrepared(pod, ev.Raw, seq, ev.prep.mirror, ev.prep.fullName)
 		} else {
 			prev, e = s.Index.upsert(pod, ev.Raw, seq)
 		}
-		if prev != nil && refKey(prev) != refKey(pod) {
+		if prev != nil && !inPlace && refKey(prev) != refKey(pod) {
 			out = append(out, s.Refs.UnregisterPod(prev)...)
 		}
 		if ev.prep.done {
