@@ -5,6 +5,8 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -166,10 +168,13 @@ func TestAgentOnEmbeddedNATS(t *testing.T) {
 		t.Fatalf("records text (exit %d):\n%s", code, out)
 	}
 
-	// Restart on the same data dir: the records come back from the embedded server's JetStream store.
+	// Restart on the same data dir: the records come back from the embedded server's JetStream store. This
+	// time with the pod index and the metrics endpoint too.
 	a.stop(t)
 	time.Sleep(10 * time.Millisecond)
-	startAgent(t, agentArgs...)
+	metricsAddr := fmt.Sprintf("127.0.0.1:%d", freePort(t))
+	agentArgs[len(agentArgs)-1] = "detector,cache,podindex,metrics"
+	startAgent(t, append(agentArgs, "--metrics-addr", metricsAddr)...)
 	poll(t, "detect after restart", func() error {
 		out, errOut, code := run(t, "detect", "--node", "node-1.cli", "--nats", nats, "-o", "json", "--timeout", "2s")
 		if code != 0 {
@@ -180,6 +185,60 @@ func TestAgentOnEmbeddedNATS(t *testing.T) {
 	if len(recs) != 3 || !recs[2].FirstDetected.Equal(first) {
 		t.Fatalf("after restart firstDetected of %s = %v, want %v", recs[2].ID, recs[2].FirstDetected, first)
 	}
+
+	// A pod through the pod index, then the metrics a scrape shows: the pod index's and the bus's.
+	manifest := filepath.Join(dir, "web.yaml")
+	if err := os.WriteFile(manifest, []byte(`apiVersion: v1
+kind: Pod
+metadata: {name: web, namespace: prod, uid: uid-web}
+spec:
+  containers: [{name: app, image: nginx:1.27}]
+  volumes: [{name: tls, secret: {secretName: tls}}]
+`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if out, errOut, code := run(t, "pods", "apply", "--node", "node-1.cli", "--nats", nats, "-f", manifest); code != 0 {
+		t.Fatalf("pods apply: exit %d: %s %s", code, out, errOut)
+	}
+	want := []string{
+		`imagefleet_podindex_events_applied_total{action="added",node="node-1.cli"} 1`,
+		`imagefleet_podindex_events_applied_total{action="deleted",node="node-1.cli"} 0`,
+		`imagefleet_podindex_ref_transitions_total{action="registered",kind="Secret",node="node-1.cli"} 1`,
+		`imagefleet_bus_requests_served_total{subject="imagefleet.cmd.node-1_cli.detect"}`,
+		`imagefleet_nats_reconnects_total 0`,
+	}
+	poll(t, "metrics", func() error {
+		body, status, err := httpGet(t, "http://"+metricsAddr+"/metrics")
+		if err != nil || status != 200 {
+			return fmt.Errorf("GET /metrics: %d %v", status, err)
+		}
+		for _, w := range want {
+			if !strings.Contains(body, w) {
+				return fmt.Errorf("no %q in the scrape", w)
+			}
+		}
+		return nil
+	})
+	if body, status, err := httpGet(t, "http://"+metricsAddr+"/healthz"); err != nil || status != 200 || body != "ok\n" {
+		t.Fatalf("GET /healthz: %d %q %v", status, body, err)
+	}
+}
+
+func httpGet(t *testing.T, url string) (string, int, error) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return "", 0, err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return "", 0, err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	return string(b), resp.StatusCode, err
 }
 
 func TestBadFlagsExitNonZero(t *testing.T) {
