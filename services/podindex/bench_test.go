@@ -123,7 +123,7 @@ func startPhaseProfile(b *testing.B) func() {
 func BenchmarkEndToEnd(b *testing.B) {
 	for _, n := range []int{10000, 100000} {
 		b.Run(fmt.Sprintf("events=%d", n), func(b *testing.B) {
-			var rawRate, e2eRate, rawCPU, e2eCPU, kvWrites float64
+			var rawRate, e2eRate, rawCPU, e2eCPU, kvWrites, e2eAllocs, e2eBytes float64
 			for range b.N {
 				b.StopTimer()
 				srv, bb := bustest.Start(b)
@@ -151,6 +151,8 @@ func BenchmarkEndToEnd(b *testing.B) {
 				rawCPU = (cpuTime(b) - cpu).Seconds() * 1e6 / float64(n)
 
 				stopProfile := startPhaseProfile(b)
+				var m0, m1 runtime.MemStats
+				runtime.ReadMemStats(&m0)
 				start, cpu = time.Now(), cpuTime(b)
 				last := publishAll(b, bb, msgs)
 				for s.State().Applied() < last {
@@ -158,6 +160,9 @@ func BenchmarkEndToEnd(b *testing.B) {
 				}
 				e2eRate = float64(n) / time.Since(start).Seconds()
 				e2eCPU = (cpuTime(b) - cpu).Seconds() * 1e6 / float64(n)
+				runtime.ReadMemStats(&m1)
+				e2eAllocs = float64(m1.Mallocs-m0.Mallocs) / float64(n)
+				e2eBytes = float64(m1.TotalAlloc-m0.TotalAlloc) / float64(n)
 				stopProfile()
 
 				b.StopTimer()
@@ -182,6 +187,9 @@ func BenchmarkEndToEnd(b *testing.B) {
 			// on a shared machine.
 			b.ReportMetric(e2eCPU, "cpu-µs/event")
 			b.ReportMetric(rawCPU, "raw-cpu-µs/event")
+			// The process's allocations per event in the end-to-end phase (server, producer and index).
+			b.ReportMetric(e2eAllocs, "allocs/event")
+			b.ReportMetric(e2eBytes, "B/event")
 			// Snapshot records written (pods, deletions, applied sequences) per event, final flush included.
 			b.ReportMetric(kvWrites/float64(n), "snapshot-writes/event")
 		})
