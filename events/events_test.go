@@ -156,20 +156,30 @@ func TestDecodeEventRejectsBadEnvelopes(t *testing.T) {
 
 // FuzzDecode feeds arbitrary bytes to every decoder: none may panic, and what decodes must validate.
 func FuzzDecode(f *testing.F) {
-	for _, seed := range []string{`{}`, `{"dryRun":true,"minAge":"2m"}`, `{"type":"imagefleet.image.removed.v1","id":"1","time":"2026-01-01T00:00:00Z","node":"n"}`, `{"limit":5}`, `{`, `null`} {
+	for _, seed := range []string{`{}`, `{"dryRun":true,"minAge":"2m"}`, `{"type":"imagefleet.image.removed.v1","id":"1","time":"2026-01-01T00:00:00Z","node":"n"}`, `{"limit":5}`, `{`, `null`,
+		`{"uid":"u","limit":2}`, `{"namespace":"ns","name":"p"}`, `{"orphaned":true,"uid":"u"}`,
+		`{"what":"where","image":"nginx"}`, `{"what":"nodes","limit":-1}`, `{"podUID":"u"}`, `{"requestID":""}`} {
 		f.Add([]byte(seed))
 	}
+	// Every body a worker decodes strictly: an accepted one is valid, a rejected one says malformed.
+	strict := map[string]func() any{
+		"GCRequest": func() any { return &GCRequest{} }, "QueryRequest": func() any { return &QueryRequest{} },
+		"DetectRequest": func() any { return &DetectRequest{} }, "PodsQuery": func() any { return &PodsQuery{} },
+		"InventoryQuery": func() any { return &InventoryQuery{} }, "PullCancel": func() any { return &PullCancel{} },
+	}
 	f.Fuzz(func(t *testing.T, data []byte) {
-		var gc GCRequest
-		if err := DecodeStrict(data, &gc); err == nil {
-			if err := gc.Validate(); err != nil {
-				t.Fatalf("decoded an invalid GC request: %v", err)
+		for name, fresh := range strict {
+			v := fresh()
+			err := DecodeStrict(data, v)
+			if err != nil && !errors.Is(err, ErrMalformed) {
+				t.Fatalf("%s: error %v does not wrap ErrMalformed", name, err)
+			}
+			if val, ok := v.(Validator); ok && err == nil {
+				if verr := val.Validate(); verr != nil {
+					t.Fatalf("%s: decoded an invalid body %q: %v", name, data, verr)
+				}
 			}
 		}
-		var q QueryRequest
-		_ = DecodeStrict(data, &q)
-		var d DetectRequest
-		_ = DecodeStrict(data, &d)
 		if ev, err := DecodeEvent(data); err == nil {
 			if err := ev.Validate(); err != nil {
 				t.Fatalf("decoded an invalid event: %v", err)
