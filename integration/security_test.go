@@ -463,11 +463,27 @@ func TestSecurityNoSecretLeaks(t *testing.T) {
 	for _, d := range dls {
 		dlText = append(dlText, d.Reason, string(d.Data))
 	}
+	// The puller's KV state: pulled records (KEP-2535, which keep a hash of the credentials) and backoff.
+	var kvText []string
+	for _, bucket := range []string{puller.RecordsBucket, puller.BackoffBucket} {
+		kv, err := b.KV(ctx, bus.KVConfig{Bucket: bucket})
+		if err != nil {
+			t.Fatal(err)
+		}
+		entries, err := kv.List(ctx, ">")
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, e := range entries {
+			kvText = append(kvText, e.Key, string(e.Value))
+		}
+	}
 	haystacks := map[string]string{
 		"logs":         logs.String(),
 		"events":       strings.Join(stored, "\n"),
 		"dead letters": strings.Join(dlText, "\n"),
 		"journal":      string(journal),
+		"kv state":     strings.Join(kvText, "\n"),
 	}
 	needles := []string{goodPass, badPass,
 		base64.StdEncoding.EncodeToString([]byte("alice:" + goodPass)), base64.StdEncoding.EncodeToString([]byte("alice:" + badPass))}
@@ -478,9 +494,9 @@ func TestSecurityNoSecretLeaks(t *testing.T) {
 			}
 		}
 	}
-	t.Logf("scanned %d bytes of logs, %d events, %d dead letters, %d bytes of journal: no secret",
-		len(haystacks["logs"]), len(stored), len(dls), len(journal))
-	if len(stored) < len(reqs) || logs.Len() == 0 {
+	t.Logf("scanned %d bytes of logs, %d events, %d dead letters, %d bytes of journal, %d KV entries: no secret",
+		len(haystacks["logs"]), len(stored), len(dls), len(journal), len(kvText)/2)
+	if len(stored) < len(reqs) || logs.Len() == 0 || len(kvText) == 0 {
 		t.Error("nothing was produced: the scan proves nothing")
 	}
 }
