@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"syscall"
 	"testing"
@@ -255,6 +256,33 @@ func TestBadFlagsExitNonZero(t *testing.T) {
 		_, errOut, code := run(t, tc.args...)
 		if code == 0 || !strings.Contains(errOut, tc.want) {
 			t.Errorf("%v: exit %d, stderr %q, want %q", tc.args, code, errOut, tc.want)
+		}
+	}
+}
+
+// TestDemo runs the README's first command (`imagefleet demo`, what `go tool task demo` runs): every step on
+// the embedded nats-server and the hollow runtime, with the kubelet's reasons for the failing pulls.
+func TestDemo(t *testing.T) {
+	out, errOut, code := run(t, "demo", "--node", "demo-test", "--images", "16")
+	if code != 0 {
+		t.Fatalf("demo: exit %d\n%s\n%s", code, out, errOut)
+	}
+	m := regexp.MustCompile(`16 images \(.*\), \d+ containers keep (\d+) in use`).FindStringSubmatch(out)
+	if m == nil {
+		t.Fatalf("demo output lacks the hollow runtime's line:\n%s", out)
+	}
+	inUse := m[1]
+	for _, want := range []string{
+		"[9/9] event feed",
+		"16 records, " + inUse + " in use",
+		"image GC ... removed ",
+		"FAILED_IMAGE (Always): InvalidImageName",
+		"(Never): ErrImageNeverPull",
+		`Warning ErrImageNeverPull: Container image "docker.io/library/traefik:3" is not present with pull policy of Never`,
+		"Summary: node demo-test, 16 images detected, " + inUse + " in use; GC freed ",
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("demo output lacks %q:\n%s", want, out)
 		}
 	}
 }
