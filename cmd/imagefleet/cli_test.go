@@ -286,3 +286,58 @@ func TestDemo(t *testing.T) {
 		}
 	}
 }
+
+// TestEventsFromAJournal reads an agent's journal file without NATS: --tail N keeps the last N events that
+// match --type (reading the file from its end, so the matches may lie further back than N lines), and a
+// damaged line is skipped.
+func TestEventsFromAJournal(t *testing.T) {
+	var lines []string
+	for i := range 50 {
+		entity, action, data := events.EntityImage, events.ActionDetected, any(events.ImageRecord{ID: fmt.Sprintf("sha256:%064d", i)})
+		if i%10 == 3 {
+			entity, action, data = events.EntityImage, events.ActionRemoved, events.ImageRemoved{ID: fmt.Sprintf("sha256:%064d", i), Size: 10, Reason: "space"}
+		}
+		ev, err := events.New("node-j", entity, action, data)
+		if err != nil {
+			t.Fatal(err)
+		}
+		raw, err := json.Marshal(ev)
+		if err != nil {
+			t.Fatal(err)
+		}
+		lines = append(lines, string(raw))
+		if i == 40 {
+			lines = append(lines, `{"type":"imagefleet.image.removed.v1","id":`) // a torn line
+		}
+	}
+	path := filepath.Join(t.TempDir(), "events.jsonl")
+	if err := os.WriteFile(path, []byte(strings.Join(lines, "\n")+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	out, errOut, code := run(t, "events", "--journal", path, "--tail", "3", "--type", "image.removed", "-o", "json")
+	if code != 0 {
+		t.Fatalf("events --journal: exit %d: %s", code, errOut)
+	}
+	var ids []string
+	for _, l := range strings.Split(strings.TrimSpace(out), "\n") {
+		ev, err := events.DecodeEvent([]byte(l))
+		if err != nil {
+			t.Fatalf("line %q: %v", l, err)
+		}
+		var r events.ImageRemoved
+		if err := ev.DecodeData(&r); err != nil || ev.Type != "imagefleet.image.removed.v1" {
+			t.Fatalf("event %+v: %v", ev, err)
+		}
+		ids = append(ids, r.ID[len(r.ID)-2:])
+	}
+	if want := []string{"23", "33", "43"}; strings.Join(ids, ",") != strings.Join(want, ",") {
+		t.Fatalf("last 3 removals %v, want %v", ids, want)
+	}
+	out, _, code = run(t, "events", "--journal", path, "--tail", "2")
+	if code != 0 || strings.Count(out, "\n") != 2 || !strings.Contains(out, "image.detected") {
+		t.Fatalf("events --journal --tail 2 (exit %d):\n%s", code, out)
+	}
+	if _, errOut, code := run(t, "events", "--journal", path, "--follow"); code == 0 || !strings.Contains(errOut, "cannot be used with --journal") {
+		t.Fatalf("--follow with --journal: exit %d: %s", code, errOut)
+	}
+}
