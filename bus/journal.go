@@ -164,12 +164,13 @@ func (b *Bus) OpenJournal(cfg JournalConfig) error {
 		j.cancel()
 		return errors.New("open journal: the bus has a journal already")
 	}
+	pending := len(j.pending) // read before run starts: from then on it is read under j.mu
 	go j.run()
-	if len(j.pending) > 0 {
-		j.log.Info("journal has pending events", "pending", len(j.pending))
+	if pending > 0 {
+		j.log.Info("journal has pending events", "pending", pending)
 		j.signal()
 	}
-	journalPending.Add(float64(len(j.pending)))
+	journalPending.Add(float64(pending))
 	return nil
 }
 

@@ -18,8 +18,11 @@ if ((status != 0)); then
 		/^[ ]*--- FAIL: / { flush(); name = $0; sub(/^[ ]*--- FAIL: /, "", name); infail = 1; print ""; print "--- FAIL: " name; next }
 		/^(ok|FAIL|PASS|===|---)/ { flush(); infail = 0 }
 		/^panic:|^fatal error:|^FAIL[ \t]/ { print; next }
-		infail && /^[ ]+[A-Za-z0-9_.-]+_test\.go:[0-9]+: / { lines[n++ % 30] = substr($0, 1, 400); next }
-		END { flush() }
+		infail && /^[ ]+([A-Za-z0-9_.-]+_test|testing)\.go:[0-9]+: / { lines[n++ % 30] = substr($0, 1, 400); next }
+		# The first two data race reports (-race), up to 40 lines each, kept for the end.
+		/^WARNING: DATA RACE/ { if (races < 2) { inrace = 1; races++; rl = 0 } }
+		inrace { race[races] = race[races] $0 "\n"; if (++rl >= 40 || /^==================/) inrace = 0 }
+		END { flush(); for (i = 1; i <= races; i++) { print ""; printf "%s", race[i] } }
 	' "$log"
 fi
 exit "$status"
