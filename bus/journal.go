@@ -159,12 +159,13 @@ func (b *Bus) OpenJournal(cfg JournalConfig) error {
 		j.cancel()
 		return fmt.Errorf("open journal %s: %w", cfg.Dir, err)
 	}
+	// Read before the journal is published: once b.journal holds it, Publish appends under j.mu.
+	pending := len(j.pending)
 	if !b.journal.CompareAndSwap(nil, j) {
 		_ = j.f.Close()
 		j.cancel()
 		return errors.New("open journal: the bus has a journal already")
 	}
-	pending := len(j.pending) // read before run starts: from then on it is read under j.mu
 	go j.run()
 	if pending > 0 {
 		j.log.Info("journal has pending events", "pending", pending)

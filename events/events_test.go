@@ -1,11 +1,13 @@
 package events
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"flag"
 	"os"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -168,22 +170,62 @@ func FuzzDecode(f *testing.F) {
 		"InventoryQuery": func() any { return &InventoryQuery{} }, "PullCancel": func() any { return &PullCancel{} },
 	}
 	f.Fuzz(func(t *testing.T, data []byte) {
+		blank := len(bytes.TrimSpace(data)) == 0
 		for name, fresh := range strict {
 			v := fresh()
 			err := DecodeStrict(data, v)
-			if err != nil && !errors.Is(err, ErrMalformed) {
-				t.Fatalf("%s: error %v does not wrap ErrMalformed", name, err)
+			if err != nil {
+				if !errors.Is(err, ErrMalformed) {
+					t.Fatalf("%s: error %v does not wrap ErrMalformed", name, err)
+				}
+				continue
 			}
-			if val, ok := v.(Validator); ok && err == nil {
-				if verr := val.Validate(); verr != nil {
-					t.Fatalf("%s: decoded an invalid body %q: %v", name, data, verr)
+			// Checks independent of DecodeStrict: what it accepts is valid JSON that the standard decoder
+			// reads to the same value, and the value's own encoding is accepted again and reads back equal.
+			if !blank {
+				if !json.Valid(data) {
+					t.Fatalf("%s: accepted invalid JSON %q", name, data)
+				}
+				plain := fresh()
+				if err := json.Unmarshal(data, plain); err != nil {
+					t.Fatalf("%s: accepted %q that encoding/json rejects: %v", name, data, err)
+				}
+				if !reflect.DeepEqual(plain, v) {
+					t.Fatalf("%s: %q decodes to %+v, encoding/json reads %+v", name, data, v, plain)
 				}
 			}
-		}
-		if ev, err := DecodeEvent(data); err == nil {
-			if err := ev.Validate(); err != nil {
-				t.Fatalf("decoded an invalid event: %v", err)
+			again, err := json.Marshal(v)
+			if err != nil {
+				t.Fatalf("%s: cannot encode the accepted value %+v: %v", name, v, err)
 			}
+			back := fresh()
+			if err := DecodeStrict(again, back); err != nil {
+				t.Fatalf("%s: rejects its own encoding %s of accepted %q: %v", name, again, data, err)
+			}
+			if !reflect.DeepEqual(back, v) {
+				t.Fatalf("%s: round trip changed the value: %+v, then %+v", name, v, back)
+			}
+		}
+		ev, err := DecodeEvent(data)
+		if err != nil {
+			if !errors.Is(err, ErrMalformed) {
+				t.Fatalf("event: error %v does not wrap ErrMalformed", err)
+			}
+			return
+		}
+		if !json.Valid(data) {
+			t.Fatalf("event: accepted invalid JSON %q", data)
+		}
+		first, err := json.Marshal(ev)
+		if err != nil {
+			t.Fatalf("event: cannot encode accepted %q: %v", data, err)
+		}
+		back, err := DecodeEvent(first)
+		if err != nil {
+			t.Fatalf("event: rejects its own encoding %s of accepted %q: %v", first, data, err)
+		}
+		if second, _ := json.Marshal(back); !bytes.Equal(first, second) {
+			t.Fatalf("event: round trip changed the event: %s, then %s", first, second)
 		}
 	})
 }

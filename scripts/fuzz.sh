@@ -1,15 +1,15 @@
 #!/bin/sh
 # fuzz.sh [BUDGET]: run every fuzz target of the module for BUDGET each: a number of executions (default
-# 20000x) or a duration (10s). Targets are found per package with `go test -list 'Fuzz.*'`, so a new
-# `func FuzzX` runs without editing this script. Every target runs; the script fails if one did (a failing
-# input is kept under the package's testdata/fuzz/).
+# 100000x, as `go tool task fuzz`) or a duration (10s). Targets are found per package with
+# `go test -list 'Fuzz.*'`, so a new `func FuzzX` runs without editing this script. Every target runs; the
+# script fails if one did (a failing input is kept under the package's testdata/fuzz/).
 #
 # Prefer a count: with a duration, Go before 1.27 can fail a target with a bare "context deadline exceeded"
 # when the time runs out while a worker is mid-input (a race in its fuzzing coordinator, go.dev/issue/75804,
 # fixed in Go 1.27, not in 1.26.x); a count sets no deadline. CI saw it on FuzzDecodePullRequest and
 # FuzzJournalRecovery, with no failing input written.
 set -eu
-fuzztime=${1:-20000x}
+fuzztime=${1:-100000x}
 cd "$(dirname "$0")/.."
 found=0
 failed=0

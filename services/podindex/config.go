@@ -17,7 +17,7 @@ type Config struct {
 	// snapshot bucket while the index keeps up with its events (default 5s). A restart replays the events
 	// after the last write (the stream keeps them): on a node, a few pods' worth.
 	FlushInterval time.Duration
-	// While the index catches up (more than CatchUpBacklog events behind the stream), the snapshot is written
+	// While the index catches up (more than 1000 events behind the stream), the snapshot is written
 	// only once FlushEvents events (default 200000) were applied or FlushMaxDelay (default 30s) passed since
 	// the last write: during a burst the same pods change again and again, and writing them every
 	// FlushInterval doubled the messages stored, while a restart would replay those events anyway.

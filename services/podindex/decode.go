@@ -3,6 +3,7 @@ package podindex
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 
@@ -119,8 +120,11 @@ func DecodePodEvent(subject string, header map[string][]string, data []byte) (Po
 // syntax error ahead of a type error as encoding/json does, it scans the whole body before decoding it: a
 // quarter of the decoder's time on a pod. Without it the body is decoded in one pass and stops at its first
 // error; what is accepted, and the Pod it gives, are the same (a syntax error and a type error both reject).
-// The one other difference of that option, an error for a JSON name matching several fields without case,
-// cannot happen with a Pod: TestPodFieldNamesDifferWithoutCase checks every struct a Pod reaches.
+// The option's other differences are errors in Go struct types that encoding/json passes over: a JSON name
+// matching several fields without case, two fields with one name, an unexported field with a tag and the
+// like. None can happen with a Pod: TestPodFieldNamesDifferWithoutCase and
+// TestPodStructsAreValidForTheDecoder check every struct type a Pod reaches, so a k8s.io/api upgrade that
+// brought one in fails them.
 var podJSON = json.JoinOptions(jsonv1.DefaultOptionsV1(), jsonv1.ReportErrorsWithLegacySemantics(false))
 
 // unmarshalPod decodes a pod's JSON as encoding/json would, faster (see podJSON).
@@ -136,7 +140,7 @@ func describeJSON(err error) string {
 	case errors.As(err, &semErr):
 		msg := "the body"
 		if semErr.JSONPointer != "" {
-			msg = fmt.Sprintf("field %q", strings.ReplaceAll(strings.TrimPrefix(string(semErr.JSONPointer), "/"), "/", "."))
+			msg = fmt.Sprintf("field %q", strings.Join(slices.Collect(semErr.JSONPointer.Tokens()), "."))
 		}
 		if semErr.GoType != nil {
 			msg += " must be " + semErr.GoType.String()

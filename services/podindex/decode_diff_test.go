@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/go-json-experiment/json"
+
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -87,10 +89,10 @@ func TestPodFieldNamesDifferWithoutCase(t *testing.T) {
 	for _, c := range collisions {
 		t.Error(c)
 	}
-	if structs < 100 {
-		t.Fatalf("walked %d struct types from v1.Pod, want the whole tree (over 100)", structs)
+	if len(structs) < 100 {
+		t.Fatalf("walked %d struct types from v1.Pod, want the whole tree (over 100)", len(structs))
 	}
-	t.Logf("%d struct types checked", structs)
+	t.Logf("%d struct types checked", len(structs))
 
 	// The check finds such a pair, through an inline struct too.
 	type inner struct {
@@ -105,9 +107,46 @@ func TestPodFieldNamesDifferWithoutCase(t *testing.T) {
 	}
 }
 
+// TestPodStructsAreValidForTheDecoder backs podJSON too: without the legacy error reporting, a struct type
+// go-json-experiment finds invalid (two fields with one JSON name, an unexported field with a tag, and the
+// other structural errors of its struct field analysis) is an error wherever that type is decoded, where
+// encoding/json goes on. Every
+// struct type a Pod reaches must decode {} without error with both decoders.
+func TestPodStructsAreValidForTheDecoder(t *testing.T) {
+	structs, _ := caseCollisions(reflect.TypeFor[v1.Pod]())
+	for _, typ := range structs {
+		if err := structDecodeDiff(typ); err != nil {
+			t.Error(err)
+		}
+	}
+	t.Logf("%d struct types decoded", len(structs))
+
+	// The check finds an invalid struct type (made at run time: go vet rejects them in source).
+	str := reflect.TypeFor[string]()
+	twoNames := reflect.StructOf([]reflect.StructField{
+		{Name: "A", Type: str, Tag: `json:"x"`}, {Name: "B", Type: str, Tag: `json:"x"`}})
+	unexported := reflect.StructOf([]reflect.StructField{{Name: "a", PkgPath: "podindex", Type: str, Tag: `json:"a"`}})
+	for _, typ := range []reflect.Type{twoNames, unexported} {
+		if err := structDecodeDiff(typ); err == nil {
+			t.Errorf("%s: no difference found, want podJSON to reject what encoding/json accepts", typ)
+		}
+	}
+}
+
+// structDecodeDiff decodes {} into a new typ with encoding/json and with unmarshalPod's options and says if
+// one fails and the other does not (types with their own JSON methods, such as Quantity, reject {} in both).
+func structDecodeDiff(typ reflect.Type) error {
+	wantErr := stdjson.Unmarshal([]byte(`{}`), reflect.New(typ).Interface())
+	gotErr := json.Unmarshal([]byte(`{}`), reflect.New(typ).Interface(), podJSON)
+	if (wantErr == nil) != (gotErr == nil) {
+		return fmt.Errorf("%s: decoding {}: encoding/json error %v, podJSON error %v", typ, wantErr, gotErr)
+	}
+	return nil
+}
+
 // caseCollisions walks the struct types root reaches and lists the JSON names of a struct that are equal
 // without case.
-func caseCollisions(root reflect.Type) (structs int, collisions []string) {
+func caseCollisions(root reflect.Type) (structs []reflect.Type, collisions []string) {
 	seen := map[reflect.Type]bool{}
 	var walk func(reflect.Type)
 	// names adds the JSON names of struct type st to out, following embedded and inline fields.
@@ -146,7 +185,7 @@ func caseCollisions(root reflect.Type) (structs int, collisions []string) {
 			return
 		}
 		seen[typ] = true
-		structs++
+		structs = append(structs, typ)
 		out := map[string][]string{}
 		names(typ, out)
 		for key, fields := range out {

@@ -3,6 +3,8 @@ package podindex
 import (
 	"context"
 	"fmt"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -10,6 +12,7 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 
+	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
 )
 
@@ -59,34 +62,155 @@ func TestCatchingUpWritesTheSnapshotOnceCaughtUp(t *testing.T) {
 		last = publish(t, b, testNode, action, batch...)
 	}
 
-	var mu sync.Mutex
-	podWrites, appliedWrites := 0, 0
-	ctx, cancel := context.WithCancel(t.Context())
-	defer cancel()
-	subscribed := make(chan error, 1)
-	go func() {
-		subscribed <- b.Subscribe(ctx, "$KV."+SnapshotBucket+"."+events.NodeToken(testNode)+".>", func(subject string, _ []byte) {
-			mu.Lock()
-			defer mu.Unlock()
-			if strings.HasSuffix(subject, ".applied") {
-				appliedWrites++
-			} else {
-				podWrites++
-			}
-		})
-	}()
-	time.Sleep(100 * time.Millisecond) // the subscription is in place before the index starts
-
+	w := watchSnapshot(t, b)
 	s, stop := startService(t, b, Config{Node: testNode, FlushInterval: 10 * time.Millisecond,
 		FlushEvents: 1 << 30, FlushMaxDelay: time.Hour})
 	defer stop()
 	waitFor(t, "all applied", func() bool { return s.State().Applied() >= last })
 	waitFor(t, "the snapshot written once caught up", func() bool { return s.flushedSeq() >= last })
-	mu.Lock()
-	defer mu.Unlock()
+	podWrites, applied := w.writes()
+	appliedWrites := len(applied)
 	if podWrites > 2*pods || podWrites < pods || appliedWrites == 0 {
 		t.Fatalf("catching up over %d events wrote %d pod records and %d applied sequences; want %d to %d pod records",
 			10*pods, podWrites, appliedWrites, pods, 2*pods)
 	}
 	t.Logf("%d pod records, %d applied sequences written", podWrites, appliedWrites)
+}
+
+// snapshotWrites records the snapshot bucket's writes for testNode as the server sees them.
+type snapshotWrites struct {
+	mu      sync.Mutex
+	pods    int      // pod records written or deleted
+	applied []uint64 // the applied sequences written, in order
+}
+
+// watchSnapshot subscribes to the snapshot bucket's subjects of testNode (in place when it returns) until the
+// test ends.
+func watchSnapshot(t *testing.T, b *bus.Bus) *snapshotWrites {
+	t.Helper()
+	sub, err := b.SubscribeSync(t.Context(), "$KV."+SnapshotBucket+"."+events.NodeToken(testNode)+".>")
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := &snapshotWrites{}
+	done := make(chan struct{})
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(func() { cancel(); <-done; sub.Close() })
+	go func() {
+		defer close(done)
+		for {
+			subject, data, err := sub.Next(ctx)
+			if err != nil {
+				return
+			}
+			w.mu.Lock()
+			if strings.HasSuffix(subject, ".applied") {
+				seq, err := strconv.ParseUint(string(data), 10, 64)
+				if err != nil {
+					t.Errorf("applied sequence %q: %v", data, err)
+				}
+				w.applied = append(w.applied, seq)
+			} else {
+				w.pods++
+			}
+			w.mu.Unlock()
+		}
+	}()
+	return w
+}
+
+func (w *snapshotWrites) writes() (pods int, applied []uint64) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.pods, slices.Clone(w.applied)
+}
+
+// TestConfirmOnlyFlush: a flush that does not write the snapshot (the index is catching up) still confirms
+// the registration events published since the last one and empties their queue, writes nothing to the
+// snapshot bucket and leaves the changed pods dirty, so the next write stores them.
+func TestConfirmOnlyFlush(t *testing.T) {
+	b := startBus(t)
+	w := watchSnapshot(t, b)
+	s, stop := startService(t, b, Config{Node: testNode, FlushInterval: time.Hour, FlushEvents: 1 << 30, FlushMaxDelay: time.Hour})
+	defer stop()
+	last := publish(t, b, testNode, events.ActionAdded,
+		testPod("ns", "a", "uid-a", []string{"s1", "s2"}, []string{"c1"}, "img:1"),
+		testPod("ns", "b", "uid-b", []string{"s1"}, nil, "img:1"))
+	waitFor(t, "applied", func() bool { return s.State().Applied() >= last })
+	s.mu.Lock()
+	queued := 0
+	for _, pe := range s.pending {
+		queued += len(pe.evs)
+	}
+	s.mu.Unlock()
+	if queued != 3 { // s1, s2 and c1 registered
+		t.Fatalf("%d registration events queued, want 3", queued)
+	}
+
+	if err := s.flush(t.Context(), false); err != nil {
+		t.Fatal(err)
+	}
+	s.mu.Lock()
+	left := len(s.pending)
+	s.mu.Unlock()
+	if left != 0 {
+		t.Fatalf("%d queued publishes left after a confirm-only flush", left)
+	}
+	if got := refEvents(t, b); len(got) != 3 {
+		t.Fatalf("registration events stored: %v, want 3", got)
+	}
+	if s.flushedSeq() != 0 {
+		t.Fatalf("a confirm-only flush moved the snapshot to %d", s.flushedSeq())
+	}
+	time.Sleep(50 * time.Millisecond) // a write would have reached the subscription by now
+	if pods, applied := w.writes(); pods != 0 || len(applied) != 0 {
+		t.Fatalf("a confirm-only flush wrote %d pod records and applied sequences %v", pods, applied)
+	}
+
+	if err := s.Flush(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the snapshot written", func() bool {
+		pods, applied := w.writes()
+		return pods == 2 && len(applied) == 1 && applied[0] == last
+	})
+}
+
+// TestDeadLetterWritesTheSnapshotWhileCatchingUp: a dead letter forces a snapshot write even while the index
+// is catching up (no FlushEvents or FlushMaxDelay write can come), so a crash after it does not dead-letter
+// the same event again: the snapshot passes the dead letter's sequence long before the index catches up.
+func TestDeadLetterWritesTheSnapshotWhileCatchingUp(t *testing.T) {
+	b := startBus(t)
+	pod := func(k, round int) *v1.Pod {
+		return testPod("ns", fmt.Sprintf("p-%d", k), fmt.Sprintf("uid-%d", k), []string{"s"}, nil, fmt.Sprintf("img:%d", round))
+	}
+	batch := func(round int) []*v1.Pod {
+		out := make([]*v1.Pod, 1000)
+		for k := range out {
+			out[k] = pod(k, round)
+		}
+		return out
+	}
+	publish(t, b, testNode, events.ActionAdded, batch(0)...)
+	deadSeq, err := b.PublishMsgs(t.Context(), []bus.RawMsg{{
+		Subject: events.EventSubject(testNode, events.EntityPod, events.ActionAdded), Data: []byte(`{"metadata":`)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var last uint64
+	for round := 1; round <= 20; round++ {
+		last = publish(t, b, testNode, events.ActionUpdated, batch(round)...)
+	}
+
+	w := watchSnapshot(t, b)
+	s, stop := startService(t, b, Config{Node: testNode, FlushInterval: 10 * time.Millisecond,
+		FlushEvents: 1 << 30, FlushMaxDelay: time.Hour})
+	defer stop()
+	waitFor(t, "all applied", func() bool { return s.State().Applied() >= last })
+	_, applied := w.writes()
+	if len(applied) == 0 || applied[0] < deadSeq || applied[0] >= last-catchUpBacklog {
+		t.Fatalf("applied sequences written %v; want the first at or after the dead letter %d and before the "+
+			"index caught up (%d)", applied, deadSeq, last-catchUpBacklog)
+	}
+	t.Logf("dead letter at %d, first snapshot at %d, last event %d", deadSeq, applied[0], last)
 }

@@ -338,7 +338,8 @@ func (s *Service) requestFlush() {
 func (s *Service) flushLoop(ctx context.Context) {
 	tick := time.NewTicker(s.cfg.FlushInterval)
 	defer tick.Stop()
-	failing := false
+	// While NATS is away every flush fails the same way: said once, until a flush succeeds or fails otherwise.
+	saidNotConnected := false
 	for {
 		select {
 		case <-ctx.Done():
@@ -347,15 +348,11 @@ func (s *Service) flushLoop(ctx context.Context) {
 		case <-s.flushNow:
 		}
 		err := s.flush(ctx, s.snapshotDue(time.Now()))
-		switch {
-		case err == nil:
-			failing = false
-		case ctx.Err() != nil:
-		case !failing || !errors.Is(err, errNotConnected):
-			// While NATS is away every flush fails the same way: said once, until one succeeds.
+		notConnected := errors.Is(err, errNotConnected)
+		if err != nil && ctx.Err() == nil && !(notConnected && saidNotConnected) {
 			s.log.Warn("pod index flush failed", "err", err)
-			failing = true
 		}
+		saidNotConnected = notConnected
 	}
 }
 

@@ -365,6 +365,23 @@ func TestDecodePodEvent(t *testing.T) {
 	}
 }
 
+// TestDecodeErrorsNameTheField: a type error names the field by its path, a key with "/" or "~" in it (as
+// label keys have) unescaped from the JSON pointer the decoder reports.
+func TestDecodeErrorsNameTheField(t *testing.T) {
+	subj := events.EventSubject(testNode, events.EntityPod, events.ActionAdded)
+	for body, want := range map[string]string{
+		`{"metadata":{"name":5}}`: `field "metadata.name" must be string, not number`,
+		`{"metadata":{"name":"a","namespace":"ns","uid":"u","labels":{"app.kubernetes.io/na~me":1}}}`: `field "metadata.labels.app.kubernetes.io/na~me" must be string, not number`,
+		`{"spec":{"containers":[{"name":"c"},{"name":true}]}}`:                                        `field "spec.containers.1.name" must be string, not bool`,
+		`{"metadata":`: `invalid JSON at offset 12`,
+	} {
+		_, err := DecodePodEvent(subj, nil, []byte(body))
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("decode %s: error %v, want it to say %s", body, err, want)
+		}
+	}
+}
+
 func FuzzDecodePodEvent(f *testing.F) {
 	f.Add("added", "", []byte(`{"metadata":{"name":"a","namespace":"ns","uid":"u"}}`))
 	f.Add("deleted", "imagefleet.pod.deleted.v1", []byte(`{"kind":"Pod","apiVersion":"v1","metadata":{"name":"a","namespace":"ns","uid":"u"},"spec":{"containers":[{"name":"c","image":"x"}]}}`))
