@@ -239,7 +239,7 @@ func TestStartServerOnAPortInUseFailsAtOnce(t *testing.T) {
 // pod index's backlog), counting only the filter's subjects.
 func TestTailReportsPending(t *testing.T) {
 	_, b := bustest.Start(t)
-	ctx, cancel := context.WithCancel(t.Context())
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second) // a missing message fails, not hangs
 	defer cancel()
 	var msgs []bus.RawMsg
 	for i := range 6 {
@@ -263,6 +263,9 @@ func TestTailReportsPending(t *testing.T) {
 	})
 	if err != nil {
 		t.Fatal(err)
+	}
+	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		t.Fatalf("tail delivered %d of 3 messages in 30s", len(pending))
 	}
 	if want := []uint64{2, 1, 0}; fmt.Sprint(pending) != fmt.Sprint(want) {
 		t.Fatalf("pending %v, want %v", pending, want)
