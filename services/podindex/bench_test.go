@@ -9,6 +9,8 @@ import (
 	"os"
 	"runtime"
 	"runtime/pprof"
+	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -119,21 +121,25 @@ func startPhaseProfile(b *testing.B) func() {
 
 // BenchmarkEndToEnd publishes pod events to a real embedded nats-server and waits until the pod index applied
 // the last one; the raw figure is the same messages published to another subject of the same stream, with
-// no consumer, in the same run.
+// no consumer, in the same run, and the tail figure the same messages again, published to a third subject
+// and read back by an ordered consumer that does nothing with them (publish and consume, no pod index).
 func BenchmarkEndToEnd(b *testing.B) {
 	for _, n := range []int{10000, 100000} {
 		b.Run(fmt.Sprintf("events=%d", n), func(b *testing.B) {
-			var rawRate, e2eRate, rawCPU, e2eCPU, kvWrites, e2eAllocs, e2eBytes float64
+			var rawRate, tailRate, e2eRate, rawCPU, tailCPU, e2eCPU, kvWrites, e2eAllocs, e2eBytes float64
 			for range b.N {
 				b.StopTimer()
 				srv, bb := bustest.Start(b)
 				sb := bustest.Connect(b, srv) // the index has its own connection, as in its own process
 				msgs := benchMsgs(b, "bench-node", n)
-				raw := make([]bus.RawMsg, n)
+				raw, tailed := make([]bus.RawMsg, n), make([]bus.RawMsg, n)
 				for i, m := range msgs {
 					m.Subject = events.EventSubject("bench-raw", events.EntityPod, "raw")
 					m.MsgID = "raw-" + m.MsgID
 					raw[i] = m
+					m.Subject = events.EventSubject("bench-tail", events.EntityPod, msgs[i].Subject[strings.LastIndexByte(msgs[i].Subject, '.')+1:])
+					m.MsgID = "tail-" + msgs[i].MsgID
+					tailed[i] = m
 				}
 				s, err := New(Config{Node: "bench-node", Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}, sb)
 				if err != nil {
@@ -149,6 +155,30 @@ func BenchmarkEndToEnd(b *testing.B) {
 				publishAll(b, bb, raw)
 				rawRate = float64(n) / time.Since(start).Seconds()
 				rawCPU = (cpuTime(b) - cpu).Seconds() * 1e6 / float64(n)
+
+				// Publish and tail: the same messages read back by an ordered consumer on the index's
+				// connection that only counts them: the floor of the end-to-end phase in this run, before
+				// any decoding or applying.
+				tailCtx, tailStop := context.WithCancel(context.Background())
+				var tailedSeq atomic.Uint64
+				tailDone := make(chan error, 1)
+				go func() {
+					tailDone <- sb.Tail(tailCtx, events.EventsStream, events.PodEventSubjects("bench-tail"), 0, func(m bus.StreamMsg) error {
+						tailedSeq.Store(m.Seq)
+						return nil
+					})
+				}()
+				start, cpu = time.Now(), cpuTime(b)
+				lastTailed := publishAll(b, bb, tailed)
+				for tailedSeq.Load() < lastTailed {
+					time.Sleep(time.Millisecond)
+				}
+				tailRate = float64(n) / time.Since(start).Seconds()
+				tailCPU = (cpuTime(b) - cpu).Seconds() * 1e6 / float64(n)
+				tailStop()
+				if err := <-tailDone; err != nil {
+					b.Fatal(err)
+				}
 
 				stopProfile := startPhaseProfile(b)
 				var m0, m1 runtime.MemStats
@@ -183,10 +213,13 @@ func BenchmarkEndToEnd(b *testing.B) {
 			b.ReportMetric(e2eRate, "events/s")
 			b.ReportMetric(rawRate, "raw-events/s")
 			b.ReportMetric(e2eRate/rawRate*100, "%-of-raw")
+			b.ReportMetric(tailRate, "tail-events/s")
+			b.ReportMetric(e2eRate/tailRate*100, "%-of-tail")
 			// The process's CPU time (server, producer and index together) per event: steadier than the rates
 			// on a shared machine.
 			b.ReportMetric(e2eCPU, "cpu-µs/event")
 			b.ReportMetric(rawCPU, "raw-cpu-µs/event")
+			b.ReportMetric(tailCPU, "tail-cpu-µs/event")
 			// The process's allocations per event in the end-to-end phase (server, producer and index).
 			b.ReportMetric(e2eAllocs, "allocs/event")
 			b.ReportMetric(e2eBytes, "B/event")
