@@ -295,6 +295,8 @@ func (b *Bus) handle(ctx context.Context, cfg ConsumerConfig, jm jetstream.Msg, 
 	default:
 		countHandled(cfg.Durable, "nak", err)
 		delay := cfg.Backoff[min(int(m.NumDelivered)-1, len(cfg.Backoff)-1)]
+		log.Warn("handler failed; redelivering", "attempt", m.NumDelivered, "max_deliver", cfg.MaxDeliver,
+			"delay", delay, "err", err)
 		_ = jm.NakWithDelay(delay)
 	}
 }
