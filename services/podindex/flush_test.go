@@ -2,6 +2,7 @@ package podindex
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"strconv"
@@ -147,6 +148,17 @@ func TestConfirmOnlyFlush(t *testing.T) {
 		t.Fatalf("%d registration events queued, want 3", queued)
 	}
 
+	// And one whose asynchronous publish never went out (nil: as when PublishAsync failed): the confirming
+	// flush publishes it.
+	lost, err := events.New(testNode, events.EntitySecret, events.ActionRegistered,
+		events.RefChange{Kind: events.KindSecret, Namespace: "ns", Name: "lost", Count: 1, PodUID: "uid-a", PodName: "a"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.mu.Lock()
+	s.pending = append(s.pending, pendingEvents{evs: []events.Event{lost}})
+	s.mu.Unlock()
+
 	if err := s.flush(t.Context(), false); err != nil {
 		t.Fatal(err)
 	}
@@ -156,8 +168,8 @@ func TestConfirmOnlyFlush(t *testing.T) {
 	if left != 0 {
 		t.Fatalf("%d queued publishes left after a confirm-only flush", left)
 	}
-	if got := refEvents(t, b); len(got) != 3 {
-		t.Fatalf("registration events stored: %v, want 3", got)
+	if got := refEvents(t, b); len(got) != 4 || !contains(got, "secret.registered ns/lost") {
+		t.Fatalf("registration events stored: %v, want 4 with ns/lost", got)
 	}
 	if s.flushedSeq() != 0 {
 		t.Fatalf("a confirm-only flush moved the snapshot to %d", s.flushedSeq())
@@ -213,4 +225,32 @@ func TestDeadLetterWritesTheSnapshotWhileCatchingUp(t *testing.T) {
 			"index caught up (%d)", applied, deadSeq, last-catchUpBacklog)
 	}
 	t.Logf("dead letter at %d, first snapshot at %d, last event %d", deadSeq, applied[0], last)
+}
+
+// TestSayFlushError: while NATS is away every flush fails with "not connected", said once until a flush
+// succeeds or fails otherwise; nothing is said while shutting down.
+func TestSayFlushError(t *testing.T) {
+	notConnected := fmt.Errorf("flush: %w", errNotConnected)
+	other := errors.New("kv write: timeout")
+	said := false
+	for i, step := range []struct {
+		err          error
+		shuttingDown bool
+		wantSay      bool
+	}{
+		{notConnected, false, true},
+		{notConnected, false, false},
+		{other, false, true},
+		{notConnected, false, true}, // after another error, said again
+		{notConnected, false, false},
+		{nil, false, false},
+		{notConnected, false, true}, // a new outage
+		{other, true, false},        // shutting down
+	} {
+		var say bool
+		say, said = sayFlushError(step.err, step.shuttingDown, said)
+		if say != step.wantSay {
+			t.Errorf("step %d (%v, shutting down %v): say = %v, want %v", i, step.err, step.shuttingDown, say, step.wantSay)
+		}
+	}
 }

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -51,7 +52,8 @@ type Service struct {
 	writeNow  bool      // a dead letter asks for the next flush to write the snapshot
 
 	// backlog is how many of the node's pod events followed the last applied one in the stream when it was
-	// delivered: the index is catching up while it is over catchUpBacklog.
+	// delivered: the index is catching up while it is over catchUpBacklog. Unknown until the first event is
+	// delivered: MaxUint64, catching up (a flush before then must not write a snapshot the replay overtakes).
 	backlog atomic.Uint64
 
 	flushNow chan struct{}
@@ -78,8 +80,10 @@ func New(cfg Config, b *bus.Bus) (*Service, error) {
 	for _, a := range []string{events.ActionAdded, events.ActionUpdated, events.ActionDeleted} {
 		applied[a] = eventsApplied.WithLabelValues(cfg.Node, a)
 	}
-	return &Service{cfg: cfg, bus: b, state: NewState(), log: cfg.Logger.With("worker", "pod-index"),
-		flushNow: make(chan struct{}, 1), ready: make(chan struct{}), applied: applied}, nil
+	s := &Service{cfg: cfg, bus: b, state: NewState(), log: cfg.Logger.With("worker", "pod-index"),
+		flushNow: make(chan struct{}, 1), ready: make(chan struct{}), applied: applied}
+	s.backlog.Store(math.MaxUint64)
+	return s, nil
 }
 
 // State is the in-memory index (for tests and benchmarks; queries go over NATS).
@@ -348,12 +352,19 @@ func (s *Service) flushLoop(ctx context.Context) {
 		case <-s.flushNow:
 		}
 		err := s.flush(ctx, s.snapshotDue(time.Now()))
-		notConnected := errors.Is(err, errNotConnected)
-		if err != nil && ctx.Err() == nil && !(notConnected && saidNotConnected) {
+		var say bool
+		if say, saidNotConnected = sayFlushError(err, ctx.Err() != nil, saidNotConnected); say {
 			s.log.Warn("pod index flush failed", "err", err)
 		}
-		saidNotConnected = notConnected
 	}
+}
+
+// sayFlushError decides whether a flush's error is logged: not when shutting down, and "not connected" only
+// the first time in a row (NATS is away: every flush fails so until it is back). It returns whether this
+// error is a "not connected" already said, for the next call.
+func sayFlushError(err error, shuttingDown, saidNotConnected bool) (say, said bool) {
+	notConnected := errors.Is(err, errNotConnected)
+	return err != nil && !shuttingDown && !(notConnected && saidNotConnected), notConnected
 }
 
 // catchUpBacklog is the backlog (events after the last applied one) over which the index is catching up.
