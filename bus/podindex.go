@@ -162,6 +162,14 @@ func (b *Bus) DeadLetterMsg(ctx context.Context, stream, consumer string, m Stre
 // sequence fn accepted) and resumes from it after an error or a restart. A connection error is returned
 // (wrapped) so the caller resumes from its position.
 func (b *Bus) Tail(ctx context.Context, stream, filter string, startSeq uint64, fn func(StreamMsg) error) error {
+	return b.TailFrom(ctx, stream, filter, startSeq, nil, fn)
+}
+
+// TailFrom is Tail that first calls onStart (when not nil) with how many messages matching filter the
+// stream held from startSeq on when the consumer was made: 0 means the reader is caught up before any
+// message arrives. It is called again each time Tail is called, not when the ordered consumer is remade
+// inside one call.
+func (b *Bus) TailFrom(ctx context.Context, stream, filter string, startSeq uint64, onStart func(pending uint64), fn func(StreamMsg) error) error {
 	occ := jetstream.OrderedConsumerConfig{}
 	if filter != "" {
 		occ.FilterSubjects = []string{filter}
@@ -180,6 +188,13 @@ func (b *Bus) Tail(ctx context.Context, stream, filter string, startSeq uint64, 
 	it, err := cons.Messages(jetstream.PullMaxMessages(2048))
 	if err != nil {
 		return fmt.Errorf("tail %s: %w", stream, err)
+	}
+	if onStart != nil {
+		var pending uint64
+		if info := cons.CachedInfo(); info != nil {
+			pending = info.NumPending
+		}
+		onStart(pending)
 	}
 	done := make(chan struct{})
 	stopped := make(chan struct{})

@@ -70,9 +70,20 @@ type PodsQuery struct {
 	Name      string `json:"name,omitempty"`
 	// Orphaned lists the orphaned mirror pods only (mirror pods with no static pod of the same full name).
 	Orphaned bool `json:"orphaned,omitempty"`
-	// Limit caps the pods and mirror pods of a full listing (0: no cap).
-	Limit int `json:"limit,omitempty"`
+	// Source keeps, in a listing, only the pods whose kubernetes.io/config.source annotation is Source
+	// ("file": the static pods of the manifest directory).
+	Source string `json:"source,omitempty"`
+	// A listing is one sequence: the pods, then the mirror pods, each sorted. Offset skips its first Offset
+	// entries; Limit caps the entries of the reply (0: no cap). A reply also stops before MaxPodsPageBytes
+	// of pod JSON, so it always fits a NATS message: PodsReply.Truncated then says more follow, from
+	// PodsReply.Next.
+	Offset int `json:"offset,omitempty"`
+	Limit  int `json:"limit,omitempty"`
 }
+
+// MaxPodsPageBytes is the pod JSON one PodsReply carries at most (a single pod over it is sent alone): half
+// of NATS's default max_payload, leaving room for the rest of the reply.
+const MaxPodsPageBytes = 512 << 10
 
 // Validate checks the query.
 func (q PodsQuery) Validate() error {
@@ -95,6 +106,12 @@ func (q PodsQuery) Validate() error {
 	if q.Limit < 0 {
 		return fmt.Errorf("limit %d must not be negative", q.Limit)
 	}
+	if q.Offset < 0 {
+		return fmt.Errorf("offset %d must not be negative", q.Offset)
+	}
+	if (q.UID != "" || q.Name != "") && (q.Source != "" || q.Offset != 0 || q.Limit != 0) {
+		return fmt.Errorf("source, offset and limit apply to a listing, not to a selected pod")
+	}
 	return nil
 }
 
@@ -112,9 +129,11 @@ type PodsReply struct {
 	MirrorToPod map[string]string `json:"mirrorToPod"`
 	// PodToMirror maps each static pod UID to its mirror pod UID, "" when it has none.
 	PodToMirror map[string]string `json:"podToMirror"`
-	// Total is the number of non-mirror pods in the index; Truncated says Limit cut the listing.
+	// Total is the number of non-mirror pods in the index. Truncated says the listing goes on past this
+	// reply (Limit or MaxPodsPageBytes cut it): ask again with Offset = Next.
 	Total     int  `json:"total"`
 	Truncated bool `json:"truncated,omitempty"`
+	Next      int  `json:"next,omitempty"`
 	// AppliedSeq is the stream sequence of the last pod event the index applied.
 	AppliedSeq uint64 `json:"appliedSeq"`
 }

@@ -18,6 +18,9 @@ func (s *Service) HandlePods(_ context.Context, data []byte) (any, error) {
 	if err := events.DecodeStrict(data, &q); err != nil {
 		return nil, err
 	}
+	if err := s.errCatchingUp(); err != nil {
+		return nil, err
+	}
 	return s.state.Pods(s.cfg.Node, q)
 }
 
@@ -25,6 +28,9 @@ func (s *Service) HandlePods(_ context.Context, data []byte) (any, error) {
 func (s *Service) HandleRefs(_ context.Context, data []byte) (any, error) {
 	var q struct{}
 	if err := events.DecodeStrict(data, &q); err != nil {
+		return nil, err
+	}
+	if err := s.errCatchingUp(); err != nil {
 		return nil, err
 	}
 	applied := s.state.Applied()
@@ -35,6 +41,9 @@ func (s *Service) HandleRefs(_ context.Context, data []byte) (any, error) {
 func (s *Service) HandleInUse(_ context.Context, data []byte) (any, error) {
 	var q struct{}
 	if err := events.DecodeStrict(data, &q); err != nil {
+		return nil, err
+	}
+	if err := s.errCatchingUp(); err != nil {
 		return nil, err
 	}
 	return events.InUseReply{Node: s.cfg.Node, Images: s.state.InUseImages()}, nil
@@ -80,29 +89,68 @@ func (s *State) Pods(node string, q events.PodsQuery) (events.PodsReply, error) 
 			}
 		}
 	default:
-		pods, mpods = all, mirrors
+		pods, mpods = fromSource(all, q.Source), fromSource(mirrors, q.Source)
 	}
 	sortPods(pods)
 	sortPods(mpods)
-	if q.Limit > 0 {
-		if len(pods) > q.Limit {
-			pods, rep.Truncated = pods[:q.Limit], true
-		}
-		if len(mpods) > q.Limit {
-			mpods, rep.Truncated = mpods[:q.Limit], true
-		}
-	}
 	var err error
-	if rep.Pods, err = rawPods(s.Index, pods); err != nil {
+	if rep.Pods, rep.MirrorPods, rep.Next, err = page(s.Index, pods, mpods, q.Offset, q.Limit); err != nil {
 		return events.PodsReply{}, err
 	}
-	if rep.MirrorPods, err = rawPods(s.Index, mpods); err != nil {
-		return events.PodsReply{}, err
+	if rep.Next < len(pods)+len(mpods) {
+		rep.Truncated = true
+	} else {
+		rep.Next = 0
 	}
 	if orphans != nil {
 		rep.OrphanedMirrorPods = orphans
 	}
 	return rep, nil
+}
+
+// fromSource keeps the pods whose config.source annotation is source (all of them for "").
+func fromSource(pods []*v1.Pod, source string) []*v1.Pod {
+	if source == "" {
+		return pods
+	}
+	out := pods[:0:0]
+	for _, p := range pods {
+		if p.Annotations[ConfigSourceAnnotationKey] == source {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+// page returns the JSON of the listing pods-then-mirrors from offset on: at most limit entries (0: no cap)
+// and, past the first, no more than events.MaxPodsPageBytes of JSON. next is the offset after the last one.
+func page(ix *Index, pods, mirrors []*v1.Pod, offset, limit int) (podJSON, mirrorJSON []json.RawMessage, next int, err error) {
+	podJSON, mirrorJSON = []json.RawMessage{}, []json.RawMessage{}
+	size := 0
+	for next = offset; next < len(pods)+len(mirrors); next++ {
+		if limit > 0 && next-offset == limit {
+			break
+		}
+		p, mirror := (*v1.Pod)(nil), next >= len(pods)
+		if mirror {
+			p = mirrors[next-len(pods)]
+		} else {
+			p = pods[next]
+		}
+		raw, err := rawPod(ix, p)
+		if err != nil {
+			return nil, nil, 0, err
+		}
+		if size += len(raw); size > events.MaxPodsPageBytes && next > offset {
+			break
+		}
+		if mirror {
+			mirrorJSON = append(mirrorJSON, raw)
+		} else {
+			podJSON = append(podJSON, raw)
+		}
+	}
+	return podJSON, mirrorJSON, next, nil
 }
 
 func uidMap(m map[types.UID]types.UID) map[string]string {
@@ -126,19 +174,14 @@ func sortPods(pods []*v1.Pod) {
 	})
 }
 
-// rawPods returns each pod's JSON as received when the index has it (no re-encoding).
-func rawPods(ix *Index, pods []*v1.Pod) ([]json.RawMessage, error) {
-	out := make([]json.RawMessage, 0, len(pods))
-	for _, p := range pods {
-		if e, ok := ix.get(p.UID); ok && e.pod == p && e.raw != nil {
-			out = append(out, e.raw)
-			continue
-		}
-		raw, err := json.Marshal(p)
-		if err != nil {
-			return nil, fmt.Errorf("encode pod %s: %w", p.UID, err)
-		}
-		out = append(out, raw)
+// rawPod is the JSON of one pod: as received when the index has it, else encoded.
+func rawPod(ix *Index, p *v1.Pod) (json.RawMessage, error) {
+	if e, ok := ix.get(p.UID); ok && e.pod == p && e.raw != nil {
+		return e.raw, nil
 	}
-	return out, nil
+	raw, err := json.Marshal(p)
+	if err != nil {
+		return nil, fmt.Errorf("encode pod %s: %w", p.UID, err)
+	}
+	return raw, nil
 }

@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"math"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -58,6 +59,11 @@ type Service struct {
 
 	flushNow chan struct{}
 	ready    chan struct{}
+	// caughtUp is set once the index applied every event its stream held when it started (catchUpLeft
+	// counts them down); until then the queries answer CatchingUpText, not a state missing those events.
+	caughtUp    atomic.Bool
+	catchUpLeft atomic.Int64
+	readyOnce   sync.Once
 
 	applied map[string]prometheus.Counter // eventsApplied of this node, by action
 }
@@ -89,7 +95,8 @@ func New(cfg Config, b *bus.Bus) (*Service, error) {
 // State is the in-memory index (for tests and benchmarks; queries go over NATS).
 func (s *Service) State() *State { return s.state }
 
-// Ready is closed once the snapshot is loaded and the queries are served.
+// Ready is closed once the snapshot is loaded, the index has applied the events its stream held when it
+// started, and the queries are answered.
 func (s *Service) Ready() <-chan struct{} { return s.ready }
 
 // Run loads the snapshot, answers the pods, refs and inuse queries, applies the node's pod events until ctx
@@ -132,7 +139,6 @@ func (s *Service) Run(ctx context.Context) error {
 		defer wg.Done()
 		s.flushLoop(ctx)
 	}()
-	close(s.ready)
 
 	err = s.tailLoop(ctx, errs)
 	wg.Wait()
@@ -229,7 +235,13 @@ func (s *Service) tailOnce(ctx context.Context) error {
 	}()
 
 	next := 0
-	tailErr := s.bus.Tail(tctx, events.EventsStream, events.PodEventSubjects(s.cfg.Node), s.state.Applied()+1,
+	onStart := func(pending uint64) {
+		s.catchUpLeft.Store(int64(min(pending, math.MaxInt64)))
+		if pending == 0 {
+			s.markCaughtUp()
+		}
+	}
+	tailErr := s.bus.TailFrom(tctx, events.EventsStream, events.PodEventSubjects(s.cfg.Node), s.state.Applied()+1, onStart,
 		func(m bus.StreamMsg) error {
 			select {
 			case in[next] <- m:
@@ -256,13 +268,59 @@ func (s *Service) tailOnce(ctx context.Context) error {
 // tail, which resumes at the same event.
 func (s *Service) handleDecoded(d decoded) error {
 	if d.m.Seq != 0 && d.m.Seq <= s.state.Applied() {
+		s.countCaughtUp(d.m.Pending)
 		return nil // already applied (a resumed tail)
 	}
 	s.backlog.Store(d.m.Pending)
+	var err error
 	if d.err != nil {
-		return s.Reject(d.m, d.err)
+		err = s.Reject(d.m, d.err)
+	} else {
+		err = s.Apply(d.m.Seq, d.ev)
 	}
-	return s.Apply(d.m.Seq, d.ev)
+	if err == nil {
+		s.countCaughtUp(d.m.Pending)
+	}
+	return err
+}
+
+// countCaughtUp counts one handled event towards catching up: the index is caught up once it handled as
+// many as its stream held when the tail started, or an event had none after it.
+func (s *Service) countCaughtUp(pending uint64) {
+	if s.caughtUp.Load() {
+		return
+	}
+	if s.catchUpLeft.Add(-1) <= 0 || pending == 0 {
+		s.markCaughtUp()
+	}
+}
+
+// markCaughtUp opens the queries and closes Ready.
+func (s *Service) markCaughtUp() {
+	s.readyOnce.Do(func() {
+		s.caughtUp.Store(true)
+		pods, mirrors := s.state.Index.Len()
+		s.log.Info("pod index caught up", "pods", pods, "mirror_pods", mirrors, "applied_seq", s.state.Applied())
+		close(s.ready)
+	})
+}
+
+// CatchingUpText is the error the queries answer until the index has applied the events its stream held
+// when it started: a state without them could say a pod is absent (so its images unused) when it is not.
+const CatchingUpText = "the pod index is catching up with its events"
+
+// errCatchingUp is the queries' answer before the index caught up.
+func (s *Service) errCatchingUp() error {
+	if s.caughtUp.Load() {
+		return nil
+	}
+	return fmt.Errorf("%s (applied up to stream sequence %d, %d events to go)", CatchingUpText,
+		s.state.Applied(), max(s.catchUpLeft.Load(), 0))
+}
+
+// IsCatchingUp reports whether err is a query's answer from a pod index that has not caught up yet.
+func IsCatchingUp(err error) bool {
+	return errors.Is(err, bus.ErrRemote) && strings.Contains(err.Error(), CatchingUpText)
 }
 
 // Reject dead-letters a malformed event with its reason, counts it and moves past it.

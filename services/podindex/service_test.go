@@ -4,7 +4,9 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -473,4 +475,146 @@ func refEvents(t testing.TB, b *bus.Bus) []string {
 		}
 	}
 	return out
+}
+
+// TestPodsListingPages: a listing is the pods, then the mirror pods, each sorted; Offset and Limit page
+// through it, and a page stops before events.MaxPodsPageBytes of pod JSON, so paging with Next returns
+// every pod once, in order; Source keeps the pods of one config source.
+func TestPodsListingPages(t *testing.T) {
+	st := NewState()
+	note := strings.Repeat("n", 4000)
+	var seq uint64
+	var want []string
+	for k := range 300 {
+		p := testPod("ns", fmt.Sprintf("p-%03d", k), fmt.Sprintf("uid-%03d", k), nil, nil, "img:1")
+		p.Annotations = map[string]string{"note": note}
+		if k%100 == 0 {
+			p.Annotations[ConfigSourceAnnotationKey] = FileSource
+		}
+		seq++
+		st.Apply(seq, PodEvent{Action: events.ActionAdded, Pod: p})
+		want = append(want, p.Name)
+	}
+	for k := range 3 {
+		m := testPod("ns", fmt.Sprintf("m-%d", k), fmt.Sprintf("uid-m-%d", k), nil, nil, "img:1")
+		m.Annotations = map[string]string{ConfigMirrorAnnotationKey: "h"}
+		seq++
+		st.Apply(seq, PodEvent{Action: events.ActionAdded, Pod: m})
+		want = append(want, m.Name)
+	}
+	names := func(rep events.PodsReply) []string {
+		var out []string
+		for _, raw := range append(append([]json.RawMessage{}, rep.Pods...), rep.MirrorPods...) {
+			var p v1.Pod
+			if err := json.Unmarshal(raw, &p); err != nil {
+				t.Fatal(err)
+			}
+			out = append(out, p.Name)
+		}
+		return out
+	}
+
+	var got []string
+	pages := 0
+	for q := (events.PodsQuery{}); ; pages++ {
+		rep, err := st.Pods(testNode, q)
+		if err != nil {
+			t.Fatal(err)
+		}
+		size := 0
+		for _, raw := range append(append([]json.RawMessage{}, rep.Pods...), rep.MirrorPods...) {
+			size += len(raw)
+		}
+		if size > events.MaxPodsPageBytes {
+			t.Fatalf("page %d carries %d bytes of pods, over %d", pages, size, events.MaxPodsPageBytes)
+		}
+		got = append(got, names(rep)...)
+		if !rep.Truncated {
+			if rep.Next != 0 {
+				t.Fatalf("last page says next %d", rep.Next)
+			}
+			break
+		}
+		if rep.Next != q.Offset+len(rep.Pods)+len(rep.MirrorPods) {
+			t.Fatalf("next %d after offset %d and %d entries", rep.Next, q.Offset, len(rep.Pods)+len(rep.MirrorPods))
+		}
+		q.Offset = rep.Next
+	}
+	if pages < 2 || !slices.Equal(got, want) {
+		t.Fatalf("%d pages gave %d entries, want every one of %d once and in order (pods, then mirror pods)", pages+1, len(got), len(want))
+	}
+
+	rep, err := st.Pods(testNode, events.PodsQuery{Offset: 298, Limit: 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if g := names(rep); !slices.Equal(g, []string{"p-298", "p-299", "m-0"}) || !rep.Truncated || rep.Next != 301 {
+		t.Fatalf("offset 298 limit 3: %v truncated %v next %d", g, rep.Truncated, rep.Next)
+	}
+	rep, err = st.Pods(testNode, events.PodsQuery{Source: FileSource})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if g := names(rep); !slices.Equal(g, []string{"p-000", "p-100", "p-200"}) || rep.Truncated {
+		t.Fatalf("source file: %v truncated %v", g, rep.Truncated)
+	}
+	for _, bad := range []events.PodsQuery{{Offset: -1}, {UID: "u", Offset: 1}, {Namespace: "ns", Name: "a", Source: "file"}} {
+		if bad.Validate() == nil {
+			t.Errorf("query %+v accepted", bad)
+		}
+	}
+}
+
+// TestQueriesWaitForCatchUp: until the index has applied the events its stream held when it started, the
+// queries answer that it is catching up (GC then removes nothing rather than trust a state missing pods);
+// once Ready, they answer with every one of those events applied.
+func TestQueriesWaitForCatchUp(t *testing.T) {
+	b := startBus(t)
+	var pods []*v1.Pod
+	for k := range 3000 {
+		pods = append(pods, testPod("ns", fmt.Sprintf("p-%d", k), fmt.Sprintf("uid-%d", k), nil, nil, fmt.Sprintf("img:%d", k)))
+	}
+	last := publish(t, b, testNode, events.ActionAdded, pods...)
+
+	s, err := New(Config{Node: testNode}, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, h := range map[string]bus.Handler{"pods": s.HandlePods, "refs": s.HandleRefs, "inuse": s.HandleInUse} {
+		if _, err := h(t.Context(), nil); err == nil || !strings.Contains(err.Error(), CatchingUpText) {
+			t.Fatalf("%s before catching up: %v, want %q", name, err, CatchingUpText)
+		}
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() { done <- s.Run(ctx) }()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	}()
+	// Ask over NATS while it catches up: every answer is either "catching up" or the whole state.
+	for {
+		var inuse events.InUseReply
+		err := b.Request(t.Context(), events.QuerySubject(testNode, events.QryInUse), nil, &inuse)
+		if err == nil {
+			if len(inuse.Images) != len(pods) {
+				t.Fatalf("answered with %d images in use before catching up, want %d", len(inuse.Images), len(pods))
+			}
+			break
+		}
+		if !IsCatchingUp(err) && !errors.Is(err, bus.ErrNoResponders) {
+			t.Fatal(err)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	select {
+	case <-s.Ready():
+	case <-time.After(15 * time.Second):
+		t.Fatal("not ready after 15s")
+	}
+	if s.State().Applied() < last {
+		t.Fatalf("ready at %d, before the last event %d held at start", s.State().Applied(), last)
+	}
 }

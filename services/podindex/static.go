@@ -162,16 +162,25 @@ func (s *StaticSource) resume(ctx context.Context) {
 	if s.req == nil {
 		return
 	}
-	// The index usually starts with the source (same agent): give it a few seconds to answer.
-	rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	// The index usually starts with the source (same agent): give it some time to answer (it answers once
+	// it has caught up with its events). Only the file source's pods are asked for, a page at a time, so a
+	// node with thousands of pods is no bigger a question.
+	rctx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
-	var rep events.PodsReply
+	var pods []json.RawMessage
+	q := events.PodsQuery{Source: FileSource}
 	for {
-		err := s.req.Request(rctx, events.QuerySubject(s.cfg.Node, events.QryPods), events.PodsQuery{}, &rep)
+		var rep events.PodsReply
+		err := s.req.Request(rctx, events.QuerySubject(s.cfg.Node, events.QryPods), q, &rep)
 		if err == nil {
-			break
+			pods = append(pods, rep.Pods...)
+			if !rep.Truncated {
+				break
+			}
+			q.Offset = rep.Next
+			continue
 		}
-		if !errors.Is(err, bus.ErrNoResponders) || rctx.Err() != nil {
+		if !(errors.Is(err, bus.ErrNoResponders) || IsCatchingUp(err)) || rctx.Err() != nil {
 			s.log.Info("static pod source starts without the index's pods", "err", err)
 			return
 		}
@@ -184,7 +193,7 @@ func (s *StaticSource) resume(ctx context.Context) {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	for _, raw := range rep.Pods {
+	for _, raw := range pods {
 		var p v1.Pod
 		if json.Unmarshal(raw, &p) != nil || p.Annotations[ConfigSourceAnnotationKey] != FileSource {
 			continue

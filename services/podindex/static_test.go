@@ -2,6 +2,7 @@ package podindex
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"sort"
@@ -296,4 +297,65 @@ func FuzzDecodeManifest(f *testing.F) {
 			t.Fatalf("the index rejects an accepted manifest's pod event: %v", err)
 		}
 	})
+}
+
+// TestStaticSourceResumesOnABusyNode: a restarted source learns its static pods from the index a page at a
+// time, of file-source pods only, so a node whose pods' JSON is well over NATS's 1 MiB still has a manifest
+// removed while the source was down deleted (one unpaged question failed "over the max payload", and the
+// pod stayed in the index, its secrets registered and its images in use).
+func TestStaticSourceResumesOnABusyNode(t *testing.T) {
+	b := startBus(t)
+	s, stop := startService(t, b, Config{Node: testNode})
+	defer stop()
+	note := strings.Repeat("x", 600)
+	var busy []*v1.Pod
+	for k := range 2500 {
+		p := testPod("apps", fmt.Sprintf("web-%d", k), fmt.Sprintf("uid-web-%d", k), []string{"s"}, nil, "web:1")
+		p.Annotations = map[string]string{"note": note}
+		busy = append(busy, p)
+	}
+	last := publish(t, b, testNode, events.ActionAdded, busy...)
+
+	dir := t.TempDir()
+	for name, body := range map[string]string{"etcd.yaml": etcdYAML, "sched.json": schedJSON} {
+		if err := os.WriteFile(filepath.Join(dir, name), []byte(body), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cfg := StaticConfig{Node: testNode, ManifestPath: dir, ResyncPeriod: time.Hour}
+	first, err := NewStaticSource(cfg, b, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := first.Sync(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	etcdName := "etcd-" + testNode
+	waitFor(t, "the static pods applied", func() bool {
+		_, ok := s.State().Index.GetPodByName("kube-system", etcdName)
+		return ok && s.State().Applied() > last
+	})
+	if rep, err := s.state.Pods(testNode, events.PodsQuery{}); err != nil || !rep.Truncated {
+		t.Fatalf("the whole listing fits one page (truncated %v, err %v): the test needs more pods", rep.Truncated, err)
+	}
+
+	// The source is down; etcd's manifest goes; the source comes back.
+	if err := os.Remove(filepath.Join(dir, "etcd.yaml")); err != nil {
+		t.Fatal(err)
+	}
+	second, err := NewStaticSource(cfg, b, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	second.resume(t.Context())
+	if err := second.Sync(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the removed manifest's pod deleted", func() bool {
+		_, ok := s.State().Index.GetPodByName("kube-system", etcdName)
+		return !ok
+	})
+	if _, ok := s.State().Index.GetPodByName("default", "sched-"+testNode); !ok {
+		t.Fatal("the static pod still in the manifests was deleted")
+	}
 }
