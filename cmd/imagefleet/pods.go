@@ -62,7 +62,7 @@ namespace and name, or a new random UID. apply = added if the index does not hav
 			if err != nil {
 				return err
 			}
-			return publishPods(cmd, node, pods, "", wait)
+			return publishPods(cmd, node, pods, "", false, wait)
 		},
 	}
 	cmd.Flags().StringVar(&node, "node", "", "node name")
@@ -100,7 +100,7 @@ func newPodsDeleteCmd() *cobra.Command {
 					return err
 				}
 			}
-			return publishPods(cmd, node, pods, events.ActionDeleted, wait)
+			return publishPods(cmd, node, pods, events.ActionDeleted, len(args) == 1, wait)
 		},
 	}
 	cmd.Flags().StringVar(&node, "node", "", "node name")
@@ -110,18 +110,18 @@ func newPodsDeleteCmd() *cobra.Command {
 }
 
 func newPodsGetCmd() *cobra.Command {
-	var node, uid string
+	var node, uid, source string
 	var orphaned bool
 	var limit int
 	cmd := &cobra.Command{
-		Use:   "get --node N [NS/NAME | --uid UID | --orphaned]",
+		Use:   "get --node N [NS/NAME | --uid UID | --orphaned | --source SOURCE]",
 		Short: "Print the pods of a node's index (a mirror pod's UID finds its static pod)",
 		Args:  cobra.MaximumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if err := requireNode(node); err != nil {
 				return err
 			}
-			q := events.PodsQuery{UID: uid, Orphaned: orphaned, Limit: limit}
+			q := events.PodsQuery{UID: uid, Orphaned: orphaned, Source: source}
 			if len(args) == 1 {
 				var err error
 				if q.Namespace, q.Name, err = splitNSName(args[0]); err != nil {
@@ -139,8 +139,8 @@ func newPodsGetCmd() *cobra.Command {
 			defer b.Close()
 			rctx, cancel := contextTimeout(ctx)
 			defer cancel()
-			var rep events.PodsReply
-			if err := b.Request(rctx, events.QuerySubject(node, events.QryPods), q, &rep); err != nil {
+			rep, err := listPods(rctx, b, node, q, limit)
+			if err != nil {
 				return fmt.Errorf("pods of %s: %w", node, err)
 			}
 			if jsonOutput() {
@@ -155,8 +155,35 @@ func newPodsGetCmd() *cobra.Command {
 	cmd.Flags().StringVar(&node, "node", "", "node name")
 	cmd.Flags().StringVar(&uid, "uid", "", "pod UID (a mirror pod UID is translated to its static pod)")
 	cmd.Flags().BoolVar(&orphaned, "orphaned", false, "only the orphaned mirror pods")
+	cmd.Flags().StringVar(&source, "source", "", `only the pods of this kubernetes.io/config.source ("file": static pods)`)
 	cmd.Flags().IntVar(&limit, "limit", 0, "at most this many pods and mirror pods (0: all)")
 	return cmd
+}
+
+// listPods asks the pods query page after page (a reply carries at most events.MaxPodsPageBytes of pods)
+// until the listing ends or limit entries (0: no limit) were read, and returns them as one reply.
+func listPods(ctx context.Context, b *bus.Bus, node string, q events.PodsQuery, limit int) (events.PodsReply, error) {
+	var all events.PodsReply
+	for first := true; ; first = false {
+		if limit > 0 && q.UID == "" && q.Name == "" {
+			q.Limit = limit - (len(all.Pods) + len(all.MirrorPods))
+		}
+		var rep events.PodsReply
+		if err := b.Request(ctx, events.QuerySubject(node, events.QryPods), q, &rep); err != nil {
+			return events.PodsReply{}, err
+		}
+		if first {
+			all = rep
+		} else {
+			all.Pods = append(all.Pods, rep.Pods...)
+			all.MirrorPods = append(all.MirrorPods, rep.MirrorPods...)
+			all.Truncated, all.Next = rep.Truncated, rep.Next
+		}
+		if !rep.Truncated || (limit > 0 && len(all.Pods)+len(all.MirrorPods) >= limit) {
+			return all, nil
+		}
+		q.Offset = rep.Next
+	}
 }
 
 func printPods(cmd *cobra.Command, rep events.PodsReply) error {
@@ -268,7 +295,7 @@ func splitYAMLDocs(data []byte) [][]byte {
 
 // publishPods resolves each pod against the index (apply: added or updated; delete: the indexed pod), then
 // publishes the events and, with wait, waits until the index applied them.
-func publishPods(cmd *cobra.Command, node string, pods []*v1.Pod, action string, wait bool) error {
+func publishPods(cmd *cobra.Command, node string, pods []*v1.Pod, action string, byName, wait bool) error {
 	ctx := cmd.Context()
 	b, err := connect(ctx, "imagefleet-pods")
 	if err != nil {
@@ -282,12 +309,19 @@ func publishPods(cmd *cobra.Command, node string, pods []*v1.Pod, action string,
 	var results []podResult
 	now := time.Now()
 	for _, p := range pods {
-		existing, err := lookupPod(rctx, b, node, p.Namespace, p.Name)
+		pod, mirror, err := lookupPod(rctx, b, node, p.Namespace, p.Name)
 		if errors.Is(err, bus.ErrNoResponders) {
-			indexUp, existing, err = false, nil, nil
+			indexUp, pod, mirror, err = false, nil, nil, nil
 		}
 		if err != nil {
 			return err
+		}
+		// A mirror pod manifest is matched with the indexed mirror pod of its name, any other with the
+		// indexed pod: a UID is never carried from one kind to the other. Deleting by NS/NAME (no manifest)
+		// falls back to the mirror pod when the index has no pod of that name.
+		existing := pod
+		if podindex.IsMirrorPod(p) || (byName && pod == nil) {
+			existing = mirror
 		}
 		act := action
 		switch {
@@ -335,20 +369,30 @@ func publishPods(cmd *cobra.Command, node string, pods []*v1.Pod, action string,
 	return nil
 }
 
-// lookupPod returns the indexed non-mirror pod ns/name, nil when the index does not have it.
-func lookupPod(ctx context.Context, b *bus.Bus, node, ns, name string) (*v1.Pod, error) {
+// lookupPod returns the indexed non-mirror pod and the indexed mirror pod named ns/name, each nil when the
+// index does not have it.
+func lookupPod(ctx context.Context, b *bus.Bus, node, ns, name string) (pod, mirror *v1.Pod, err error) {
 	var rep events.PodsReply
 	if err := b.Request(ctx, events.QuerySubject(node, events.QryPods), events.PodsQuery{Namespace: ns, Name: name}, &rep); err != nil {
-		return nil, fmt.Errorf("look up pod %s/%s on %s: %w", ns, name, node, err)
+		return nil, nil, fmt.Errorf("look up pod %s/%s on %s: %w", ns, name, node, err)
 	}
-	if len(rep.Pods) == 0 {
-		return nil, nil
+	decode := func(raws []json.RawMessage) (*v1.Pod, error) {
+		if len(raws) == 0 {
+			return nil, nil
+		}
+		p := &v1.Pod{}
+		if err := json.Unmarshal(raws[0], p); err != nil {
+			return nil, fmt.Errorf("decode pod %s/%s: %w", ns, name, err)
+		}
+		return p, nil
 	}
-	p := &v1.Pod{}
-	if err := json.Unmarshal(rep.Pods[0], p); err != nil {
-		return nil, fmt.Errorf("decode pod %s/%s: %w", ns, name, err)
+	if pod, err = decode(rep.Pods); err != nil {
+		return nil, nil, err
 	}
-	return p, nil
+	if mirror, err = decode(rep.MirrorPods); err != nil {
+		return nil, nil, err
+	}
+	return pod, mirror, nil
 }
 
 // waitApplied polls the index until it applied seq.

@@ -1,0 +1,153 @@
+package main_test
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	v1 "k8s.io/api/core/v1"
+
+	"github.com/imagefleet/imagefleet/events"
+)
+
+// TestPodsCommands drives the pod index through the binary: the agent on embedded NATS with a static pod
+// directory, then pods apply/get/delete and refs as an operator types them, mirror pods included.
+func TestPodsCommands(t *testing.T) {
+	dir := t.TempDir()
+	manifests := filepath.Join(dir, "manifests")
+	if err := os.Mkdir(manifests, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	write := func(path, body string) {
+		t.Helper()
+		if err := os.WriteFile(path, []byte(body), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write(filepath.Join(manifests, "etcd.yaml"), `apiVersion: v1
+kind: Pod
+metadata: {name: etcd, namespace: kube-system}
+spec:
+  containers: [{name: etcd, image: registry.k8s.io/etcd:3.5.21-0}]
+  volumes: [{name: certs, secret: {secretName: etcd-certs}}]
+`)
+	port := freePort(t)
+	nats := fmt.Sprintf("nats://127.0.0.1:%d", port)
+	const node = "node-1.cli"
+	startAgent(t, "--node", node, "--embedded-nats", fmt.Sprintf("127.0.0.1:%d", port),
+		"--data-dir", filepath.Join(dir, "data"), "--workers", "podindex", "--pod-manifest-path", manifests)
+	cli := func(args ...string) string {
+		t.Helper()
+		out, errOut, code := run(t, append(args, "--node", node, "--nats", nats)...)
+		if code != 0 {
+			t.Fatalf("%v: exit %d: %s %s", args, code, out, errOut)
+		}
+		return out
+	}
+	get := func(args ...string) events.PodsReply {
+		t.Helper()
+		var rep events.PodsReply
+		if err := json.Unmarshal([]byte(cli(append([]string{"pods", "get", "-o", "json"}, args...)...)), &rep); err != nil {
+			t.Fatal(err)
+		}
+		return rep
+	}
+	names := func(raws []json.RawMessage) []string {
+		var out []string
+		for _, raw := range raws {
+			var p v1.Pod
+			if err := json.Unmarshal(raw, &p); err != nil {
+				t.Fatal(err)
+			}
+			out = append(out, p.Namespace+"/"+p.Name+"="+string(p.UID))
+		}
+		return out
+	}
+
+	// The static source publishes etcd-node-1.cli.
+	var static v1.Pod
+	poll(t, "the static pod indexed", func() error {
+		out, errOut, code := run(t, "pods", "get", "kube-system/etcd-"+node, "--node", node, "--nats", nats, "-o", "json")
+		if code != 0 {
+			return fmt.Errorf("exit %d: %s", code, errOut)
+		}
+		var rep events.PodsReply
+		if err := json.Unmarshal([]byte(out), &rep); err != nil || len(rep.Pods) != 1 {
+			return fmt.Errorf("reply %s: %v", out, err)
+		}
+		return json.Unmarshal(rep.Pods[0], &static)
+	})
+	if static.Annotations["kubernetes.io/config.source"] != "file" || static.Annotations["kubernetes.io/config.hash"] != string(static.UID) {
+		t.Fatalf("static pod annotations %v, uid %s", static.Annotations, static.UID)
+	}
+
+	// A mirror pod manifest with no UID gets a UID of its own, never the static pod's; applied again, it
+	// updates that mirror pod.
+	mirror := filepath.Join(dir, "mirror.yaml")
+	write(mirror, fmt.Sprintf(`apiVersion: v1
+kind: Pod
+metadata:
+  name: etcd-%s
+  namespace: kube-system
+  annotations: {kubernetes.io/config.mirror: %q, kubernetes.io/config.source: api}
+spec:
+  containers: [{name: etcd, image: registry.k8s.io/etcd:3.5.21-0}]
+`, node, static.UID))
+	first := cli("pods", "apply", "-f", mirror)
+	again := cli("pods", "apply", "-f", mirror)
+	if !strings.Contains(first, " added (uid ") || strings.Contains(first, string(static.UID)) || !strings.Contains(again, " updated (uid ") {
+		t.Fatalf("mirror apply: %q then %q (static uid %s)", first, again, static.UID)
+	}
+	rep := get()
+	if len(rep.Pods) != 1 || len(rep.MirrorPods) != 1 || len(rep.OrphanedMirrorPods) != 0 {
+		t.Fatalf("after the mirror: pods %v mirrors %v orphans %v", names(rep.Pods), names(rep.MirrorPods), rep.OrphanedMirrorPods)
+	}
+	mirrorUID := rep.PodToMirror[string(static.UID)]
+	if mirrorUID == "" || rep.MirrorToPod[mirrorUID] != string(static.UID) {
+		t.Fatalf("translations %v / %v", rep.PodToMirror, rep.MirrorToPod)
+	}
+	if st := get("--source", "file"); len(st.Pods) != 1 || len(st.MirrorPods) != 0 {
+		t.Fatalf("--source file: pods %v mirrors %v", names(st.Pods), names(st.MirrorPods))
+	}
+
+	// An ordinary pod, its registrations, and refs.
+	web := filepath.Join(dir, "web.yaml")
+	write(web, `apiVersion: v1
+kind: Pod
+metadata: {name: web, namespace: prod}
+spec:
+  imagePullSecrets: [{name: regcred}]
+  containers: [{name: app, image: nginx:1.27, envFrom: [{configMapRef: {name: env}}]}]
+`)
+	cli("pods", "apply", "-f", web)
+	refs := cli("refs")
+	for _, want := range []string{"Secret     kube-system  etcd-certs  1", "Secret     prod         regcred     1", "ConfigMap  prod         env         1"} {
+		if !strings.Contains(refs, want) {
+			t.Errorf("refs output lacks %q:\n%s", want, refs)
+		}
+	}
+	if page := get("--limit", "2"); len(page.Pods)+len(page.MirrorPods) != 2 || !page.Truncated {
+		t.Fatalf("--limit 2: pods %v mirrors %v truncated %v", names(page.Pods), names(page.MirrorPods), page.Truncated)
+	}
+
+	// delete by NS/NAME: the pod of that name first, then (none left) its mirror pod.
+	cli("pods", "delete", "prod/web")
+	cli("pods", "delete", "kube-system/etcd-"+node)
+	rep = get()
+	if len(rep.Pods) != 0 || len(rep.MirrorPods) != 1 || len(rep.OrphanedMirrorPods) != 1 {
+		t.Fatalf("after deleting the static pod: pods %v mirrors %v orphans %v", names(rep.Pods), names(rep.MirrorPods), rep.OrphanedMirrorPods)
+	}
+	cli("pods", "delete", "kube-system/etcd-"+node)
+	if rep = get(); len(rep.Pods)+len(rep.MirrorPods) != 0 {
+		t.Fatalf("after deleting the mirror pod: pods %v mirrors %v", names(rep.Pods), names(rep.MirrorPods))
+	}
+	if refs := cli("refs"); strings.Contains(refs, "regcred") || strings.Contains(refs, "etcd-certs") {
+		t.Fatalf("refs after the deletes:\n%s", refs)
+	}
+	if _, errOut, code := run(t, "pods", "delete", "prod/gone", "--node", node, "--nats", nats); code == 0 || !strings.Contains(errOut, "not in the index") {
+		t.Fatalf("deleting an unknown pod: exit %d, %s", code, errOut)
+	}
+}
