@@ -22,6 +22,8 @@ import (
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/dump" //nolint:staticcheck // the kubelet's DeepHashObject uses this dump
+	"k8s.io/apimachinery/pkg/util/validation"
+	"k8s.io/apimachinery/pkg/util/validation/field"
 	"sigs.k8s.io/yaml"
 
 	"github.com/imagefleet/imagefleet/bus"
@@ -367,7 +369,66 @@ func DecodeManifest(data []byte, path, node string) (*v1.Pod, error) {
 	pod.Annotations[ConfigSourceAnnotationKey] = FileSource
 	addNoExecuteToleration(pod)
 	pod.Status.Phase = v1.PodPending
+	if errs := validateStaticPod(pod); len(errs) > 0 {
+		return nil, fmt.Errorf("%s: invalid pod: %s", path, truncate(fmt.Sprint(errs)))
+	}
 	return pod, nil
+}
+
+// validateStaticPod is the part of the kubelet's validation of a file-source pod (ValidatePodCreate, after
+// the defaults above) that decides most manifests: the pod's name, its namespace, the names of its
+// containers and volumes (valid, and unique), and that every container names an image. Errors read as the
+// kubelet's field errors. The full validation (resources, probes, security contexts ...) is the API
+// server's code, which imagefleet does not carry: a manifest failing only those checks is indexed here
+// where the kubelet would refuse it (docs/podindex.md).
+func validateStaticPod(pod *v1.Pod) field.ErrorList {
+	var errs field.ErrorList
+	meta := field.NewPath("metadata")
+	for _, msg := range validation.IsDNS1123Subdomain(pod.Name) {
+		errs = append(errs, field.Invalid(meta.Child("name"), pod.Name, msg))
+	}
+	for _, msg := range validation.IsDNS1123Label(pod.Namespace) {
+		errs = append(errs, field.Invalid(meta.Child("namespace"), pod.Namespace, msg))
+	}
+	spec := field.NewPath("spec")
+	volumes := map[string]bool{}
+	for i, vol := range pod.Spec.Volumes {
+		path := spec.Child("volumes").Index(i).Child("name")
+		switch {
+		case vol.Name == "":
+			errs = append(errs, field.Required(path, ""))
+		case volumes[vol.Name]:
+			errs = append(errs, field.Duplicate(path, vol.Name))
+		default:
+			for _, msg := range validation.IsDNS1123Label(vol.Name) {
+				errs = append(errs, field.Invalid(path, vol.Name, msg))
+			}
+		}
+		volumes[vol.Name] = true
+	}
+	names := map[string]bool{}
+	containers := func(kind string, list []v1.Container) {
+		for i, c := range list {
+			path := spec.Child(kind).Index(i)
+			switch {
+			case c.Name == "":
+				errs = append(errs, field.Required(path.Child("name"), ""))
+			case names[c.Name]:
+				errs = append(errs, field.Duplicate(path.Child("name"), c.Name))
+			default:
+				for _, msg := range validation.IsDNS1123Label(c.Name) {
+					errs = append(errs, field.Invalid(path.Child("name"), c.Name, msg))
+				}
+			}
+			names[c.Name] = true
+			if strings.TrimSpace(c.Image) == "" {
+				errs = append(errs, field.Required(path.Child("image"), ""))
+			}
+		}
+	}
+	containers("initContainers", pod.Spec.InitContainers)
+	containers("containers", pod.Spec.Containers)
+	return errs
 }
 
 // truncate cuts s to maxManifestErrorBytes.

@@ -188,6 +188,13 @@ func TestStaticPodUIDIsStable(t *testing.T) {
 		{"", "f: manifest is empty"},
 		{"# only a comment\n", "f: manifest is empty"},
 		{"kind: Pod\nmetadata: [", "f: couldn't parse as pod(yaml: line 2: did not find expected node content), please check config file"},
+		// What the kubelet's validation of a file pod refuses most often (see validateStaticPod).
+		{"kind: Pod\nmetadata: {name: Bad_Name}\nspec: {containers: [{name: c, image: a}]}",
+			`f: invalid pod: [metadata.name: Invalid value: "Bad_Name-n": a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character (e.g. 'example.com', regex used for validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*')]`},
+		{"kind: Pod\nmetadata: {name: x}\nspec: {containers: [{name: C!}, {name: c, image: a}, {name: c, image: b}]}",
+			`f: invalid pod: [spec.containers[0].name: Invalid value: "C!": a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', and must start and end with an alphanumeric character (e.g. 'my-name',  or '123-abc', regex used for validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?') spec.containers[0].image: Required value spec.containers[2].name: Duplicate value: "c"]`},
+		{"kind: Pod\nmetadata: {name: x, namespace: Prod}\nspec: {volumes: [{name: v}, {name: v}], containers: [{name: c, image: a}]}",
+			`f: invalid pod: [metadata.namespace: Invalid value: "Prod": a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', and must start and end with an alphanumeric character (e.g. 'my-name',  or '123-abc', regex used for validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?') spec.volumes[1].name: Duplicate value: "v"]`},
 	} {
 		if _, err := DecodeManifest([]byte(bad.manifest), "f", "n"); err == nil || err.Error() != bad.err {
 			t.Errorf("%q: error %v, want %s", bad.manifest, err, bad.err)
