@@ -169,7 +169,7 @@ func runEvents(cmd *cobra.Command, f eventsFlags) error {
 		rctx, cancel := contextTimeout(ctx)
 		err := b.ReadStream(rctx, events.EventsStream, ef.subject(), 0, func(m bus.StreamMsg) bool {
 			last = m.Seq
-			ev, err := events.DecodeEvent(m.Data)
+			ev, err := streamEvent(m)
 			if err != nil || !ef.match(ev) {
 				return true
 			}
@@ -199,7 +199,7 @@ func runEvents(cmd *cobra.Command, f eventsFlags) error {
 		return nil
 	}
 	err = b.Follow(ctx, events.EventsStream, ef.subject(), last+1, func(m bus.StreamMsg) bool {
-		if ev, err := events.DecodeEvent(m.Data); err == nil && ef.match(ev) {
+		if ev, err := streamEvent(m); err == nil && ef.match(ev) {
 			if printEvent(out, ev) != nil {
 				return false
 			}
@@ -210,6 +210,39 @@ func runEvents(cmd *cobra.Command, f eventsFlags) error {
 		return nil
 	}
 	return err
+}
+
+// streamEvent is the event of a stream message: an event envelope, or a pod event, whose body is the Pod
+// itself (the binary mode of CloudEvents: type, id, source and time in the ce- headers), shown as an event
+// about that pod with the Pod as its data.
+func streamEvent(m bus.StreamMsg) (events.Event, error) {
+	ev, err := events.DecodeEvent(m.Data)
+	if err == nil || m.Header.Get(bus.HeaderType) == "" {
+		return ev, err
+	}
+	entity, action, _, perr := events.ParseType(m.Header.Get(bus.HeaderType))
+	if perr != nil || entity != events.EntityPod {
+		return events.Event{}, err
+	}
+	var pod struct {
+		Metadata struct {
+			Namespace string `json:"namespace"`
+			Name      string `json:"name"`
+			UID       string `json:"uid"`
+		} `json:"metadata"`
+	}
+	if uerr := json.Unmarshal(m.Data, &pod); uerr != nil {
+		return events.Event{}, fmt.Errorf("pod event %d: %w", m.Seq, uerr)
+	}
+	at, terr := time.Parse(time.RFC3339Nano, m.Header.Get(bus.HeaderTime))
+	if terr != nil {
+		at = m.Time
+	}
+	md := pod.Metadata
+	return events.Event{Type: m.Header.Get(bus.HeaderType), ID: m.Header.Get(bus.HeaderID), Time: at,
+		Node: strings.TrimPrefix(m.Header.Get(bus.HeaderSource), "imagefleet://node/"),
+		Message: fmt.Sprintf("pod %s/%s (uid %s) %s", md.Namespace, md.Name, md.UID, action), Data: m.Data,
+		Object: &events.ObjectRef{Kind: "Pod", Namespace: md.Namespace, Name: md.Name, UID: md.UID}}, nil
 }
 
 // printJournal prints the last n events of a journal file (n < 0: all), reading only the end of the file

@@ -129,6 +129,16 @@ spec:
 			t.Errorf("refs output lacks %q:\n%s", want, refs)
 		}
 	}
+	// The event feed shows the pod events (their body is the Pod) and says which object a registration is.
+	podEvents := cli("events", "--type", "pod")
+	if !strings.Contains(podEvents, "imagefleet.pod.added.v1  -  pod prod/web (uid ") ||
+		!strings.Contains(podEvents, "pod kube-system/etcd-"+node+" (uid "+string(static.UID)+") added") {
+		t.Errorf("events --type pod:\n%s", podEvents)
+	}
+	if regs := cli("events", "--type", "secret.registered"); !strings.Contains(regs,
+		"Registered  Secret prod/regcred registered: first referenced by pod prod/web") {
+		t.Errorf("events --type secret.registered:\n%s", regs)
+	}
 	if page := get("--limit", "2"); len(page.Pods)+len(page.MirrorPods) != 2 || !page.Truncated {
 		t.Fatalf("--limit 2: pods %v mirrors %v truncated %v", names(page.Pods), names(page.MirrorPods), page.Truncated)
 	}

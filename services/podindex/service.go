@@ -387,7 +387,13 @@ func (s *Service) transitionEvent(seq uint64, ev PodEvent, t Transition) events.
 	h := sha256.Sum256([]byte(s.cfg.Node + "\x00" + strconv.FormatUint(seq, 10) + "\x00" + t.Kind + "\x00" +
 		t.Namespace + "\x00" + t.Name + "\x00" + action + "\x00" + string(t.Pod.uid)))
 	e.ID = hex.EncodeToString(h[:16])
-	return e.WithKube("", "", "", &events.ObjectRef{Kind: "Pod", Namespace: t.Pod.namespace, Name: t.Pod.name, UID: string(t.Pod.uid)})
+	reason, msg := "Registered", fmt.Sprintf("%s %s/%s registered: first referenced by pod %s/%s", t.Kind,
+		t.Namespace, t.Name, t.Pod.namespace, t.Pod.name)
+	if !t.Registered {
+		reason, msg = "Unregistered", fmt.Sprintf("%s %s/%s unregistered: no longer referenced (last by pod %s/%s)",
+			t.Kind, t.Namespace, t.Name, t.Pod.namespace, t.Pod.name)
+	}
+	return e.WithKube("", reason, msg, &events.ObjectRef{Kind: "Pod", Namespace: t.Pod.namespace, Name: t.Pod.name, UID: string(t.Pod.uid)})
 }
 
 func (s *Service) requestFlush() {
