@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -198,6 +199,9 @@ func printPods(cmd *cobra.Command, rep events.PodsReply) error {
 		switch {
 		case mirror:
 			kind, other = "mirror", rep.MirrorToPod[string(p.UID)]
+			if slices.Contains(rep.StaleMirrorPods, string(p.UID)) {
+				kind = "mirror (stale)" // not the mirror of the static pod's current manifest
+			}
 		case podindex.IsStaticPod(&p):
 			kind, other = "static", rep.PodToMirror[string(p.UID)]
 		}

@@ -109,6 +109,20 @@ spec:
 	if mirrorUID == "" || rep.MirrorToPod[mirrorUID] != string(static.UID) {
 		t.Fatalf("translations %v / %v", rep.PodToMirror, rep.MirrorToPod)
 	}
+	if len(rep.StaleMirrorPods) != 0 {
+		t.Fatalf("the mirror of the current manifest reads stale: %v", rep.StaleMirrorPods)
+	}
+	// A mirror pod whose config.mirror is not the static pod's config.hash (an older manifest's) is stale:
+	// the kubelet's IsMirrorPodOf is false for it.
+	write(mirror+".old", strings.Replace(mustRead(t, mirror), string(static.UID), "0ld", 1))
+	cli("pods", "apply", "-f", mirror+".old")
+	if rep := get(); len(rep.StaleMirrorPods) != 1 || rep.StaleMirrorPods[0] != mirrorUID {
+		t.Fatalf("stale mirror pods %v, want [%s]", rep.StaleMirrorPods, mirrorUID)
+	}
+	if out := cli("pods", "get"); !strings.Contains(out, "mirror (stale)") {
+		t.Fatalf("pods get does not mark the stale mirror:\n%s", out)
+	}
+	cli("pods", "apply", "-f", mirror)
 	if st := get("--source", "file"); len(st.Pods) != 1 || len(st.MirrorPods) != 0 {
 		t.Fatalf("--source file: pods %v mirrors %v", names(st.Pods), names(st.MirrorPods))
 	}
@@ -160,4 +174,13 @@ spec:
 	if _, errOut, code := run(t, "pods", "delete", "prod/gone", "--node", node, "--nats", nats); code == 0 || !strings.Contains(errOut, "not in the index") {
 		t.Fatalf("deleting an unknown pod: exit %d, %s", code, errOut)
 	}
+}
+
+func mustRead(t *testing.T, path string) string {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
 }

@@ -105,6 +105,11 @@ func (s *State) Pods(node string, q events.PodsQuery) (events.PodsReply, error) 
 	if orphans != nil {
 		rep.OrphanedMirrorPods = orphans
 	}
+	for _, m := range mpods {
+		if p, ok := ix.GetPodByMirrorPod(m); ok && !IsMirrorPodOf(m, p) {
+			rep.StaleMirrorPods = append(rep.StaleMirrorPods, string(m.UID))
+		}
+	}
 	return rep, nil
 }
 
