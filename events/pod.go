@@ -73,12 +73,13 @@ type PodsQuery struct {
 	// Source keeps, in a listing, only the pods whose kubernetes.io/config.source annotation is Source
 	// ("file": the static pods of the manifest directory).
 	Source string `json:"source,omitempty"`
-	// A listing is one sequence: the pods, then the mirror pods, each sorted. Offset skips its first Offset
-	// entries; Limit caps the entries of the reply (0: no cap). A reply also stops before MaxPodsPageBytes
-	// of pod JSON, so it always fits a NATS message: PodsReply.Truncated then says more follow, from
-	// PodsReply.Next.
-	Offset int `json:"offset,omitempty"`
-	Limit  int `json:"limit,omitempty"`
+	// A listing is one sequence: the pods, then the mirror pods, each sorted by namespace, name and UID.
+	// After (a PodsReply.Next) starts it after that entry; Limit caps the entries of the reply (0: no cap).
+	// A reply also stops before MaxPodsPageBytes of pod JSON, so it always fits a NATS message:
+	// PodsReply.Truncated then says more follow. A page starts after the last entry of the one before, so
+	// pods added or deleted between pages shift nothing: each pod there all along is listed once.
+	After string `json:"after,omitempty"`
+	Limit int    `json:"limit,omitempty"`
 }
 
 // MaxPodsPageBytes is the pod JSON one PodsReply carries at most (a single pod over it is sent alone): half
@@ -106,11 +107,11 @@ func (q PodsQuery) Validate() error {
 	if q.Limit < 0 {
 		return fmt.Errorf("limit %d must not be negative", q.Limit)
 	}
-	if q.Offset < 0 {
-		return fmt.Errorf("offset %d must not be negative", q.Offset)
+	if (q.UID != "" || q.Name != "") && (q.Source != "" || q.After != "") {
+		return fmt.Errorf("source and after apply to a listing, not to a selected pod")
 	}
-	if (q.UID != "" || q.Name != "") && (q.Source != "" || q.Offset != 0 || q.Limit != 0) {
-		return fmt.Errorf("source, offset and limit apply to a listing, not to a selected pod")
+	if q.Orphaned && q.Source != "" {
+		return fmt.Errorf("source applies to a listing of every pod, not to the orphaned mirror pods")
 	}
 	return nil
 }
@@ -135,10 +136,10 @@ type PodsReply struct {
 	// PodToMirror maps each static pod UID to its mirror pod UID, "" when it has none.
 	PodToMirror map[string]string `json:"podToMirror"`
 	// Total is the number of non-mirror pods in the index. Truncated says the listing goes on past this
-	// reply (Limit or MaxPodsPageBytes cut it): ask again with Offset = Next.
-	Total     int  `json:"total"`
-	Truncated bool `json:"truncated,omitempty"`
-	Next      int  `json:"next,omitempty"`
+	// reply (Limit or MaxPodsPageBytes cut it): ask again with After = Next (an opaque token).
+	Total     int    `json:"total"`
+	Truncated bool   `json:"truncated,omitempty"`
+	Next      string `json:"next,omitempty"`
 	// AppliedSeq is the stream sequence of the last pod event the index applied.
 	AppliedSeq uint64 `json:"appliedSeq"`
 }

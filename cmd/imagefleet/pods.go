@@ -122,6 +122,9 @@ func newPodsGetCmd() *cobra.Command {
 			if err := requireNode(node); err != nil {
 				return err
 			}
+			if limit < 0 {
+				return fmt.Errorf("--limit %d must not be negative", limit)
+			}
 			q := events.PodsQuery{UID: uid, Orphaned: orphaned, Source: source}
 			if len(args) == 1 {
 				var err error
@@ -162,28 +165,40 @@ func newPodsGetCmd() *cobra.Command {
 }
 
 // listPods asks the pods query page after page (a reply carries at most events.MaxPodsPageBytes of pods)
-// until the listing ends or limit entries (0: no limit) were read, and returns them as one reply.
+// until the listing ends or limit entries (0: no limit) were read, and returns them as one reply, with the
+// translations, orphans and stale mirror pods of its last page (the newest).
 func listPods(ctx context.Context, b *bus.Bus, node string, q events.PodsQuery, limit int) (events.PodsReply, error) {
-	var all events.PodsReply
-	for first := true; ; first = false {
+	var pods, mirrors []json.RawMessage
+	for {
 		if limit > 0 && q.UID == "" && q.Name == "" {
-			q.Limit = limit - (len(all.Pods) + len(all.MirrorPods))
+			q.Limit = limit - (len(pods) + len(mirrors))
 		}
 		var rep events.PodsReply
-		if err := b.Request(ctx, events.QuerySubject(node, events.QryPods), q, &rep); err != nil {
+		if err := indexRequest(ctx, b, node, events.QryPods, q, &rep); err != nil {
 			return events.PodsReply{}, err
 		}
-		if first {
-			all = rep
-		} else {
-			all.Pods = append(all.Pods, rep.Pods...)
-			all.MirrorPods = append(all.MirrorPods, rep.MirrorPods...)
-			all.Truncated, all.Next = rep.Truncated, rep.Next
+		pods, mirrors = append(pods, rep.Pods...), append(mirrors, rep.MirrorPods...)
+		if !rep.Truncated || (limit > 0 && len(pods)+len(mirrors) >= limit) {
+			rep.Pods, rep.MirrorPods = pods, mirrors
+			return rep, nil
 		}
-		if !rep.Truncated || (limit > 0 && len(all.Pods)+len(all.MirrorPods) >= limit) {
-			return all, nil
+		q.After = rep.Next
+	}
+}
+
+// indexRequest asks the pod index's query what, again while the index answers that it is catching up with
+// its events (after a restart: seconds), until ctx ends.
+func indexRequest(ctx context.Context, b *bus.Bus, node, what string, q, rep any) error {
+	for {
+		err := b.Request(ctx, events.QuerySubject(node, what), q, rep)
+		if !podindex.IsCatchingUp(err) {
+			return err
 		}
-		q.Offset = rep.Next
+		select {
+		case <-ctx.Done():
+			return err
+		case <-time.After(200 * time.Millisecond):
+		}
 	}
 }
 
@@ -377,7 +392,7 @@ func publishPods(cmd *cobra.Command, node string, pods []*v1.Pod, action string,
 // index does not have it.
 func lookupPod(ctx context.Context, b *bus.Bus, node, ns, name string) (pod, mirror *v1.Pod, err error) {
 	var rep events.PodsReply
-	if err := b.Request(ctx, events.QuerySubject(node, events.QryPods), events.PodsQuery{Namespace: ns, Name: name}, &rep); err != nil {
+	if err := indexRequest(ctx, b, node, events.QryPods, events.PodsQuery{Namespace: ns, Name: name}, &rep); err != nil {
 		return nil, nil, fmt.Errorf("look up pod %s/%s on %s: %w", ns, name, node, err)
 	}
 	decode := func(raws []json.RawMessage) (*v1.Pod, error) {

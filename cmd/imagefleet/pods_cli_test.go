@@ -174,6 +174,24 @@ spec:
 	if _, errOut, code := run(t, "pods", "delete", "prod/gone", "--node", node, "--nats", nats); code == 0 || !strings.Contains(errOut, "not in the index") {
 		t.Fatalf("deleting an unknown pod: exit %d, %s", code, errOut)
 	}
+
+	// A listing bigger than one reply (300 pods of ~2.5 KB: about 1.5 pages): get pages through it.
+	var many strings.Builder
+	note := strings.Repeat("n", 2400)
+	for k := range 300 {
+		fmt.Fprintf(&many, "---\napiVersion: v1\nkind: Pod\nmetadata: {name: p-%03d, namespace: bulk, annotations: {note: %s}}\n"+
+			"spec: {containers: [{name: c, image: busybox}]}\n", k, note)
+	}
+	bulk := filepath.Join(dir, "bulk.yaml")
+	write(bulk, many.String())
+	cli("pods", "apply", "-f", bulk)
+	all := get()
+	if got := names(all.Pods); len(got) != 300 || all.Truncated || !strings.HasPrefix(got[299], "bulk/p-299=") {
+		t.Fatalf("get of 300 pods: %d pods, truncated %v", len(got), all.Truncated)
+	}
+	if some := get("--limit", "250"); len(some.Pods) != 250 || !some.Truncated || !strings.HasPrefix(names(some.Pods)[249], "bulk/p-249=") {
+		t.Fatalf("get --limit 250: %d pods, truncated %v", len(some.Pods), some.Truncated)
+	}
 }
 
 func mustRead(t *testing.T, path string) string {

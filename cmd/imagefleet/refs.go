@@ -29,7 +29,7 @@ func newRefsCmd() *cobra.Command {
 			rctx, cancel := contextTimeout(ctx)
 			defer cancel()
 			var rep events.RefsReply
-			if err := b.Request(rctx, events.QuerySubject(node, events.QryRefs), nil, &rep); err != nil {
+			if err := indexRequest(rctx, b, node, events.QryRefs, nil, &rep); err != nil {
 				return fmt.Errorf("refs of %s: %w", node, err)
 			}
 			if rep.Refs == nil {

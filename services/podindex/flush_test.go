@@ -13,7 +13,11 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
 	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
 )
 
@@ -252,5 +256,71 @@ func TestSayFlushError(t *testing.T) {
 		if say != step.wantSay {
 			t.Errorf("step %d (%v, shutting down %v): say = %v, want %v", i, step.err, step.shuttingDown, say, step.wantSay)
 		}
+	}
+}
+
+// TestCatchUpSurvivesEventsRemovedBeforeDelivery: the events counted when the tail started can be gone before
+// they are delivered (expired, discarded at the stream's limits, purged); the count would then never drain
+// and the queries would stay closed. A tail that stalls before catching up ends and the next one counts
+// again, so the index opens its queries all the same.
+func TestCatchUpSurvivesEventsRemovedBeforeDelivery(t *testing.T) {
+	defer func(d time.Duration) { catchUpStall = d }(catchUpStall)
+	catchUpStall = 200 * time.Millisecond
+	srv, b := bustest.Start(t)
+	const n = 60000
+	batch := make([]*v1.Pod, 0, 1000)
+	var last uint64
+	for k := range n {
+		batch = append(batch, testPod("ns", fmt.Sprintf("p-%d", k%5000), fmt.Sprintf("uid-%d", k%5000), []string{"s"}, nil, "img:1"))
+		if len(batch) == cap(batch) {
+			action := events.ActionAdded
+			if k >= 5000 {
+				action = events.ActionUpdated
+			}
+			last = publish(t, b, testNode, action, batch...)
+			batch = batch[:0]
+		}
+	}
+	nc, err := nats.Connect(srv.ClientURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stream, err := js.Stream(t.Context(), events.EventsStream)
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	s, err := New(Config{Node: testNode}, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() { done <- s.Run(ctx) }()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	}()
+	waitFor(t, "the first events applied", func() bool { return s.State().Applied() > 0 })
+	if err := stream.Purge(t.Context(), jetstream.WithPurgeSubject(events.PodEventSubjects(testNode))); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-s.Ready():
+	case <-time.After(15 * time.Second):
+		t.Fatalf("queries still closed 15s after the purge: %v", s.errCatchingUp())
+	}
+	if applied := s.State().Applied(); applied >= last {
+		t.Fatalf("applied every event (%d of %d) before the purge: the test did not remove any before delivery", applied, last)
+	}
+	if _, err := s.HandleInUse(t.Context(), nil); err != nil {
+		t.Fatal(err)
 	}
 }

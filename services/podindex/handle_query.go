@@ -2,9 +2,11 @@ package podindex
 
 import (
 	"context"
+	"encoding/base64"
 	"encoding/json"
 	"fmt"
 	"sort"
+	"strings"
 
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -93,14 +95,17 @@ func (s *State) Pods(node string, q events.PodsQuery) (events.PodsReply, error) 
 	}
 	sortPods(pods)
 	sortPods(mpods)
-	var err error
-	if rep.Pods, rep.MirrorPods, rep.Next, err = page(s.Index, pods, mpods, q.Offset, q.Limit); err != nil {
+	start, err := pageStart(pods, mpods, q.After)
+	if err != nil {
 		return events.PodsReply{}, err
 	}
-	if rep.Next < len(pods)+len(mpods) {
+	var next int
+	if rep.Pods, rep.MirrorPods, next, err = page(s.Index, pods, mpods, start, q.Limit); err != nil {
+		return events.PodsReply{}, err
+	}
+	if next < len(pods)+len(mpods) {
 		rep.Truncated = true
-	} else {
-		rep.Next = 0
+		rep.Next = pageToken(pods, mpods, next-1)
 	}
 	if orphans != nil {
 		rep.OrphanedMirrorPods = orphans
@@ -127,8 +132,44 @@ func fromSource(pods []*v1.Pod, source string) []*v1.Pod {
 	return out
 }
 
+// pageBytes is the pod JSON a reply carries at most (a variable for tests).
+var pageBytes = events.MaxPodsPageBytes
+
+// pageToken is the After token of entry i of the listing pods-then-mirrors: the entry's kind and sort key.
+func pageToken(pods, mirrors []*v1.Pod, i int) string {
+	kind, p := "p", (*v1.Pod)(nil)
+	if i >= len(pods) {
+		kind, p = "m", mirrors[i-len(pods)]
+	} else {
+		p = pods[i]
+	}
+	return base64.RawURLEncoding.EncodeToString([]byte(kind + "\x00" + p.Namespace + "\x00" + p.Name + "\x00" + string(p.UID)))
+}
+
+// pageStart is the index in the listing pods-then-mirrors of the first entry after the After token (0 for
+// none): the entries sort after the token's key, whether or not its own pod is still there.
+func pageStart(pods, mirrors []*v1.Pod, after string) (int, error) {
+	if after == "" {
+		return 0, nil
+	}
+	raw, err := base64.RawURLEncoding.DecodeString(after)
+	parts := strings.Split(string(raw), "\x00")
+	if err != nil || len(parts) != 4 || (parts[0] != "p" && parts[0] != "m") {
+		return 0, fmt.Errorf("%w: after %q is not a token of this listing's replies", events.ErrMalformed, after)
+	}
+	key := &v1.Pod{ObjectMeta: metaOf(parts[1], parts[2])}
+	key.UID = types.UID(parts[3])
+	later := func(list []*v1.Pod) int {
+		return sort.Search(len(list), func(i int) bool { return podLess(key, list[i]) })
+	}
+	if parts[0] == "m" {
+		return len(pods) + later(mirrors), nil
+	}
+	return later(pods), nil
+}
+
 // page returns the JSON of the listing pods-then-mirrors from offset on: at most limit entries (0: no cap)
-// and, past the first, no more than events.MaxPodsPageBytes of JSON. next is the offset after the last one.
+// and, past the first, no more than pageBytes of JSON. next is the offset after the last one.
 func page(ix *Index, pods, mirrors []*v1.Pod, offset, limit int) (podJSON, mirrorJSON []json.RawMessage, next int, err error) {
 	podJSON, mirrorJSON = []json.RawMessage{}, []json.RawMessage{}
 	size := 0
@@ -146,7 +187,7 @@ func page(ix *Index, pods, mirrors []*v1.Pod, offset, limit int) (podJSON, mirro
 		if err != nil {
 			return nil, nil, 0, err
 		}
-		if size += len(raw); size > events.MaxPodsPageBytes && next > offset {
+		if size += len(raw); size > pageBytes && next > offset {
 			break
 		}
 		if mirror {
@@ -167,16 +208,18 @@ func uidMap(m map[types.UID]types.UID) map[string]string {
 }
 
 func sortPods(pods []*v1.Pod) {
-	sort.Slice(pods, func(i, j int) bool {
-		a, b := pods[i], pods[j]
-		if a.Namespace != b.Namespace {
-			return a.Namespace < b.Namespace
-		}
-		if a.Name != b.Name {
-			return a.Name < b.Name
-		}
-		return a.UID < b.UID
-	})
+	sort.Slice(pods, func(i, j int) bool { return podLess(pods[i], pods[j]) })
+}
+
+// podLess orders pods by namespace, name and UID.
+func podLess(a, b *v1.Pod) bool {
+	if a.Namespace != b.Namespace {
+		return a.Namespace < b.Namespace
+	}
+	if a.Name != b.Name {
+		return a.Name < b.Name
+	}
+	return a.UID < b.UID
 }
 
 // rawPod is the JSON of one pod: as received when the index has it, else encoded.

@@ -163,6 +163,10 @@ func (s *Service) tailLoop(ctx context.Context, errs <-chan error) error {
 			return err
 		default:
 		}
+		if errors.Is(err, errRecount) {
+			delay = 100 * time.Millisecond
+			continue
+		}
 		if err != nil {
 			s.log.Warn("pod events tail failed, resuming", "from_seq", s.state.Applied()+1, "err", err)
 		}
@@ -241,8 +245,36 @@ func (s *Service) tailOnce(ctx context.Context) error {
 			s.markCaughtUp()
 		}
 	}
+	// Until caught up: when no event arrives (nor is applied) for catchUpStall, the events counted at the start may be gone
+	// (expired, discarded or purged before delivery), so the count would never drain: end this tail, and
+	// the next one counts again from the applied sequence.
+	var delivered atomic.Uint64
+	stalled := make(chan struct{})
+	if !s.caughtUp.Load() {
+		go func() {
+			t := time.NewTicker(catchUpStall)
+			defer t.Stop()
+			progress := func() uint64 { return delivered.Load() + s.state.Applied() }
+			last := progress()
+			for !s.caughtUp.Load() {
+				select {
+				case <-tctx.Done():
+					return
+				case <-t.C:
+				}
+				if now := progress(); now == last && !s.caughtUp.Load() {
+					close(stalled)
+					stop()
+					return
+				} else {
+					last = now
+				}
+			}
+		}()
+	}
 	tailErr := s.bus.TailFrom(tctx, events.EventsStream, events.PodEventSubjects(s.cfg.Node), s.state.Applied()+1, onStart,
 		func(m bus.StreamMsg) error {
+			delivered.Add(1)
 			select {
 			case in[next] <- m:
 			case <-tctx.Done():
@@ -261,8 +293,22 @@ func (s *Service) tailOnce(ctx context.Context) error {
 	if ctx.Err() != nil {
 		return nil
 	}
+	select {
+	case <-stalled:
+		s.log.Info("pod events stalled before catching up; counting again", "applied_seq", s.state.Applied(),
+			"counted_left", s.catchUpLeft.Load())
+		return errRecount
+	default:
+	}
 	return tailErr
 }
+
+// catchUpStall is how long the tail may deliver nothing before the index has caught up, before it counts
+// again what is left (a variable for tests).
+var catchUpStall = 2 * time.Second
+
+// errRecount ends a tail that stalled before catching up: tailLoop starts the next one at once.
+var errRecount = errors.New("recount the events left to catch up")
 
 // handleDecoded applies one decoded pod event, or dead-letters it when it did not decode; an error stops the
 // tail, which resumes at the same event.

@@ -525,32 +525,55 @@ func TestPodsListingPages(t *testing.T) {
 		for _, raw := range append(append([]json.RawMessage{}, rep.Pods...), rep.MirrorPods...) {
 			size += len(raw)
 		}
-		if size > events.MaxPodsPageBytes {
-			t.Fatalf("page %d carries %d bytes of pods, over %d", pages, size, events.MaxPodsPageBytes)
+		if size > events.MaxPodsPageBytes || len(rep.Pods)+len(rep.MirrorPods) == 0 {
+			t.Fatalf("page %d carries %d entries, %d bytes of pods (at most %d)", pages, len(rep.Pods)+len(rep.MirrorPods), size, events.MaxPodsPageBytes)
 		}
 		got = append(got, names(rep)...)
 		if !rep.Truncated {
-			if rep.Next != 0 {
-				t.Fatalf("last page says next %d", rep.Next)
+			if rep.Next != "" {
+				t.Fatalf("last page says next %q", rep.Next)
 			}
 			break
 		}
-		if rep.Next != q.Offset+len(rep.Pods)+len(rep.MirrorPods) {
-			t.Fatalf("next %d after offset %d and %d entries", rep.Next, q.Offset, len(rep.Pods)+len(rep.MirrorPods))
-		}
-		q.Offset = rep.Next
+		q.After = rep.Next
 	}
 	if pages < 2 || !slices.Equal(got, want) {
 		t.Fatalf("%d pages gave %d entries, want every one of %d once and in order (pods, then mirror pods)", pages+1, len(got), len(want))
 	}
 
-	rep, err := st.Pods(testNode, events.PodsQuery{Offset: 298, Limit: 3})
+	// Limit, and a page after a token, across the pods-to-mirrors boundary.
+	rep, err := st.Pods(testNode, events.PodsQuery{Limit: 298})
+	if err != nil || len(rep.Pods) > 298 {
+		t.Fatalf("limit 298: %d pods, %v", len(rep.Pods), err)
+	}
+	for len(got) > 0 && rep.Truncated && len(rep.Pods) < 298 { // the byte bound cut it: go on to 298
+		more, err := st.Pods(testNode, events.PodsQuery{After: rep.Next, Limit: 298 - len(rep.Pods)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		rep.Pods, rep.Next, rep.Truncated = append(rep.Pods, more.Pods...), more.Next, more.Truncated
+	}
+	after298 := rep.Next
+	rep, err = st.Pods(testNode, events.PodsQuery{After: after298, Limit: 3})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if g := names(rep); !slices.Equal(g, []string{"p-298", "p-299", "m-0"}) || !rep.Truncated || rep.Next != 301 {
-		t.Fatalf("offset 298 limit 3: %v truncated %v next %d", g, rep.Truncated, rep.Next)
+	if g := names(rep); !slices.Equal(g, []string{"p-298", "p-299", "m-0"}) || !rep.Truncated {
+		t.Fatalf("after the 298th, limit 3: %v truncated %v", g, rep.Truncated)
 	}
+	// Pods deleted and added between pages shift nothing: the next page starts after the token's key.
+	seq++
+	st.Apply(seq, PodEvent{Action: events.ActionDeleted, Pod: testPod("ns", "p-297", "uid-297", nil, nil, "img:1")})
+	seq++
+	st.Apply(seq, PodEvent{Action: events.ActionAdded, Pod: testPod("aa", "first", "uid-first", nil, nil, "img:1")})
+	rep, err = st.Pods(testNode, events.PodsQuery{After: after298, Limit: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if g := names(rep); !slices.Equal(g, []string{"p-298"}) {
+		t.Fatalf("after the 298th once the listing changed before it: %v, want [p-298]", g)
+	}
+
 	rep, err = st.Pods(testNode, events.PodsQuery{Source: FileSource})
 	if err != nil {
 		t.Fatal(err)
@@ -558,10 +581,16 @@ func TestPodsListingPages(t *testing.T) {
 	if g := names(rep); !slices.Equal(g, []string{"p-000", "p-100", "p-200"}) || rep.Truncated {
 		t.Fatalf("source file: %v truncated %v", g, rep.Truncated)
 	}
-	for _, bad := range []events.PodsQuery{{Offset: -1}, {UID: "u", Offset: 1}, {Namespace: "ns", Name: "a", Source: "file"}} {
+	if _, err := st.Pods(testNode, events.PodsQuery{After: "bm90IGEgdG9rZW4"}); err == nil || !errors.Is(err, events.ErrMalformed) {
+		t.Fatalf("a bad token: %v", err)
+	}
+	for _, bad := range []events.PodsQuery{{Limit: -1}, {UID: "u", After: "x"}, {Namespace: "ns", Name: "a", Source: "file"}, {Orphaned: true, Source: "file"}} {
 		if bad.Validate() == nil {
 			t.Errorf("query %+v accepted", bad)
 		}
+	}
+	if (events.PodsQuery{UID: "u", Limit: 5}).Validate() != nil {
+		t.Error("a selected pod with a limit (older clients send it) is refused")
 	}
 }
 

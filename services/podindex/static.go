@@ -12,6 +12,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"reflect"
 	"sort"
 	"strings"
 	"sync"
@@ -164,31 +165,33 @@ func (s *StaticSource) resume(ctx context.Context) {
 	if s.req == nil {
 		return
 	}
-	// The index usually starts with the source (same agent): give it some time to answer (it answers once
-	// it has caught up with its events). Only the file source's pods are asked for, a page at a time, so a
-	// node with thousands of pods is no bigger a question.
-	rctx, cancel := context.WithTimeout(ctx, time.Minute)
-	defer cancel()
+	// The index usually starts with the source (same agent): give it a minute to answer. While it catches
+	// up with its events it says so, and the source waits as long as that takes (the answer it then gives
+	// is the one that matters: without it, a manifest removed while the agent was down keeps its pod). Only
+	// the file source's pods are asked for, a page at a time.
+	noIndexBy := time.Now().Add(time.Minute)
 	var pods []json.RawMessage
 	q := events.PodsQuery{Source: FileSource}
 	for {
 		var rep events.PodsReply
+		rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 		err := s.req.Request(rctx, events.QuerySubject(s.cfg.Node, events.QryPods), q, &rep)
+		cancel()
 		if err == nil {
 			pods = append(pods, rep.Pods...)
 			if !rep.Truncated {
 				break
 			}
-			q.Offset = rep.Next
+			q.After = rep.Next
 			continue
 		}
-		if !(errors.Is(err, bus.ErrNoResponders) || IsCatchingUp(err)) || rctx.Err() != nil {
+		waiting := IsCatchingUp(err) || (errors.Is(err, bus.ErrNoResponders) && time.Now().Before(noIndexBy))
+		if !waiting || ctx.Err() != nil {
 			s.log.Info("static pod source starts without the index's pods", "err", err)
 			return
 		}
 		select {
-		case <-rctx.Done():
-			s.log.Info("static pod source starts without the index's pods", "err", err)
+		case <-ctx.Done():
 			return
 		case <-time.After(100 * time.Millisecond):
 		}
@@ -376,16 +379,23 @@ func DecodeManifest(data []byte, path, node string) (*v1.Pod, error) {
 }
 
 // validateStaticPod is the part of the kubelet's validation of a file-source pod (ValidatePodCreate, after
-// the defaults above) that decides most manifests: the pod's name, its namespace, the names of its
-// containers and volumes (valid, and unique), and that every container names an image. Errors read as the
-// kubelet's field errors. The full validation (resources, probes, security contexts ...) is the API
-// server's code, which imagefleet does not carry: a manifest failing only those checks is indexed here
-// where the kubelet would refuse it (docs/podindex.md).
+// the defaults above) that decides most manifests, in its order and with its field-error texts: the pod's
+// name and namespace; each volume's type (exactly one source: only "none" is checked), name and uniqueness;
+// each regular, then init container's name, image and uniqueness (an init container's name is a duplicate
+// when a regular container or an earlier init container has it); then images with leading or trailing
+// whitespace. The rest of that validation (resources, probes, security contexts, ports, two sources in one
+// volume ...) is the API server's code, which imagefleet does not carry: a manifest failing only those
+// checks is indexed here where the kubelet would refuse it (docs/podindex.md).
 func validateStaticPod(pod *v1.Pod) field.ErrorList {
 	var errs field.ErrorList
 	meta := field.NewPath("metadata")
+	if pod.Name == "" {
+		errs = append(errs, field.Required(meta.Child("name"), "name or generateName is required"))
+	}
 	for _, msg := range validation.IsDNS1123Subdomain(pod.Name) {
-		errs = append(errs, field.Invalid(meta.Child("name"), pod.Name, msg))
+		if pod.Name != "" {
+			errs = append(errs, field.Invalid(meta.Child("name"), pod.Name, msg))
+		}
 	}
 	for _, msg := range validation.IsDNS1123Label(pod.Namespace) {
 		errs = append(errs, field.Invalid(meta.Child("namespace"), pod.Namespace, msg))
@@ -393,42 +403,84 @@ func validateStaticPod(pod *v1.Pod) field.ErrorList {
 	spec := field.NewPath("spec")
 	volumes := map[string]bool{}
 	for i, vol := range pod.Spec.Volumes {
-		path := spec.Child("volumes").Index(i).Child("name")
-		switch {
-		case vol.Name == "":
-			errs = append(errs, field.Required(path, ""))
-		case volumes[vol.Name]:
-			errs = append(errs, field.Duplicate(path, vol.Name))
-		default:
-			for _, msg := range validation.IsDNS1123Label(vol.Name) {
-				errs = append(errs, field.Invalid(path, vol.Name, msg))
-			}
+		path := spec.Child("volumes").Index(i)
+		var el field.ErrorList
+		if volumeSources(&vol.VolumeSource) == 0 {
+			el = append(el, field.Required(path, "must specify a volume type"))
 		}
-		volumes[vol.Name] = true
+		el = append(el, dnsLabel(vol.Name, path.Child("name"))...)
+		if volumes[vol.Name] {
+			el = append(el, field.Duplicate(path.Child("name"), vol.Name))
+		}
+		if len(el) == 0 {
+			volumes[vol.Name] = true
+		}
+		errs = append(errs, el...)
 	}
 	names := map[string]bool{}
-	containers := func(kind string, list []v1.Container) {
-		for i, c := range list {
-			path := spec.Child(kind).Index(i)
-			switch {
-			case c.Name == "":
-				errs = append(errs, field.Required(path.Child("name"), ""))
-			case names[c.Name]:
-				errs = append(errs, field.Duplicate(path.Child("name"), c.Name))
-			default:
-				for _, msg := range validation.IsDNS1123Label(c.Name) {
-					errs = append(errs, field.Invalid(path.Child("name"), c.Name, msg))
-				}
-			}
+	for i, c := range pod.Spec.Containers {
+		path := spec.Child("containers").Index(i)
+		errs = append(errs, containerCommon(&c, path)...)
+		if names[c.Name] {
+			errs = append(errs, field.Duplicate(path.Child("name"), c.Name))
+		} else {
 			names[c.Name] = true
-			if strings.TrimSpace(c.Image) == "" {
-				errs = append(errs, field.Required(path.Child("image"), ""))
+		}
+	}
+	for i, c := range pod.Spec.InitContainers {
+		path := spec.Child("initContainers").Index(i)
+		errs = append(errs, containerCommon(&c, path)...)
+		if names[c.Name] {
+			errs = append(errs, field.Duplicate(path.Child("name"), c.Name))
+		} else if c.Name != "" {
+			names[c.Name] = true
+		}
+	}
+	for _, list := range []struct {
+		kind       string
+		containers []v1.Container
+	}{{"containers", pod.Spec.Containers}, {"initContainers", pod.Spec.InitContainers}} {
+		for i, c := range list.containers {
+			if len(c.Image) != len(strings.TrimSpace(c.Image)) {
+				errs = append(errs, field.Invalid(spec.Child(list.kind).Index(i).Child("image"), c.Image,
+					"must not have leading or trailing whitespace"))
 			}
 		}
 	}
-	containers("initContainers", pod.Spec.InitContainers)
-	containers("containers", pod.Spec.Containers)
 	return errs
+}
+
+// containerCommon is the kubelet's check of a container's name and image (validateContainerCommon).
+func containerCommon(c *v1.Container, path *field.Path) field.ErrorList {
+	errs := dnsLabel(c.Name, path.Child("name"))
+	if c.Image == "" {
+		errs = append(errs, field.Required(path.Child("image"), ""))
+	}
+	return errs
+}
+
+// dnsLabel: Required when empty, else the RFC 1123 label errors.
+func dnsLabel(name string, path *field.Path) field.ErrorList {
+	if name == "" {
+		return field.ErrorList{field.Required(path, "")}
+	}
+	var errs field.ErrorList
+	for _, msg := range validation.IsDNS1123Label(name) {
+		errs = append(errs, field.Invalid(path, name, msg))
+	}
+	return errs
+}
+
+// volumeSources counts the sources a volume names (the kubelet refuses none: "must specify a volume type").
+func volumeSources(src *v1.VolumeSource) int {
+	v := reflect.ValueOf(src).Elem()
+	n := 0
+	for i := range v.NumField() {
+		if f := v.Field(i); f.Kind() == reflect.Pointer && !f.IsNil() {
+			n++
+		}
+	}
+	return n
 }
 
 // truncate cuts s to maxManifestErrorBytes.

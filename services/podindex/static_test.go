@@ -193,8 +193,12 @@ func TestStaticPodUIDIsStable(t *testing.T) {
 			`f: invalid pod: [metadata.name: Invalid value: "Bad_Name-n": a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character (e.g. 'example.com', regex used for validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*')]`},
 		{"kind: Pod\nmetadata: {name: x}\nspec: {containers: [{name: C!}, {name: c, image: a}, {name: c, image: b}]}",
 			`f: invalid pod: [spec.containers[0].name: Invalid value: "C!": a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', and must start and end with an alphanumeric character (e.g. 'my-name',  or '123-abc', regex used for validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?') spec.containers[0].image: Required value spec.containers[2].name: Duplicate value: "c"]`},
-		{"kind: Pod\nmetadata: {name: x, namespace: Prod}\nspec: {volumes: [{name: v}, {name: v}], containers: [{name: c, image: a}]}",
-			`f: invalid pod: [metadata.namespace: Invalid value: "Prod": a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', and must start and end with an alphanumeric character (e.g. 'my-name',  or '123-abc', regex used for validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?') spec.volumes[1].name: Duplicate value: "v"]`},
+		{"kind: Pod\nmetadata: {name: x, namespace: Prod}\nspec: {volumes: [{name: v, emptyDir: {}}, {name: v, emptyDir: {}}, {name: w}], containers: [{name: c, image: a}]}",
+			`f: invalid pod: [metadata.namespace: Invalid value: "Prod": a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', and must start and end with an alphanumeric character (e.g. 'my-name',  or '123-abc', regex used for validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?') spec.volumes[1].name: Duplicate value: "v" spec.volumes[2]: Required value: must specify a volume type]`},
+		// Regular containers first; an init container named as a regular one is the duplicate; images with
+		// spaces around them last.
+		{"kind: Pod\nmetadata: {name: x}\nspec: {initContainers: [{name: c, image: 'i '}], containers: [{name: c, image: ' '}]}",
+			`f: invalid pod: [spec.initContainers[0].name: Duplicate value: "c" spec.containers[0].image: Invalid value: " ": must not have leading or trailing whitespace spec.initContainers[0].image: Invalid value: "i ": must not have leading or trailing whitespace]`},
 	} {
 		if _, err := DecodeManifest([]byte(bad.manifest), "f", "n"); err == nil || err.Error() != bad.err {
 			t.Errorf("%q: error %v, want %s", bad.manifest, err, bad.err)
@@ -308,7 +312,7 @@ func FuzzDecodeManifest(f *testing.F) {
 
 // TestStaticSourceResumesOnABusyNode: a restarted source learns its static pods from the index a page at a
 // time, of file-source pods only, so a node whose pods' JSON is well over NATS's 1 MiB still has a manifest
-// removed while the source was down deleted (one unpaged question failed "over the max payload", and the
+// removed while the source was down deleted (here with pages of one pod, so the source must page) (one unpaged question failed "over the max payload", and the
 // pod stayed in the index, its secrets registered and its images in use).
 func TestStaticSourceResumesOnABusyNode(t *testing.T) {
 	b := startBus(t)
@@ -346,7 +350,10 @@ func TestStaticSourceResumesOnABusyNode(t *testing.T) {
 		t.Fatalf("the whole listing fits one page (truncated %v, err %v): the test needs more pods", rep.Truncated, err)
 	}
 
-	// The source is down; etcd's manifest goes; the source comes back.
+	// The source is down; etcd's manifest goes; the source comes back. Pages of one pod each, so it has to
+	// page through its two pods (sched, then etcd, in sort order) to learn of etcd.
+	defer func(n int) { pageBytes = n }(pageBytes)
+	pageBytes = 1
 	if err := os.Remove(filepath.Join(dir, "etcd.yaml")); err != nil {
 		t.Fatal(err)
 	}
