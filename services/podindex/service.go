@@ -99,9 +99,31 @@ func (s *Service) State() *State { return s.state }
 // started, and the queries are answered.
 func (s *Service) Ready() <-chan struct{} { return s.ready }
 
-// Run loads the snapshot, answers the pods, refs and inuse queries, applies the node's pod events until ctx
-// ends, then flushes a last snapshot. It returns nil after a clean shutdown.
+// Run answers the pods, refs and inuse queries (that it is catching up, until it has), loads the snapshot,
+// applies the node's pod events until ctx ends, then flushes a last snapshot. It returns nil after a clean
+// shutdown.
 func (s *Service) Run(ctx context.Context) error {
+	// The queries are served from the start, answering that the index is catching up: while it loads its
+	// snapshot, a GC pass asking for the images in use fails (and removes nothing) rather than finding no
+	// pod index (no responders), which it takes for "no pod index on this node".
+	var wg sync.WaitGroup
+	defer wg.Wait() // after stop (deferred calls run last first)
+	rctx, stop := context.WithCancel(ctx)
+	defer stop()
+	errs := make(chan error, 4)
+	serve := func(what string, h bus.Handler) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := s.bus.ServeConcurrent(rctx, events.QuerySubject(s.cfg.Node, what), Consumer, 4, h); err != nil {
+				errs <- err
+			}
+		}()
+	}
+	serve(events.QryPods, s.HandlePods)
+	serve(events.QryRefs, s.HandleRefs)
+	serve(events.QryInUse, s.HandleInUse)
+
 	store, err := OpenStore(ctx, s.bus, s.cfg.Node)
 	if err != nil {
 		return err
@@ -120,27 +142,14 @@ func (s *Service) Run(ctx context.Context) error {
 	s.lastWrite = time.Now()
 	s.mu.Unlock()
 
-	var wg sync.WaitGroup
-	errs := make(chan error, 4)
-	serve := func(what string, h bus.Handler) {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if err := s.bus.ServeConcurrent(ctx, events.QuerySubject(s.cfg.Node, what), Consumer, 4, h); err != nil {
-				errs <- err
-			}
-		}()
-	}
-	serve(events.QryPods, s.HandlePods)
-	serve(events.QryRefs, s.HandleRefs)
-	serve(events.QryInUse, s.HandleInUse)
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		s.flushLoop(ctx)
+		s.flushLoop(rctx)
 	}()
 
 	err = s.tailLoop(ctx, errs)
+	stop()
 	wg.Wait()
 	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 	defer cancel()

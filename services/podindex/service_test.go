@@ -647,3 +647,30 @@ func TestQueriesWaitForCatchUp(t *testing.T) {
 		t.Fatalf("ready at %d, before the last event %d held at start", s.State().Applied(), last)
 	}
 }
+
+// TestRunReturnsWhenTheSnapshotDoesNotLoad: the queries are served before the snapshot loads; a snapshot
+// that does not load ends Run with its error, the query goroutines with it.
+func TestRunReturnsWhenTheSnapshotDoesNotLoad(t *testing.T) {
+	b := startBus(t)
+	store, err := OpenStore(t.Context(), b, testNode)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := store.kv.Put(t.Context(), store.appliedKey(), []byte("not a number")); err != nil {
+		t.Fatal(err)
+	}
+	s, err := New(Config{Node: testNode}, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- s.Run(t.Context()) }()
+	select {
+	case err := <-done:
+		if err == nil || !strings.Contains(err.Error(), "applied sequence") {
+			t.Fatalf("run: %v, want the snapshot's error", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("run did not return after the snapshot failed to load")
+	}
+}
