@@ -170,6 +170,7 @@ func TestFaultInjection(t *testing.T) {
 		t.Helper()
 		deadline := time.Now().Add(limit)
 		for {
+			w.checkProcs()
 			err := cond()
 			if err == nil {
 				return
@@ -403,8 +404,8 @@ func TestFaultInjection(t *testing.T) {
 			t.Logf("pod %d gave up: %s", p.n, p.gaveUp)
 		}
 	}
-	t.Logf("faults injected: %d (%s) in %d rounds over %s; agent exits on error (restarted): %d; crashes: %d",
-		sumOf(w.faults), strings.Join(kinds, " "), rounds, loopTime.Round(time.Second), len(w.agentExits), len(w.crashes))
+	t.Logf("faults injected: %d (%s) in %d rounds over %s; agent exits on error (restarted): %d; containerd exits by itself (restarted): %d; crashes: %d",
+		sumOf(w.faults), strings.Join(kinds, " "), rounds, loopTime.Round(time.Second), len(w.agentExits), len(w.ctrdExits), len(w.crashes))
 	t.Logf("clients: %d pod events acked, %d pods with containers (%d running at the end, %d gave up), %d pull requests, %d GC passes asked (%d succeeded); retries %s",
 		len(ledger), started, running, gaveUp, len(pullIDs), gcAsked, gcOK, retries)
 	t.Logf("system: %d images removed by GC in %d passes, %d runtime in-use checks, %d journaled events (%d produced while NATS was down, %d torn lines)",
@@ -413,6 +414,9 @@ func TestFaultInjection(t *testing.T) {
 		len(stream.copies), stream.msgs, sumOf(lost), lost, sumOf(dups), dups, time.Since(began).Round(time.Second))
 	for i, e := range w.agentExits {
 		t.Logf("agent exit %d:\n%s", i+1, e)
+	}
+	for i, e := range w.ctrdExits {
+		t.Logf("containerd exit %d (by itself), its log:\n%s", i+1, e)
 	}
 	if sumOf(lost) != 0 || sumOf(dups) != 0 {
 		t.Errorf("lost %d, duplicates %d: want 0 and 0", sumOf(lost), sumOf(dups))
