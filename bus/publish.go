@@ -22,6 +22,9 @@ const (
 	HeaderContentType = "content-type"
 )
 
+// SourcePrefix starts the ce-source of every event: SourcePrefix + node name.
+const SourcePrefix = "imagefleet://node/"
+
 // EventMsg builds the NATS message of an event: JSON body, Nats-Msg-Id = event id, CloudEvents binary headers.
 func EventMsg(ev events.Event) (*nats.Msg, error) {
 	if err := ev.Validate(); err != nil {
@@ -40,7 +43,7 @@ func EventMsg(ev events.Event) (*nats.Msg, error) {
 	m.Header.Set(jetstream.MsgIDHeader, ev.ID)
 	m.Header.Set(HeaderSpecVersion, "1.0")
 	m.Header.Set(HeaderType, ev.Type)
-	m.Header.Set(HeaderSource, "imagefleet://node/"+ev.Node)
+	m.Header.Set(HeaderSource, SourcePrefix+ev.Node)
 	m.Header.Set(HeaderID, ev.ID)
 	m.Header.Set(HeaderTime, ev.Time.UTC().Format(time.RFC3339Nano))
 	m.Header.Set(HeaderContentType, "application/json")

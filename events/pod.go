@@ -127,9 +127,9 @@ type PodsReply struct {
 	// OrphanedMirrorPods are the full names (name_namespace) of mirror pods without a static pod.
 	OrphanedMirrorPods []string `json:"orphanedMirrorPods"`
 	// StaleMirrorPods are the UIDs of the mirror pods selected (for a listing: of the whole listing) that have
-	// a static pod of their name but
-	// are not its mirror (the kubelet's IsMirrorPodOf is false: their config.mirror is not the static pod's
-	// config.hash, as after the manifest changed; the kubelet deletes and recreates such a mirror pod).
+	// a static pod of their name but are not its mirror (the kubelet's IsMirrorPodOf is false: their
+	// config.mirror is not the static pod's config.hash, as after the manifest changed; the kubelet deletes
+	// and recreates such a mirror pod).
 	StaleMirrorPods []string `json:"staleMirrorPods,omitempty"`
 	// MirrorToPod maps each mirror pod UID to its static pod UID (the kubelet's GetUIDTranslations).
 	MirrorToPod map[string]string `json:"mirrorToPod"`

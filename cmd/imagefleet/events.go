@@ -240,7 +240,7 @@ func streamEvent(m bus.StreamMsg) (events.Event, error) {
 	}
 	md := pod.Metadata
 	return events.Event{Type: m.Header.Get(bus.HeaderType), ID: m.Header.Get(bus.HeaderID), Time: at,
-		Node:    strings.TrimPrefix(m.Header.Get(bus.HeaderSource), "imagefleet://node/"),
+		Node:    strings.TrimPrefix(m.Header.Get(bus.HeaderSource), bus.SourcePrefix),
 		Message: fmt.Sprintf("pod %s/%s (uid %s) %s", md.Namespace, md.Name, md.UID, action), Data: m.Data,
 		Object: &events.ObjectRef{Kind: "Pod", Namespace: md.Namespace, Name: md.Name, UID: md.UID}}, nil
 }

@@ -211,7 +211,7 @@ func PodEventRaw(node, action string, body []byte, id string, at time.Time) bus.
 		Header: map[string]string{
 			bus.HeaderSpecVersion: "1.0",
 			bus.HeaderType:        events.TypeName(events.EntityPod, action),
-			bus.HeaderSource:      "imagefleet://node/" + node,
+			bus.HeaderSource:      bus.SourcePrefix + node,
 			bus.HeaderID:          id,
 			bus.HeaderTime:        at.UTC().Format(time.RFC3339Nano),
 			bus.HeaderContentType: "application/json",

@@ -135,13 +135,20 @@ func fromSource(pods []*v1.Pod, source string) []*v1.Pod {
 // pageBytes is the pod JSON a reply carries at most (a variable for tests).
 var pageBytes = events.MaxPodsPageBytes
 
+// listingEntry is entry i of the listing pods-then-mirrors, and whether it is a mirror pod.
+func listingEntry(pods, mirrors []*v1.Pod, i int) (*v1.Pod, bool) {
+	if i >= len(pods) {
+		return mirrors[i-len(pods)], true
+	}
+	return pods[i], false
+}
+
 // pageToken is the After token of entry i of the listing pods-then-mirrors: the entry's kind and sort key.
 func pageToken(pods, mirrors []*v1.Pod, i int) string {
-	kind, p := "p", (*v1.Pod)(nil)
-	if i >= len(pods) {
-		kind, p = "m", mirrors[i-len(pods)]
-	} else {
-		p = pods[i]
+	p, mirror := listingEntry(pods, mirrors, i)
+	kind := "p"
+	if mirror {
+		kind = "m"
 	}
 	return base64.RawURLEncoding.EncodeToString([]byte(kind + "\x00" + p.Namespace + "\x00" + p.Name + "\x00" + string(p.UID)))
 }
@@ -177,12 +184,7 @@ func page(ix *Index, pods, mirrors []*v1.Pod, offset, limit int) (podJSON, mirro
 		if limit > 0 && next-offset == limit {
 			break
 		}
-		p, mirror := (*v1.Pod)(nil), next >= len(pods)
-		if mirror {
-			p = mirrors[next-len(pods)]
-		} else {
-			p = pods[next]
-		}
+		p, mirror := listingEntry(pods, mirrors, next)
 		raw, err := rawPod(ix, p)
 		if err != nil {
 			return nil, nil, 0, err

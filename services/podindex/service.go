@@ -254,9 +254,9 @@ func (s *Service) tailOnce(ctx context.Context) error {
 			s.markCaughtUp()
 		}
 	}
-	// Until caught up: when no event arrives (nor is applied) for catchUpStall, the events counted at the start may be gone
-	// (expired, discarded or purged before delivery), so the count would never drain: end this tail, and
-	// the next one counts again from the applied sequence.
+	// Until caught up: when no event arrives (nor is applied) for catchUpStall, the events counted at the
+	// start may be gone (expired, discarded or purged before delivery), so the count would never drain: end
+	// this tail, and the next one counts again from the applied sequence.
 	var delivered atomic.Uint64
 	stalled := make(chan struct{})
 	if !s.caughtUp.Load() {
@@ -271,13 +271,13 @@ func (s *Service) tailOnce(ctx context.Context) error {
 					return
 				case <-t.C:
 				}
-				if now := progress(); now == last && !s.caughtUp.Load() {
+				now := progress()
+				if now == last && !s.caughtUp.Load() {
 					close(stalled)
 					stop()
 					return
-				} else {
-					last = now
 				}
+				last = now
 			}
 		}()
 	}

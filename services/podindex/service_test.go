@@ -121,9 +121,7 @@ func startService(t *testing.T, b *bus.Bus, cfg Config) (*Service, func()) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- s.Run(ctx) }()
+	done, stop := runService(s)
 	select {
 	case <-s.Ready():
 	case err := <-done:
@@ -132,10 +130,21 @@ func startService(t *testing.T, b *bus.Bus, cfg Config) (*Service, func()) {
 		t.Fatal("not ready after 15s")
 	}
 	return s, func() {
-		cancel()
-		if err := <-done; err != nil {
+		if err := stop(); err != nil {
 			t.Errorf("run returned %v", err)
 		}
+	}
+}
+
+// runService runs s until stop, which returns what Run returned; done delivers Run's result should it end
+// first (then stop must not be called).
+func runService(s *Service) (done <-chan error, stop func() error) {
+	ctx, cancel := context.WithCancel(context.Background())
+	ran := make(chan error, 1)
+	go func() { ran <- s.Run(ctx) }()
+	return ran, func() error {
+		cancel()
+		return <-ran
 	}
 }
 
@@ -614,12 +623,9 @@ func TestQueriesWaitForCatchUp(t *testing.T) {
 			t.Fatalf("%s before catching up: %v, want %q", name, err, CatchingUpText)
 		}
 	}
-	ctx, cancel := context.WithCancel(t.Context())
-	done := make(chan error, 1)
-	go func() { done <- s.Run(ctx) }()
+	_, stop := runService(s)
 	defer func() {
-		cancel()
-		if err := <-done; err != nil {
+		if err := stop(); err != nil {
 			t.Error(err)
 		}
 	}()

@@ -391,9 +391,8 @@ func validateStaticPod(pod *v1.Pod) field.ErrorList {
 	meta := field.NewPath("metadata")
 	if pod.Name == "" {
 		errs = append(errs, field.Required(meta.Child("name"), "name or generateName is required"))
-	}
-	for _, msg := range validation.IsDNS1123Subdomain(pod.Name) {
-		if pod.Name != "" {
+	} else {
+		for _, msg := range validation.IsDNS1123Subdomain(pod.Name) {
 			errs = append(errs, field.Invalid(meta.Child("name"), pod.Name, msg))
 		}
 	}
