@@ -2,22 +2,30 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"os"
 	"path/filepath"
+	"runtime/debug"
 	"slices"
 	"strings"
-	"sync"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
+	"golang.org/x/sync/errgroup"
+	"k8s.io/apimachinery/pkg/api/resource"
 
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/services/cache"
 	"github.com/imagefleet/imagefleet/services/cri"
+	"github.com/imagefleet/imagefleet/services/detector"
+	"github.com/imagefleet/imagefleet/services/fleet"
+	"github.com/imagefleet/imagefleet/services/gc"
+	"github.com/imagefleet/imagefleet/services/podindex"
+	"github.com/imagefleet/imagefleet/services/puller"
 )
 
 // runnable is a worker: Run blocks until ctx ends and returns nil after a clean shutdown.
@@ -25,48 +33,283 @@ type runnable interface {
 	Run(ctx context.Context) error
 }
 
-// agentEnv is what every worker gets from the agent.
+// agentConfig is the agent's whole configuration: its own settings, then each worker's Config, which the
+// flags (agentConfig.flags and each worker's row in agentWorkers) fill in place. A setting that is not a
+// field of a service's Config as the flag gives it (a quantity to parse, an unset-means-defaulting flag)
+// has a raw field here and is turned into the Config in the worker's build.
+type agentConfig struct {
+	Node         string
+	CRIEndpoint  string
+	EmbeddedNATS string
+	NATSConfig   string
+	DataDir      string
+	Workers      string
+	CRITimeout   time.Duration
+	Replicas     int
+
+	NoJournal       bool
+	JournalMaxBytes int64
+	MetricsAddr     string
+
+	Detector  detector.Config
+	Cache     cache.Config
+	GC        gc.Config
+	GCFsQuota string // --image-fs-capacity: parsed into GC.CapacityBytes
+	Puller    puller.Config
+	// SerializePulls and MaxParallelPulls become Puller's pointers only when their flag is given, so that an
+	// unset flag keeps the kubelet's defaulting (serialized unless --max-parallel-image-pulls is 2 or more).
+	SerializePulls   bool
+	MaxParallelPulls int32
+	PodIndex         podindex.Config
+	Static           podindex.StaticConfig // ManifestPath "": no static pod source
+	Heartbeat        fleet.HeartbeatConfig
+	NodeLabels       string // --node-labels: parsed into Heartbeat.Labels
+	Inventory        fleet.InventoryConfig
+}
+
+// agentEnv is what every worker gets from the agent besides the configuration.
 type agentEnv struct {
 	Node    string
 	Bus     *bus.Bus
 	CRI     *cri.Client
 	DataDir string
 	Log     *slog.Logger
+	// Workers are the names of the workers this agent runs, in order.
+	Workers []string
+	// Changed reports whether a flag was given on the command line.
+	Changed func(flag string) bool
 }
 
-// workerDef describes one worker the agent can run. Worker files register theirs in init.
+// workerDef is one row of agentWorkers.
 type workerDef struct {
 	Name string
 	// Default: part of the agent's default worker set.
 	Default bool
 	// NeedsCRI: the worker talks to the container runtime.
 	NeedsCRI bool
-	// Flags registers the worker's flags on the agent command (kubelet flag names where the kubelet has one).
-	Flags func(fs *pflag.FlagSet)
-	// Build validates the worker's configuration and builds it.
-	Build func(ctx context.Context, env *agentEnv) (runnable, error)
+	// Flags binds the worker's flags to its fields of the agent's configuration (kubelet flag names where the
+	// kubelet has the setting). The flags exist whatever --workers selects.
+	Flags func(fs *pflag.FlagSet, c *agentConfig)
+	// Build validates the worker's configuration and builds it; it runs only for the selected workers.
+	Build func(ctx context.Context, c *agentConfig, env *agentEnv) (runnable, error)
 }
 
-var workerDefs []workerDef
+// agentWorkers is the one table of the agent's workers, in the order they are built and started.
+//
+// To add a worker: add a row here. Its Config goes into agentConfig as a field (a service's Config
+// composed as is), its flags bind to that field in the row's Flags, and Build turns the field into the
+// worker (filling in Node and Logger from env). Nothing else changes: --workers, the default worker list,
+// the demo and the heartbeat's worker list all read this table.
+//
+// To add a flag: bind it in the Flags of the worker that uses it (a field of that worker's Config where
+// one fits, or a raw field of agentConfig converted in Build); a flag of the agent itself goes into
+// agentConfig.flags. Flag names are the kubelet's where the kubelet has the setting.
+var agentWorkers = []workerDef{
+	{
+		// The journal is opened by the agent with its connection, before any worker publishes, whatever
+		// --workers says. "journal" stays a worker name only so that lists naming it keep working.
+		Name: "journal", Default: true,
+		Flags: func(fs *pflag.FlagSet, c *agentConfig) {
+			fs.BoolVar(&c.NoJournal, "no-journal", false, "do not journal events locally before publishing them")
+			fs.Int64Var(&c.JournalMaxBytes, "journal-max-bytes", 64<<20, "size bound of the event journal file under --data-dir/journal (rotated past it)")
+		},
+		Build: func(context.Context, *agentConfig, *agentEnv) (runnable, error) { return idle{}, nil },
+	},
+	{
+		Name: "metrics", Default: true,
+		Flags: func(fs *pflag.FlagSet, c *agentConfig) {
+			fs.StringVar(&c.MetricsAddr, "metrics-addr", "", "serve Prometheus metrics on host:port at /metrics (\"\": off; e.g. 127.0.0.1:9464)")
+		},
+		Build: buildMetrics,
+	},
+	{
+		Name: "detector", Default: true, NeedsCRI: true,
+		Flags: func(fs *pflag.FlagSet, c *agentConfig) {
+			fs.DurationVar(&c.Detector.Period, "image-detect-period", 5*time.Minute, "how often the detector refreshes image records")
+		},
+		Build: func(_ context.Context, c *agentConfig, env *agentEnv) (runnable, error) {
+			cfg := c.Detector
+			cfg.Node, cfg.Logger = env.Node, env.Log
+			return detector.New(cfg, env.CRI, env.Bus)
+		},
+	},
+	{
+		Name: "cache", Default: true, NeedsCRI: true,
+		Flags: func(fs *pflag.FlagSet, c *agentConfig) {
+			fs.DurationVar(&c.Cache.Period, "image-cache-period", 30*time.Second, "how often the image list cache refreshes")
+		},
+		Build: func(_ context.Context, c *agentConfig, env *agentEnv) (runnable, error) {
+			cfg := c.Cache
+			cfg.Node, cfg.Logger = env.Node, env.Log
+			return cache.New(cfg, env.CRI, env.Bus)
+		},
+	},
+	{
+		Name: "heartbeat", Default: true, NeedsCRI: true,
+		Flags: func(fs *pflag.FlagSet, c *agentConfig) {
+			fs.StringVar(&c.NodeLabels, "node-labels", "", "labels of this node for fleet selectors, k=v,k2=v2")
+			fs.DurationVar(&c.Heartbeat.Period, "heartbeat-period", 10*time.Second, "how often the node announces itself to the fleet registry")
+		},
+		Build: func(_ context.Context, c *agentConfig, env *agentEnv) (runnable, error) {
+			labels, err := fleet.ParseLabels(c.NodeLabels)
+			if err != nil {
+				return nil, err
+			}
+			cfg := c.Heartbeat
+			cfg.Node, cfg.Labels, cfg.AgentVersion, cfg.Workers, cfg.Logger = env.Node, labels, agentVersion(), env.Workers, env.Log
+			return fleet.NewHeartbeat(cfg, env.CRI, env.Bus)
+		},
+	},
+	{
+		Name: "inventory", Default: false,
+		Flags: func(fs *pflag.FlagSet, c *agentConfig) {
+			fs.IntVar(&c.Inventory.Concurrency, "inventory-concurrency", 32, "image events one inventory replica applies at once")
+		},
+		Build: func(ctx context.Context, c *agentConfig, env *agentEnv) (runnable, error) {
+			cfg := c.Inventory
+			cfg.Replica, cfg.Logger = env.Node, env.Log
+			return fleet.NewInventory(ctx, cfg, env.Bus)
+		},
+	},
+	{
+		Name: "gc", Default: true, NeedsCRI: true,
+		Flags: func(fs *pflag.FlagSet, c *agentConfig) {
+			d := gc.DefaultPolicy()
+			fs.IntVar(&c.GC.Policy.HighThresholdPercent, "image-gc-high-threshold", d.HighThresholdPercent, "percent of image filesystem usage at or above which image GC runs")
+			fs.IntVar(&c.GC.Policy.LowThresholdPercent, "image-gc-low-threshold", d.LowThresholdPercent, "percent of image filesystem usage image GC frees down to")
+			fs.DurationVar(&c.GC.Policy.MinAge, "minimum-image-ttl-duration", d.MinAge, "minimum age of an image (since first detected) before GC may remove it")
+			fs.DurationVar(&c.GC.Policy.MaxAge, "image-maximum-gc-age", d.MaxAge, "remove unused images older than this whatever the usage (0s: disabled)")
+			fs.StringVar(&c.GCFsQuota, "image-fs-capacity", "", "byte quota for images (bytes, or a quantity like 10Gi): capacity = this, used = sum of image sizes (default: statfs of the image filesystem)")
+			fs.StringSliceVar(&c.GC.PinnedImages, "pinned-images", nil, "references and globs of images GC never removes (REF,GLOB,...; e.g. busybox,*/pause:*)")
+			fs.DurationVar(&c.GC.Period, "image-gc-period", 5*time.Minute, "period of the image GC loop")
+			fs.IntVar(&c.GC.RemovalParallelism, "image-gc-removal-parallelism", 16, "images removed at once (1: one by one, as the kubelet)")
+		},
+		Build: func(_ context.Context, c *agentConfig, env *agentEnv) (runnable, error) {
+			cfg, err := gcConfig(c, env.Node)
+			if err != nil {
+				return nil, err
+			}
+			cfg.Logger = env.Log
+			return gc.New(cfg, gc.Deps{Runtime: env.CRI, Bus: env.Bus})
+		},
+	},
+	{
+		Name: "podindex", Default: true,
+		Flags: func(fs *pflag.FlagSet, c *agentConfig) {
+			fs.StringVar(&c.Static.ManifestPath, "pod-manifest-path", "", "directory (or file) of static pod manifests; empty: no static pod source")
+			fs.DurationVar(&c.Static.ResyncPeriod, "file-check-frequency", 20*time.Second, "how often the static pod manifests are read again besides file notifications")
+			fs.DurationVar(&c.PodIndex.FlushInterval, "pod-index-flush-interval", 5*time.Second, "how often the pod index writes its snapshot while it keeps up with its events")
+		},
+		Build: buildPodIndex,
+	},
+	{
+		Name: "puller", Default: true, NeedsCRI: true,
+		Flags: func(fs *pflag.FlagSet, c *agentConfig) {
+			fs.BoolVar(&c.SerializePulls, "serialize-image-pulls", true, "pull one image at a time (default true unless --max-parallel-image-pulls is 2 or more)")
+			fs.Int32Var(&c.MaxParallelPulls, "max-parallel-image-pulls", 0, "the node's pull tokens in parallel mode, enforced by the NATS server across every puller replica (unset: no limit)")
+			fs.Float64Var(&c.Puller.RegistryPullQPS, "registry-qps", 5, "registry pulls per second (token bucket, no waiting: over it a pull fails with \"pull QPS exceeded\"); 0: unlimited")
+			fs.IntVar(&c.Puller.RegistryBurst, "registry-burst", 10, "burst of the registry pull token bucket")
+			fs.StringVar(&c.Puller.PullSecretsDir, "pull-secrets-dir", "", "directory of Secret manifests (JSON or YAML, kubernetes.io/dockerconfigjson) the pods' image pull secrets are read from, by namespace and name")
+			fs.StringVar(&c.Puller.NodeKeyring, "node-keyring", "", "docker config.json with the node's registry credentials (usable by every pod)")
+			fs.StringVar(&c.Puller.CredentialVerificationPolicy, "image-pull-credentials-verification-policy", puller.NeverVerifyPreloadedImages, "KEP-2535: NeverVerify, NeverVerifyPreloadedImages, NeverVerifyAllowlistedImages or AlwaysVerify")
+			fs.StringSliceVar(&c.Puller.PreloadedImagesAllowlist, "preloaded-images-verification-allowlist", nil, "repositories (or host/path/*) never verified under NeverVerifyAllowlistedImages")
+			fs.DurationVar(&c.Puller.AckWait, "pull-ack-wait", 30*time.Second, "how long a silent puller keeps a request before another replica gets it")
+			fs.BoolVar(&c.Puller.PullOnPodAdd, "pull-on-pod-add", false, "enqueue a pull for each image of a pod added on this node (pod.added events), with the container's pull policy and the pod's pull secrets")
+		},
+		Build: buildPuller,
+	},
+}
 
-func registerWorker(w workerDef) { workerDefs = append(workerDefs, w) }
+// gcConfig builds the executor's Config from the flags.
+func gcConfig(c *agentConfig, node string) (gc.Config, error) {
+	cfg := c.GC
+	cfg.Node = node
+	if s := strings.TrimSpace(c.GCFsQuota); s != "" {
+		q, err := resource.ParseQuantity(s)
+		if err != nil {
+			return gc.Config{}, fmt.Errorf("invalid configuration: imageFsCapacity (--image-fs-capacity) %q: %w", s, err)
+		}
+		cfg.CapacityBytes = q.Value()
+	}
+	if cfg.RemovalParallelism < 1 {
+		return gc.Config{}, fmt.Errorf("invalid configuration: imageGCRemovalParallelism (--image-gc-removal-parallelism) %v must be a positive number", cfg.RemovalParallelism)
+	}
+	if cfg.Period <= 0 {
+		return gc.Config{}, fmt.Errorf("invalid configuration: imageGCPeriod (--image-gc-period) %v must be positive", cfg.Period)
+	}
+	if err := cfg.Validate(); err != nil {
+		return gc.Config{}, err
+	}
+	return cfg, nil
+}
 
-func init() { registerCommand(newAgentCmd) }
+// buildPuller builds the puller: an unset --serialize-image-pulls or --max-parallel-image-pulls keeps the
+// kubelet's defaulting (serialized unless --max-parallel-image-pulls is 2 or more).
+func buildPuller(_ context.Context, c *agentConfig, env *agentEnv) (runnable, error) {
+	cfg := c.Puller
+	cfg.Node, cfg.Logger, cfg.Registerer = env.Node, env.Log, prometheus.DefaultRegisterer
+	if env.Changed("serialize-image-pulls") {
+		v := c.SerializePulls
+		cfg.SerializeImagePulls = &v
+	}
+	if env.Changed("max-parallel-image-pulls") {
+		v := c.MaxParallelPulls
+		cfg.MaxParallelImagePulls = &v
+	}
+	return puller.New(cfg, env.CRI, env.Bus)
+}
 
-type agentFlags struct {
-	node         string
-	criEndpoint  string
-	embeddedNATS string
-	natsConfig   string
-	dataDir      string
-	workers      string
-	criTimeout   time.Duration
-	replicas     int
+// buildPodIndex builds the pod index and, with --pod-manifest-path, the static pod source beside it.
+func buildPodIndex(_ context.Context, c *agentConfig, env *agentEnv) (runnable, error) {
+	cfg := c.PodIndex
+	cfg.Node, cfg.Logger = env.Node, env.Log
+	ix, err := podindex.New(cfg, env.Bus)
+	if err != nil {
+		return nil, err
+	}
+	if c.Static.ManifestPath == "" {
+		return ix, nil
+	}
+	scfg := c.Static
+	scfg.Node, scfg.Logger = env.Node, env.Log
+	src, err := podindex.NewStaticSource(scfg, env.Bus, env.Bus)
+	if err != nil {
+		return nil, err
+	}
+	return group{ix, src}, nil
+}
+
+// group runs runnables until ctx ends or one fails.
+type group []runnable
+
+func (r group) Run(ctx context.Context) error {
+	g, ctx := errgroup.WithContext(ctx)
+	for _, w := range r {
+		g.Go(func() error { return w.Run(ctx) })
+	}
+	return g.Wait()
+}
+
+// flags binds the agent's own flags and every worker's.
+func (c *agentConfig) flags(fs *pflag.FlagSet) {
+	fs.StringVar(&c.Node, "node", "", "node name (default: the host name)")
+	fs.StringVar(&c.CRIEndpoint, "cri", "unix:///run/containerd/containerd.sock", "CRI endpoint of the container runtime")
+	fs.StringVar(&c.EmbeddedNATS, "embedded-nats", "127.0.0.1:4222", "listen address of the embedded nats-server (used unless --nats is given)")
+	fs.StringVar(&c.NATSConfig, "nats-config", "", "nats-server config file for the embedded server")
+	fs.StringVar(&c.DataDir, "data-dir", defaultDataDir(), "state directory (embedded NATS store, journal)")
+	fs.StringVar(&c.Workers, "workers", "", "comma-separated workers to run (default: "+defaultWorkers()+")")
+	fs.DurationVar(&c.CRITimeout, "runtime-request-timeout", 2*time.Minute, "timeout of every CRI call but pulls")
+	fs.IntVar(&c.Replicas, "stream-replicas", 0, "replicas of the JetStream streams and buckets the agent creates or ensures (3 on a 3-server cluster; 0: 1 for new ones, existing ones keep theirs)")
+	for _, w := range agentWorkers {
+		if w.Flags != nil {
+			w.Flags(fs, c)
+		}
+	}
 }
 
 func defaultWorkers() string {
 	var names []string
-	for _, w := range workerDefs {
+	for _, w := range agentWorkers {
 		if w.Default {
 			names = append(names, w.Name)
 		}
@@ -74,8 +317,8 @@ func defaultWorkers() string {
 	return strings.Join(names, ",")
 }
 
-func newAgentCmd() *cobra.Command {
-	var f agentFlags
+func newAgentCmd(cl *cli) *cobra.Command {
+	var c agentConfig
 	cmd := &cobra.Command{
 		Use:   "agent",
 		Short: "Run the node workers (detector, cache, gc, puller, pod index, ...)",
@@ -83,23 +326,10 @@ func newAgentCmd() *cobra.Command {
 (file store under --data-dir); with --nats it connects to an external server or cluster instead.
 Each worker can run alone (--workers gc) and be replicated.`,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			return runAgent(cmd.Context(), cmd, f)
+			return runAgent(cmd.Context(), cl, cmd, c)
 		},
 	}
-	fs := cmd.Flags()
-	fs.StringVar(&f.node, "node", "", "node name (default: the host name)")
-	fs.StringVar(&f.criEndpoint, "cri", "unix:///run/containerd/containerd.sock", "CRI endpoint of the container runtime")
-	fs.StringVar(&f.embeddedNATS, "embedded-nats", "127.0.0.1:4222", "listen address of the embedded nats-server (used unless --nats is given)")
-	fs.StringVar(&f.natsConfig, "nats-config", "", "nats-server config file for the embedded server")
-	fs.StringVar(&f.dataDir, "data-dir", defaultDataDir(), "state directory (embedded NATS store, journal)")
-	fs.StringVar(&f.workers, "workers", "", "comma-separated workers to run (default: "+defaultWorkers()+")")
-	fs.DurationVar(&f.criTimeout, "runtime-request-timeout", 2*time.Minute, "timeout of every CRI call but pulls")
-	fs.IntVar(&f.replicas, "stream-replicas", 0, "replicas of the JetStream streams and buckets the agent creates or ensures (3 on a 3-server cluster; 0: 1 for new ones, existing ones keep theirs)")
-	for _, w := range workerDefs {
-		if w.Flags != nil {
-			w.Flags(fs)
-		}
-	}
+	c.flags(cmd.Flags())
 	return cmd
 }
 
@@ -113,7 +343,7 @@ func defaultDataDir() string {
 	return filepath.Join(os.TempDir(), "imagefleet")
 }
 
-// selectWorkers resolves --workers against the registry.
+// selectWorkers resolves --workers against agentWorkers.
 func selectWorkers(list string) ([]workerDef, error) {
 	if list == "" {
 		list = defaultWorkers()
@@ -124,15 +354,15 @@ func selectWorkers(list string) ([]workerDef, error) {
 		if name == "" {
 			continue
 		}
-		i := slices.IndexFunc(workerDefs, func(w workerDef) bool { return w.Name == name })
+		i := slices.IndexFunc(agentWorkers, func(w workerDef) bool { return w.Name == name })
 		if i < 0 {
 			var known []string
-			for _, w := range workerDefs {
+			for _, w := range agentWorkers {
 				known = append(known, w.Name)
 			}
 			return nil, fmt.Errorf("unknown worker %q (known: %s)", name, strings.Join(known, ", "))
 		}
-		out = append(out, workerDefs[i])
+		out = append(out, agentWorkers[i])
 	}
 	if len(out) == 0 {
 		return nil, fmt.Errorf("no workers selected")
@@ -140,30 +370,41 @@ func selectWorkers(list string) ([]workerDef, error) {
 	return out, nil
 }
 
-func runAgent(ctx context.Context, cmd *cobra.Command, f agentFlags) error {
-	if f.node == "" {
+// agentJournal is the agent's event journal directory under the data dir ("" with --no-journal).
+func (c *agentConfig) agentJournal() string {
+	if c.NoJournal {
+		return ""
+	}
+	return filepath.Join(c.DataDir, "journal")
+}
+
+func runAgent(ctx context.Context, cl *cli, cmd *cobra.Command, c agentConfig) error {
+	if c.Node == "" {
 		h, err := os.Hostname()
 		if err != nil {
 			return fmt.Errorf("node name: %w", err)
 		}
-		f.node = strings.ToLower(h)
+		c.Node = strings.ToLower(h)
 	}
-	if err := events.ValidateNodeName(f.node); err != nil {
+	if err := events.ValidateNodeName(c.Node); err != nil {
 		return err
 	}
-	defs, err := selectWorkers(f.workers)
+	defs, err := selectWorkers(c.Workers)
 	if err != nil {
 		return err
 	}
-	log := slog.Default().With("node", f.node)
-	env := &agentEnv{Node: f.node, DataDir: f.dataDir, Log: log}
+	log := slog.Default().With("node", c.Node)
+	env := &agentEnv{Node: c.Node, DataDir: c.DataDir, Log: log, Changed: cmd.Flags().Changed}
+	for _, d := range defs {
+		env.Workers = append(env.Workers, d.Name)
+	}
 
-	url := g.natsURL
+	url := cl.natsURL
 	if !cmd.Flags().Changed("nats") && !cmd.Root().PersistentFlags().Changed("nats") {
-		if err := os.MkdirAll(f.dataDir, 0o750); err != nil {
+		if err := os.MkdirAll(c.DataDir, 0o750); err != nil {
 			return fmt.Errorf("data dir: %w", err)
 		}
-		srv, err := bus.StartServer(bus.ServerConfig{Listen: f.embeddedNATS, StoreDir: filepath.Join(f.dataDir, "nats"), ConfigFile: f.natsConfig})
+		srv, err := bus.StartServer(bus.ServerConfig{Listen: c.EmbeddedNATS, StoreDir: filepath.Join(c.DataDir, "nats"), ConfigFile: c.NATSConfig})
 		if err != nil {
 			return err
 		}
@@ -171,9 +412,9 @@ func runAgent(ctx context.Context, cmd *cobra.Command, f agentFlags) error {
 		url = srv.ClientURL()
 		log.Info("embedded nats-server started", "url", url)
 	}
-	opts := busOptions("imagefleet-agent-" + f.node)
-	opts.Replicas = f.replicas
-	opts.JournalDir, opts.JournalMaxBytes = agentJournal(f.dataDir), journalMaxBytes
+	opts := cl.busOptions("imagefleet-agent-" + c.Node)
+	opts.Replicas = c.Replicas
+	opts.JournalDir, opts.JournalMaxBytes = c.agentJournal(), c.JournalMaxBytes
 	b, err := bus.Connect(ctx, url, opts)
 	if err != nil {
 		return err
@@ -183,47 +424,45 @@ func runAgent(ctx context.Context, cmd *cobra.Command, f agentFlags) error {
 	}
 	defer b.Close()
 	env.Bus = b
-	if err := b.EnsureStreams(ctx, bus.StreamsConfig{Replicas: f.replicas}); err != nil {
+	if err := b.EnsureStreams(ctx, bus.StreamsConfig{Replicas: c.Replicas}); err != nil {
 		return err
 	}
 	if slices.ContainsFunc(defs, func(w workerDef) bool { return w.NeedsCRI }) {
-		c, err := cri.Dial(cri.Config{Endpoint: f.criEndpoint, Timeout: f.criTimeout})
+		rt, err := cri.Dial(cri.Config{Endpoint: c.CRIEndpoint, Timeout: c.CRITimeout})
 		if err != nil {
 			return err
 		}
-		defer func() { _ = c.Close() }()
-		env.CRI = c
+		defer func() { _ = rt.Close() }()
+		env.CRI = rt
 	}
-	var workers []runnable
-	var names []string
-	for _, d := range defs {
-		w, err := d.Build(ctx, env)
-		if err != nil {
+	workers := make([]runnable, len(defs))
+	for i, d := range defs {
+		if workers[i], err = d.Build(ctx, &c, env); err != nil {
 			return fmt.Errorf("%s: %w", d.Name, err)
 		}
-		workers = append(workers, w)
-		names = append(names, d.Name)
 	}
-	log.Info("agent started", "workers", strings.Join(names, ","))
-	return runAll(ctx, workers, names)
+	log.Info("agent started", "workers", strings.Join(env.Workers, ","))
+	g, gctx := errgroup.WithContext(ctx)
+	for i, w := range workers {
+		g.Go(func() error {
+			if err := w.Run(gctx); err != nil {
+				return fmt.Errorf("%s: %w", defs[i].Name, err)
+			}
+			return nil
+		})
+	}
+	return g.Wait()
 }
 
-// runAll runs workers until ctx ends or one fails; then it stops the rest and waits for them.
-func runAll(ctx context.Context, workers []runnable, names []string) error {
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	var wg sync.WaitGroup
-	errs := make([]error, len(workers))
-	for i, w := range workers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if err := w.Run(ctx); err != nil {
-				errs[i] = fmt.Errorf("%s: %w", names[i], err)
-				cancel()
-			}
-		}()
+// idle is a worker with nothing to run: its work happens in the bus (the journal) or in Build.
+type idle struct{}
+
+func (idle) Run(ctx context.Context) error { <-ctx.Done(); return nil }
+
+// agentVersion is the module version the binary was built from ("dev" for a local build).
+func agentVersion() string {
+	if bi, ok := debug.ReadBuildInfo(); ok && bi.Main.Version != "" && bi.Main.Version != "(devel)" {
+		return bi.Main.Version
 	}
-	wg.Wait()
-	return errors.Join(errs...)
+	return "dev"
 }

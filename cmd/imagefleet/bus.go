@@ -14,9 +14,7 @@ import (
 	"github.com/imagefleet/imagefleet/services/puller"
 )
 
-func init() { registerCommand(newBusCmd) }
-
-func newBusCmd() *cobra.Command {
+func newBusCmd(cl *cli) *cobra.Command {
 	var config, listen, storeDir, name string
 	cmd := &cobra.Command{
 		Use:   "bus [--config FILE]",
@@ -38,7 +36,7 @@ cluster (deploy/nats/cluster/server-{1,2,3}.conf). --listen and --store-dir over
 			return nil
 		},
 	}
-	cmd.AddCommand(newBusInitCmd())
+	cmd.AddCommand(newBusInitCmd(cl), newGenCredsCmd(cl))
 	fs := cmd.Flags()
 	fs.StringVar(&config, "config", "", "nats-server configuration file")
 	fs.StringVar(&listen, "listen", "", "client listen address host:port (overrides the file; default 127.0.0.1:4222)")
@@ -47,7 +45,7 @@ cluster (deploy/nats/cluster/server-{1,2,3}.conf). --listen and --store-dir over
 	return cmd
 }
 
-func newBusInitCmd() *cobra.Command {
+func newBusInitCmd(cl *cli) *cobra.Command {
 	var replicas int
 	cmd := &cobra.Command{
 		Use:   "init [--stream-replicas N]",
@@ -59,9 +57,9 @@ admin identity (--nkey admin.nk). Agents that find them open them as they are.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			ctx := cmd.Context()
-			opts := busOptions("imagefleet-bus-init")
+			opts := cl.busOptions("imagefleet-bus-init")
 			opts.Replicas = replicas
-			b, err := bus.Connect(ctx, g.natsURL, opts)
+			b, err := bus.Connect(ctx, cl.natsURL, opts)
 			if err != nil {
 				return err
 			}
@@ -88,7 +86,7 @@ admin identity (--nkey admin.nk). Agents that find them open them as they are.`,
 				return err
 			}
 			slices.Sort(names)
-			if jsonOutput() {
+			if cl.jsonOutput() {
 				return printJSON(cmd.OutOrStdout(), map[string]any{"streams": names})
 			}
 			for _, n := range names {

@@ -12,24 +12,8 @@ import (
 	"github.com/imagefleet/imagefleet/deploy/natsconf"
 )
 
-// gen-creds is a subcommand of `imagefleet bus`. bus.go (sorted before this file, so its init ran first)
-// registers the bus command; this wraps its constructor to add the subcommand.
-func init() {
-	for i, f := range commands {
-		if f().Name() == "bus" {
-			orig := f
-			commands[i] = func() *cobra.Command {
-				c := orig()
-				c.AddCommand(newGenCredsCmd())
-				return c
-			}
-			return
-		}
-	}
-	registerCommand(newGenCredsCmd) // no bus command: stand alone
-}
-
-func newGenCredsCmd() *cobra.Command {
+// newGenCredsCmd is `imagefleet bus gen-creds`.
+func newGenCredsCmd(cl *cli) *cobra.Command {
 	var (
 		nodes, rotate, out, listen, tlsDir string
 		testCerts                          bool
@@ -81,7 +65,7 @@ server-key.pem; --gen-test-certs writes a test CA and certificates there first).
 			if err != nil {
 				return err
 			}
-			if jsonOutput() {
+			if cl.jsonOutput() {
 				type ident struct {
 					Name, Role, Public, SeedFile string
 				}

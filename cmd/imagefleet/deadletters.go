@@ -12,9 +12,7 @@ import (
 	"github.com/imagefleet/imagefleet/bus"
 )
 
-func init() { registerCommand(newDeadLettersCmd) }
-
-func newDeadLettersCmd() *cobra.Command {
+func newDeadLettersCmd(cl *cli) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "deadletters [list|replay SEQ]",
 		Short: "List dead letters (messages terminated or out of deliveries) and replay one to its original subject",
@@ -26,9 +24,9 @@ func newDeadLettersCmd() *cobra.Command {
 		Short: "List dead letters: seq, time, consumer, subject, deliveries, reason",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			ctx, cancel := contextTimeout(cmd.Context())
+			ctx, cancel := cl.contextTimeout(cmd.Context())
 			defer cancel()
-			b, err := connect(ctx, "imagefleet-deadletters")
+			b, err := cl.connect(ctx, "imagefleet-deadletters")
 			if err != nil {
 				return err
 			}
@@ -41,7 +39,7 @@ func newDeadLettersCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			if jsonOutput() {
+			if cl.jsonOutput() {
 				if dls == nil {
 					dls = []bus.DeadLetter{}
 				}
@@ -67,9 +65,9 @@ func newDeadLettersCmd() *cobra.Command {
 			if err != nil || seq == 0 {
 				return fmt.Errorf("dead letter sequence %q: want a positive number (see deadletters list)", args[0])
 			}
-			ctx, cancel := contextTimeout(cmd.Context())
+			ctx, cancel := cl.contextTimeout(cmd.Context())
 			defer cancel()
-			b, err := connect(ctx, "imagefleet-deadletters")
+			b, err := cl.connect(ctx, "imagefleet-deadletters")
 			if err != nil {
 				return err
 			}
@@ -78,7 +76,7 @@ func newDeadLettersCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			if jsonOutput() {
+			if cl.jsonOutput() {
 				return printJSON(cmd.OutOrStdout(), rep)
 			}
 			switch {

@@ -18,8 +18,6 @@ import (
 	"github.com/imagefleet/imagefleet/services/cri/hollow"
 )
 
-func init() { registerCommand(newDemoCmd) }
-
 type demoFlags struct {
 	node     string
 	images   int
@@ -27,7 +25,7 @@ type demoFlags struct {
 	keep     bool
 }
 
-func newDemoCmd() *cobra.Command {
+func newDemoCmd(cl *cli) *cobra.Command {
 	var f demoFlags
 	cmd := &cobra.Command{
 		Use:   "demo",
@@ -138,7 +136,7 @@ func runDemo(ctx context.Context, w io.Writer, f demoFlags) error {
 		return err
 	}
 	var workers []string
-	for _, d := range workerDefs {
+	for _, d := range agentWorkers {
 		if d.Default {
 			workers = append(workers, d.Name)
 		}

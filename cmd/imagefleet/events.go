@@ -2,53 +2,18 @@ package main
 
 import (
 	"bufio"
-	"context"
 	"encoding/json"
 	"fmt"
 	"io"
-	"path/filepath"
 	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
-	"github.com/spf13/pflag"
 
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
 	"github.com/imagefleet/imagefleet/internal/tail"
 )
-
-var (
-	journalOff      bool
-	journalMaxBytes int64
-)
-
-func init() {
-	registerCommand(newEventsCmd)
-	// The journal is opened by the agent with its connection (agentJournal), before any worker publishes,
-	// whatever --workers says. "journal" stays a worker name only so that lists naming it keep working.
-	registerWorker(workerDef{
-		Name: "journal", Default: true,
-		Flags: func(fs *pflag.FlagSet) {
-			fs.BoolVar(&journalOff, "no-journal", false, "do not journal events locally before publishing them")
-			fs.Int64Var(&journalMaxBytes, "journal-max-bytes", 64<<20, "size bound of the event journal file under --data-dir/journal (rotated past it)")
-		},
-		Build: func(context.Context, *agentEnv) (runnable, error) { return idle{}, nil },
-	})
-}
-
-// agentJournal is the agent's event journal directory under dataDir ("" with --no-journal).
-func agentJournal(dataDir string) string {
-	if journalOff {
-		return ""
-	}
-	return filepath.Join(dataDir, "journal")
-}
-
-// idle is a worker with nothing to run: its work happens in the bus (the journal) or in Build.
-type idle struct{}
-
-func (idle) Run(ctx context.Context) error { <-ctx.Done(); return nil }
 
 type eventsFlags struct {
 	node    string
@@ -58,7 +23,7 @@ type eventsFlags struct {
 	journal string
 }
 
-func newEventsCmd() *cobra.Command {
+func newEventsCmd(cl *cli) *cobra.Command {
 	var f eventsFlags
 	cmd := &cobra.Command{
 		Use:   "events [--node N] [--follow] [--tail N] [--type T] [--journal FILE]",
@@ -68,7 +33,7 @@ func newEventsCmd() *cobra.Command {
 --journal FILE reads an agent's local journal (<data-dir>/journal/events.jsonl) instead of NATS; with --tail N
 it reads only the end of the file.`,
 		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error { return runEvents(cmd, f) },
+		RunE: func(cmd *cobra.Command, _ []string) error { return cl.runEvents(cmd, f) },
 	}
 	fs := cmd.Flags()
 	fs.StringVar(&f.node, "node", "", "only this node's events")
@@ -145,7 +110,7 @@ func (ef eventFilter) match(ev events.Event) bool {
 	return e == ef.entity && (ef.action == "" || a == ef.action) && (ef.version == "" || v == ef.version)
 }
 
-func runEvents(cmd *cobra.Command, f eventsFlags) error {
+func (cl *cli) runEvents(cmd *cobra.Command, f eventsFlags) error {
 	ef, err := parseEventFilter(f.node, f.typ)
 	if err != nil {
 		return err
@@ -155,10 +120,10 @@ func runEvents(cmd *cobra.Command, f eventsFlags) error {
 		if f.follow {
 			return fmt.Errorf("--follow reads the events stream; it cannot be used with --journal")
 		}
-		return printJournal(out, f.journal, f.tail, ef)
+		return cl.printJournal(out, f.journal, f.tail, ef)
 	}
 	ctx := cmd.Context()
-	b, err := connect(ctx, "imagefleet-events")
+	b, err := cl.connect(ctx, "imagefleet-events")
 	if err != nil {
 		return err
 	}
@@ -166,7 +131,7 @@ func runEvents(cmd *cobra.Command, f eventsFlags) error {
 	var last uint64
 	if f.tail != 0 {
 		var ring []events.Event
-		rctx, cancel := contextTimeout(ctx)
+		rctx, cancel := cl.contextTimeout(ctx)
 		err := b.ReadStream(rctx, events.EventsStream, ef.subject(), 0, func(m bus.StreamMsg) bool {
 			last = m.Seq
 			ev, err := streamEvent(m)
@@ -184,7 +149,7 @@ func runEvents(cmd *cobra.Command, f eventsFlags) error {
 			return err
 		}
 		for _, ev := range ring {
-			if err := printEvent(out, ev); err != nil {
+			if err := cl.printEvent(out, ev); err != nil {
 				return err
 			}
 		}
@@ -200,7 +165,7 @@ func runEvents(cmd *cobra.Command, f eventsFlags) error {
 	}
 	err = b.Follow(ctx, events.EventsStream, ef.subject(), last+1, func(m bus.StreamMsg) bool {
 		if ev, err := streamEvent(m); err == nil && ef.match(ev) {
-			if printEvent(out, ev) != nil {
+			if cl.printEvent(out, ev) != nil {
 				return false
 			}
 		}
@@ -248,7 +213,7 @@ func streamEvent(m bus.StreamMsg) (events.Event, error) {
 // printJournal prints the last n events of a journal file (n < 0: all), reading only the end of the file
 // (tail.FindTailLineStartIndex). With a filter, n counts matching events: it reads further back until it has
 // n of them or reaches the start.
-func printJournal(out io.Writer, path string, n int64, ef eventFilter) error {
+func (cl *cli) printJournal(out io.Writer, path string, n int64, ef eventFilter) error {
 	var lines [][]byte
 	if n < 0 {
 		n = 1 << 62
@@ -274,7 +239,7 @@ func printJournal(out io.Writer, path string, n int64, ef eventFilter) error {
 	w := bufio.NewWriter(out)
 	for _, l := range lines {
 		ev, _ := events.DecodeEvent(l)
-		if err := printEvent(w, ev); err != nil {
+		if err := cl.printEvent(w, ev); err != nil {
 			return err
 		}
 	}
@@ -282,8 +247,8 @@ func printJournal(out io.Writer, path string, n int64, ef eventFilter) error {
 }
 
 // printEvent writes one line: the event as JSON with -o json, else time, node, type, reason, message.
-func printEvent(w io.Writer, ev events.Event) error {
-	if jsonOutput() {
+func (cl *cli) printEvent(w io.Writer, ev events.Event) error {
+	if cl.jsonOutput() {
 		raw, err := json.Marshal(ev)
 		if err != nil {
 			return err

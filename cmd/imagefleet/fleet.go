@@ -23,27 +23,25 @@ import (
 	"github.com/imagefleet/imagefleet/services/fleet"
 )
 
-func init() { registerCommand(newFleetCmd) }
-
-func newFleetCmd() *cobra.Command {
+func newFleetCmd(cl *cli) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "fleet",
 		Short: "Fleet view and rollouts: nodes, images, where, gc, pull, follow",
 	}
-	cmd.AddCommand(newFleetNodesCmd(), newFleetImagesCmd(), newFleetWhereCmd(), newFleetGCCmd(), newFleetPullCmd(), newFleetFollowCmd())
+	cmd.AddCommand(newFleetNodesCmd(cl), newFleetImagesCmd(cl), newFleetWhereCmd(cl), newFleetGCCmd(cl), newFleetPullCmd(cl), newFleetFollowCmd(cl))
 	return cmd
 }
 
-func newFleetNodesCmd() *cobra.Command {
+func newFleetNodesCmd(cl *cli) *cobra.Command {
 	var lostAfter time.Duration
 	var forget string
 	cmd := &cobra.Command{
 		Use:   "nodes",
 		Short: "List the nodes that ever heartbeated, Ready or Lost, with the age of their last heartbeat",
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			ctx, cancel := contextTimeout(cmd.Context())
+			ctx, cancel := cl.contextTimeout(cmd.Context())
 			defer cancel()
-			b, err := connect(ctx, "imagefleet-fleet-nodes")
+			b, err := cl.connect(ctx, "imagefleet-fleet-nodes")
 			if err != nil {
 				return err
 			}
@@ -59,7 +57,7 @@ func newFleetNodesCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			if jsonOutput() {
+			if cl.jsonOutput() {
 				if nodes == nil {
 					nodes = []events.NodeStatus{}
 				}
@@ -93,10 +91,10 @@ func formatLabels(l map[string]string) string {
 	return strings.Join(parts, ",")
 }
 
-func inventoryQuery(cmd *cobra.Command, q events.InventoryQuery) (events.InventoryReply, error) {
-	ctx, cancel := contextTimeout(cmd.Context())
+func (cl *cli) inventoryQuery(cmd *cobra.Command, q events.InventoryQuery) (events.InventoryReply, error) {
+	ctx, cancel := cl.contextTimeout(cmd.Context())
 	defer cancel()
-	b, err := connect(ctx, "imagefleet-fleet-inventory")
+	b, err := cl.connect(ctx, "imagefleet-fleet-inventory")
 	if err != nil {
 		return events.InventoryReply{}, err
 	}
@@ -108,17 +106,17 @@ func inventoryQuery(cmd *cobra.Command, q events.InventoryQuery) (events.Invento
 	return rep, nil
 }
 
-func newFleetImagesCmd() *cobra.Command {
+func newFleetImagesCmd(cl *cli) *cobra.Command {
 	var limit int
 	cmd := &cobra.Command{
 		Use:   "images",
 		Short: "Every image in the fleet: on how many nodes, and the bytes it takes in all (from the inventory)",
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			rep, err := inventoryQuery(cmd, events.InventoryQuery{What: events.InventoryImages, Limit: limit})
+			rep, err := cl.inventoryQuery(cmd, events.InventoryQuery{What: events.InventoryImages, Limit: limit})
 			if err != nil {
 				return err
 			}
-			if jsonOutput() {
+			if cl.jsonOutput() {
 				return printJSON(cmd.OutOrStdout(), rep)
 			}
 			tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
@@ -135,17 +133,17 @@ func newFleetImagesCmd() *cobra.Command {
 	return cmd
 }
 
-func newFleetWhereCmd() *cobra.Command {
+func newFleetWhereCmd(cl *cli) *cobra.Command {
 	return &cobra.Command{
 		Use:   "where IMAGE",
 		Short: "The nodes holding an image (by ID, ID prefix, tag or digest)",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			rep, err := inventoryQuery(cmd, events.InventoryQuery{What: events.InventoryWhere, Image: args[0]})
+			rep, err := cl.inventoryQuery(cmd, events.InventoryQuery{What: events.InventoryWhere, Image: args[0]})
 			if err != nil {
 				return err
 			}
-			if jsonOutput() {
+			if cl.jsonOutput() {
 				return printJSON(cmd.OutOrStdout(), rep)
 			}
 			tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
@@ -225,7 +223,7 @@ func (f *rolloutFlags) plan(ctx context.Context, b *bus.Bus, kind string) (fleet
 }
 
 // runRollout runs a rollout with a progress bar on a terminal, plain lines otherwise, and prints the result.
-func runRollout(cmd *cobra.Command, b *bus.Bus, cfg fleet.RolloutConfig, act fleet.NodeAction) error {
+func (cl *cli) runRollout(cmd *cobra.Command, b *bus.Bus, cfg fleet.RolloutConfig, act fleet.NodeAction) error {
 	errOut := cmd.ErrOrStderr()
 	var bar *progressbar.ProgressBar
 	var mu sync.Mutex
@@ -257,7 +255,7 @@ func runRollout(cmd *cobra.Command, b *bus.Bus, cfg fleet.RolloutConfig, act fle
 	if bar != nil {
 		_ = bar.Finish()
 	}
-	if jsonOutput() {
+	if cl.jsonOutput() {
 		if err := printJSON(cmd.OutOrStdout(), res); err != nil {
 			return err
 		}
@@ -355,7 +353,7 @@ func printRolloutResult(w io.Writer, res events.RolloutResult) {
 	}
 }
 
-func newFleetGCCmd() *cobra.Command {
+func newFleetGCCmd(cl *cli) *cobra.Command {
 	var f rolloutFlags
 	var dryRun, allUnused bool
 	cmd := &cobra.Command{
@@ -363,12 +361,12 @@ func newFleetGCCmd() *cobra.Command {
 		Short: "Run image GC on the chosen nodes in slow-start batches (1, 2, 4 ...), stopping after a failing batch",
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			ctx := cmd.Context()
-			b, err := connect(ctx, "imagefleet-fleet-gc")
+			b, err := cl.connect(ctx, "imagefleet-fleet-gc")
 			if err != nil {
 				return err
 			}
 			defer b.Close()
-			pctx, cancel := contextTimeout(ctx)
+			pctx, cancel := cl.contextTimeout(ctx)
 			cfg, err := f.plan(pctx, b, events.RolloutGC)
 			cancel()
 			if err != nil {
@@ -378,7 +376,7 @@ func newFleetGCCmd() *cobra.Command {
 			// answers with its first pass's result.
 			req := events.GCRequest{ID: cfg.ID, DryRun: dryRun, AllUnused: allUnused}
 			cfg.DryRun, cfg.GC = dryRun, &req
-			err = runRollout(cmd, b, cfg, fleet.GCAction(b, req))
+			err = cl.runRollout(cmd, b, cfg, fleet.GCAction(b, req))
 			return errors.Join(err, writeMemProfile(f.memProfile))
 		},
 	}
@@ -388,7 +386,7 @@ func newFleetGCCmd() *cobra.Command {
 	return cmd
 }
 
-func newFleetPullCmd() *cobra.Command {
+func newFleetPullCmd(cl *cli) *cobra.Command {
 	var f rolloutFlags
 	var policy string
 	cmd := &cobra.Command{
@@ -397,12 +395,12 @@ func newFleetPullCmd() *cobra.Command {
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx := cmd.Context()
-			b, err := connect(ctx, "imagefleet-fleet-pull")
+			b, err := cl.connect(ctx, "imagefleet-fleet-pull")
 			if err != nil {
 				return err
 			}
 			defer b.Close()
-			pctx, cancel := contextTimeout(ctx)
+			pctx, cancel := cl.contextTimeout(ctx)
 			cfg, err := f.plan(pctx, b, events.RolloutPull)
 			cancel()
 			if err != nil {
@@ -414,7 +412,7 @@ func newFleetPullCmd() *cobra.Command {
 				return err
 			}
 			defer w.Stop()
-			return runRollout(cmd, b, cfg, w.Action())
+			return cl.runRollout(cmd, b, cfg, w.Action())
 		},
 	}
 	f.register(cmd)
@@ -422,7 +420,7 @@ func newFleetPullCmd() *cobra.Command {
 	return cmd
 }
 
-func newFleetFollowCmd() *cobra.Command {
+func newFleetFollowCmd(cl *cli) *cobra.Command {
 	var wait bool
 	cmd := &cobra.Command{
 		Use:   "follow ID",
@@ -434,13 +432,13 @@ func newFleetFollowCmd() *cobra.Command {
 				return err
 			}
 			ctx := cmd.Context()
-			b, err := connect(ctx, "imagefleet-fleet-follow")
+			b, err := cl.connect(ctx, "imagefleet-fleet-follow")
 			if err != nil {
 				return err
 			}
 			defer b.Close()
 			if !wait {
-				sctx, cancel := contextTimeout(ctx)
+				sctx, cancel := cl.contextTimeout(ctx)
 				started, _, _, err := fleet.LoadRollout(sctx, b, id)
 				cancel()
 				if err != nil {
@@ -453,7 +451,7 @@ func newFleetFollowCmd() *cobra.Command {
 			out := cmd.OutOrStdout()
 			var final *events.RolloutResult
 			err = fleet.FollowRollout(ctx, b, id, func(ev fleet.RolloutEvent) bool {
-				if jsonOutput() {
+				if cl.jsonOutput() {
 					_ = printJSON(out, ev)
 				} else {
 					ts := ev.Time.Local().Format("15:04:05.000")

@@ -12,9 +12,7 @@ import (
 	"github.com/imagefleet/imagefleet/events"
 )
 
-func init() { registerCommand(newGCCmd) }
-
-func newGCCmd() *cobra.Command {
+func newGCCmd(cl *cli) *cobra.Command {
 	var (
 		node              string
 		dryRun, allUnused bool
@@ -51,18 +49,18 @@ Policy flags override the agent's configuration for this pass only. Exits non-ze
 				return err
 			}
 			ctx := cmd.Context()
-			b, err := connect(ctx, "imagefleet-gc")
+			b, err := cl.connect(ctx, "imagefleet-gc")
 			if err != nil {
 				return err
 			}
 			defer b.Close()
-			rctx, cancel := contextTimeout(ctx)
+			rctx, cancel := cl.contextTimeout(ctx)
 			defer cancel()
 			var res events.GCResult
 			if err := b.Request(rctx, events.CommandSubject(node, events.VerbGC), req, &res); err != nil {
 				return fmt.Errorf("gc on %s: %w", node, err)
 			}
-			if jsonOutput() {
+			if cl.jsonOutput() {
 				if err := printJSON(cmd.OutOrStdout(), res); err != nil {
 					return err
 				}

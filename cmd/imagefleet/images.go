@@ -13,12 +13,6 @@ import (
 	"github.com/imagefleet/imagefleet/services/detector"
 )
 
-func init() {
-	registerCommand(newDetectCmd)
-	registerCommand(newRecordsCmd)
-	registerCommand(newImagesCmd)
-}
-
 func requireNode(node string) error {
 	if node == "" {
 		return fmt.Errorf("--node is required")
@@ -26,7 +20,7 @@ func requireNode(node string) error {
 	return events.ValidateNodeName(node)
 }
 
-func newDetectCmd() *cobra.Command {
+func newDetectCmd(cl *cli) *cobra.Command {
 	var node string
 	cmd := &cobra.Command{
 		Use:   "detect --node N",
@@ -36,25 +30,25 @@ func newDetectCmd() *cobra.Command {
 				return err
 			}
 			ctx := cmd.Context()
-			b, err := connect(ctx, "imagefleet-detect")
+			b, err := cl.connect(ctx, "imagefleet-detect")
 			if err != nil {
 				return err
 			}
 			defer b.Close()
-			rctx, cancel := contextTimeout(ctx)
+			rctx, cancel := cl.contextTimeout(ctx)
 			defer cancel()
 			var rep events.DetectReply
 			if err := b.Request(rctx, events.CommandSubject(node, events.VerbDetect), events.DetectRequest{}, &rep); err != nil {
 				return fmt.Errorf("detect on %s: %w", node, err)
 			}
-			return printRecords(cmd, b, node)
+			return cl.printRecords(cmd, b, node)
 		},
 	}
 	cmd.Flags().StringVar(&node, "node", "", "node name")
 	return cmd
 }
 
-func newRecordsCmd() *cobra.Command {
+func newRecordsCmd(cl *cli) *cobra.Command {
 	var node string
 	cmd := &cobra.Command{
 		Use:   "records --node N",
@@ -63,12 +57,12 @@ func newRecordsCmd() *cobra.Command {
 			if err := requireNode(node); err != nil {
 				return err
 			}
-			b, err := connect(cmd.Context(), "imagefleet-records")
+			b, err := cl.connect(cmd.Context(), "imagefleet-records")
 			if err != nil {
 				return err
 			}
 			defer b.Close()
-			return printRecords(cmd, b, node)
+			return cl.printRecords(cmd, b, node)
 		},
 	}
 	cmd.Flags().StringVar(&node, "node", "", "node name")
@@ -76,8 +70,8 @@ func newRecordsCmd() *cobra.Command {
 }
 
 // printRecords reads the records from the KV bucket (a node can have more than one message holds).
-func printRecords(cmd *cobra.Command, b *bus.Bus, node string) error {
-	ctx, cancel := contextTimeout(cmd.Context())
+func (cl *cli) printRecords(cmd *cobra.Command, b *bus.Bus, node string) error {
+	ctx, cancel := cl.contextTimeout(cmd.Context())
 	defer cancel()
 	st, err := detector.OpenStore(ctx, b, node)
 	if err != nil {
@@ -88,7 +82,7 @@ func printRecords(cmd *cobra.Command, b *bus.Bus, node string) error {
 		return err
 	}
 	recs := detector.SortRecords(m, 0)
-	if jsonOutput() {
+	if cl.jsonOutput() {
 		return printJSON(cmd.OutOrStdout(), recs)
 	}
 	tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
@@ -100,7 +94,7 @@ func printRecords(cmd *cobra.Command, b *bus.Bus, node string) error {
 	return tw.Flush()
 }
 
-func newImagesCmd() *cobra.Command {
+func newImagesCmd(cl *cli) *cobra.Command {
 	var node string
 	var limit int
 	cmd := &cobra.Command{
@@ -111,18 +105,18 @@ func newImagesCmd() *cobra.Command {
 				return err
 			}
 			ctx := cmd.Context()
-			b, err := connect(ctx, "imagefleet-images")
+			b, err := cl.connect(ctx, "imagefleet-images")
 			if err != nil {
 				return err
 			}
 			defer b.Close()
-			rctx, cancel := contextTimeout(ctx)
+			rctx, cancel := cl.contextTimeout(ctx)
 			defer cancel()
 			var rep events.ImagesReply
 			if err := b.Request(rctx, events.QuerySubject(node, events.QryImages), events.QueryRequest{Limit: limit}, &rep); err != nil {
 				return fmt.Errorf("images of %s: %w", node, err)
 			}
-			if jsonOutput() {
+			if cl.jsonOutput() {
 				return printJSON(cmd.OutOrStdout(), rep.Images)
 			}
 			tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)

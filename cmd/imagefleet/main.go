@@ -18,8 +18,8 @@ import (
 	"github.com/imagefleet/imagefleet/bus"
 )
 
-// globals are the flags every command takes.
-type globals struct {
+// cli is the flags every command takes; each command's constructor gets it.
+type cli struct {
 	natsURL   string
 	output    string
 	creds     string
@@ -32,51 +32,62 @@ type globals struct {
 	logFormat string
 }
 
-var g globals
-
-// commands are added by init functions of the files beside this one.
-var commands []func() *cobra.Command
-
-func registerCommand(f func() *cobra.Command) { commands = append(commands, f) }
-
 func newRootCmd() *cobra.Command {
+	cl := &cli{}
+	// commands is the table of top-level commands. To add a command: write its constructor (taking the *cli
+	// for the global flags) and add it here.
+	commands := []func(*cli) *cobra.Command{
+		newAgentCmd,
+		newBusCmd,
+		newDeadLettersCmd,
+		newDemoCmd,
+		newEventsCmd,
+		newFleetCmd,
+		newGCCmd,
+		newDetectCmd,
+		newRecordsCmd,
+		newImagesCmd,
+		newPodsCmd,
+		newPullCmd,
+		newRefsCmd,
+	}
 	root := &cobra.Command{
 		Use:           "imagefleet",
 		Short:         "The kubelet's image lifecycle and pod index as workers over NATS",
 		SilenceUsage:  true,
 		SilenceErrors: true,
 		PersistentPreRunE: func(cmd *cobra.Command, _ []string) error {
-			if g.output != "" && g.output != "json" && g.output != "text" {
-				return fmt.Errorf("output %q: must be text or json", g.output)
+			if cl.output != "" && cl.output != "json" && cl.output != "text" {
+				return fmt.Errorf("output %q: must be text or json", cl.output)
 			}
-			return setupLogging(cmd.ErrOrStderr())
+			return cl.setupLogging(cmd.ErrOrStderr())
 		},
 	}
 	pf := root.PersistentFlags()
-	pf.StringVar(&g.natsURL, "nats", "nats://127.0.0.1:4222", "NATS server URL(s), comma separated")
-	pf.StringVarP(&g.output, "output", "o", "text", "output format: text or json")
-	pf.StringVar(&g.creds, "creds", "", "NATS user credentials file")
-	pf.StringVar(&g.nkey, "nkey", "", "NATS nkey seed file")
-	pf.StringVar(&g.tlsCA, "tls-ca", "", "CA certificate for the NATS server")
-	pf.StringVar(&g.tlsCert, "tls-cert", "", "client certificate for NATS")
-	pf.StringVar(&g.tlsKey, "tls-key", "", "client key for NATS")
-	pf.DurationVar(&g.timeout, "timeout", 30*time.Second, "how long a command waits for an answer")
-	pf.StringVar(&g.logLevel, "log-level", "info", "log level: debug, info, warn, error")
-	pf.StringVar(&g.logFormat, "log-format", "text", "log format: text or json")
+	pf.StringVar(&cl.natsURL, "nats", "nats://127.0.0.1:4222", "NATS server URL(s), comma separated")
+	pf.StringVarP(&cl.output, "output", "o", "text", "output format: text or json")
+	pf.StringVar(&cl.creds, "creds", "", "NATS user credentials file")
+	pf.StringVar(&cl.nkey, "nkey", "", "NATS nkey seed file")
+	pf.StringVar(&cl.tlsCA, "tls-ca", "", "CA certificate for the NATS server")
+	pf.StringVar(&cl.tlsCert, "tls-cert", "", "client certificate for NATS")
+	pf.StringVar(&cl.tlsKey, "tls-key", "", "client key for NATS")
+	pf.DurationVar(&cl.timeout, "timeout", 30*time.Second, "how long a command waits for an answer")
+	pf.StringVar(&cl.logLevel, "log-level", "info", "log level: debug, info, warn, error")
+	pf.StringVar(&cl.logFormat, "log-format", "text", "log format: text or json")
 	for _, f := range commands {
-		root.AddCommand(f())
+		root.AddCommand(f(cl))
 	}
 	return root
 }
 
-func setupLogging(w io.Writer) error {
+func (cl *cli) setupLogging(w io.Writer) error {
 	var lvl slog.Level
-	if err := lvl.UnmarshalText([]byte(g.logLevel)); err != nil {
-		return fmt.Errorf("log level %q: %w", g.logLevel, err)
+	if err := lvl.UnmarshalText([]byte(cl.logLevel)); err != nil {
+		return fmt.Errorf("log level %q: %w", cl.logLevel, err)
 	}
 	opts := &slog.HandlerOptions{Level: lvl}
 	var h slog.Handler = slog.NewTextHandler(w, opts)
-	if g.logFormat == "json" {
+	if cl.logFormat == "json" {
 		h = slog.NewJSONHandler(w, opts)
 	}
 	slog.SetDefault(slog.New(h))
@@ -84,18 +95,21 @@ func setupLogging(w io.Writer) error {
 }
 
 // busOptions are the connection options from the global flags.
-func busOptions(name string) bus.Options {
-	return bus.Options{Name: name, CredsFile: g.creds, NKeyFile: g.nkey, TLSCA: g.tlsCA, TLSCert: g.tlsCert,
-		TLSKey: g.tlsKey, ConnectTimeout: g.timeout, Logger: slog.Default()}
+func (cl *cli) busOptions(name string) bus.Options {
+	return bus.Options{Name: name, CredsFile: cl.creds, NKeyFile: cl.nkey, TLSCA: cl.tlsCA, TLSCert: cl.tlsCert,
+		TLSKey: cl.tlsKey, ConnectTimeout: cl.timeout, Logger: slog.Default()}
 }
 
 // connect connects a client command to NATS.
-func connect(ctx context.Context, name string) (*bus.Bus, error) {
-	b, err := bus.Connect(ctx, g.natsURL, busOptions(name))
-	if err != nil {
-		return nil, err
-	}
-	return b, nil
+func (cl *cli) connect(ctx context.Context, name string) (*bus.Bus, error) {
+	return bus.Connect(ctx, cl.natsURL, cl.busOptions(name))
+}
+
+func (cl *cli) jsonOutput() bool { return cl.output == "json" }
+
+// contextTimeout bounds a command's wait by --timeout.
+func (cl *cli) contextTimeout(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(ctx, cl.timeout)
 }
 
 // printJSON writes v as indented JSON.
@@ -104,8 +118,6 @@ func printJSON(w io.Writer, v any) error {
 	enc.SetIndent("", "  ")
 	return enc.Encode(v)
 }
-
-func jsonOutput() bool { return g.output == "json" }
 
 // exitError carries an exit code.
 type exitError struct {

@@ -10,27 +10,17 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
-	"github.com/spf13/pflag"
 
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/services/puller"
 )
 
-var metricsAddr string
-
-func init() {
-	registerWorker(workerDef{
-		Name: "metrics", Default: true,
-		Flags: func(fs *pflag.FlagSet) {
-			fs.StringVar(&metricsAddr, "metrics-addr", "", "serve Prometheus metrics on host:port at /metrics (\"\": off; e.g. 127.0.0.1:9464)")
-		},
-		Build: func(_ context.Context, env *agentEnv) (runnable, error) {
-			if metricsAddr == "" {
-				return idle{}, nil
-			}
-			return newMetricsServer(metricsAddr, env.Bus, env.Node, prometheus.DefaultRegisterer, prometheus.DefaultGatherer)
-		},
-	})
+// buildMetrics builds the metrics server of --metrics-addr (an idle worker when it is empty).
+func buildMetrics(_ context.Context, c *agentConfig, env *agentEnv) (runnable, error) {
+	if c.MetricsAddr == "" {
+		return idle{}, nil
+	}
+	return newMetricsServer(c.MetricsAddr, env.Bus, env.Node, prometheus.DefaultRegisterer, prometheus.DefaultGatherer)
 }
 
 // metricsServer serves the default gatherer: the kubelet metrics the workers register, the bus's pipeline

@@ -23,14 +23,12 @@ import (
 	"github.com/imagefleet/imagefleet/services/podindex"
 )
 
-func init() { registerCommand(newPodsCmd) }
-
-func newPodsCmd() *cobra.Command {
+func newPodsCmd(cl *cli) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "pods",
 		Short: "Publish pod events to a node's pod index and read it",
 	}
-	cmd.AddCommand(newPodsApplyCmd(), newPodsDeleteCmd(), newPodsGetCmd())
+	cmd.AddCommand(newPodsApplyCmd(cl), newPodsDeleteCmd(cl), newPodsGetCmd(cl))
 	return cmd
 }
 
@@ -42,7 +40,7 @@ type podResult struct {
 	UID       string `json:"uid"`
 }
 
-func newPodsApplyCmd() *cobra.Command {
+func newPodsApplyCmd(cl *cli) *cobra.Command {
 	var node string
 	var files []string
 	var wait bool
@@ -63,7 +61,7 @@ namespace and name, or a new random UID. apply = added if the index does not hav
 			if err != nil {
 				return err
 			}
-			return publishPods(cmd, node, pods, "", false, wait)
+			return cl.publishPods(cmd, node, pods, "", false, wait)
 		},
 	}
 	cmd.Flags().StringVar(&node, "node", "", "node name")
@@ -72,7 +70,7 @@ namespace and name, or a new random UID. apply = added if the index does not hav
 	return cmd
 }
 
-func newPodsDeleteCmd() *cobra.Command {
+func newPodsDeleteCmd(cl *cli) *cobra.Command {
 	var node string
 	var files []string
 	var wait bool
@@ -101,7 +99,7 @@ func newPodsDeleteCmd() *cobra.Command {
 					return err
 				}
 			}
-			return publishPods(cmd, node, pods, events.ActionDeleted, len(args) == 1, wait)
+			return cl.publishPods(cmd, node, pods, events.ActionDeleted, len(args) == 1, wait)
 		},
 	}
 	cmd.Flags().StringVar(&node, "node", "", "node name")
@@ -110,7 +108,7 @@ func newPodsDeleteCmd() *cobra.Command {
 	return cmd
 }
 
-func newPodsGetCmd() *cobra.Command {
+func newPodsGetCmd(cl *cli) *cobra.Command {
 	var node, uid, source string
 	var orphaned bool
 	var limit int
@@ -136,18 +134,18 @@ func newPodsGetCmd() *cobra.Command {
 				return err
 			}
 			ctx := cmd.Context()
-			b, err := connect(ctx, "imagefleet-pods")
+			b, err := cl.connect(ctx, "imagefleet-pods")
 			if err != nil {
 				return err
 			}
 			defer b.Close()
-			rctx, cancel := contextTimeout(ctx)
+			rctx, cancel := cl.contextTimeout(ctx)
 			defer cancel()
 			rep, err := listPods(rctx, b, node, q, limit)
 			if err != nil {
 				return fmt.Errorf("pods of %s: %w", node, err)
 			}
-			if jsonOutput() {
+			if cl.jsonOutput() {
 				return printJSON(cmd.OutOrStdout(), rep)
 			}
 			if (q.UID != "" || q.Name != "") && len(rep.Pods)+len(rep.MirrorPods) == 0 {
@@ -314,14 +312,14 @@ func splitYAMLDocs(data []byte) [][]byte {
 
 // publishPods resolves each pod against the index (apply: added or updated; delete: the indexed pod), then
 // publishes the events and, with wait, waits until the index applied them.
-func publishPods(cmd *cobra.Command, node string, pods []*v1.Pod, action string, byName, wait bool) error {
+func (cl *cli) publishPods(cmd *cobra.Command, node string, pods []*v1.Pod, action string, byName, wait bool) error {
 	ctx := cmd.Context()
-	b, err := connect(ctx, "imagefleet-pods")
+	b, err := cl.connect(ctx, "imagefleet-pods")
 	if err != nil {
 		return err
 	}
 	defer b.Close()
-	rctx, cancel := contextTimeout(ctx)
+	rctx, cancel := cl.contextTimeout(ctx)
 	defer cancel()
 	indexUp := true
 	var msgs []bus.RawMsg
@@ -376,7 +374,7 @@ func publishPods(cmd *cobra.Command, node string, pods []*v1.Pod, action string,
 			return err
 		}
 	}
-	if jsonOutput() {
+	if cl.jsonOutput() {
 		return printJSON(cmd.OutOrStdout(), results)
 	}
 	for _, r := range results {

@@ -13,8 +13,6 @@ import (
 	"github.com/imagefleet/imagefleet/events"
 )
 
-func init() { registerCommand(newPullCmd) }
-
 // pullOutput is what `pull -o json` prints: the result (imageRef; error and message on failure) with the
 // request's identity.
 type pullOutput struct {
@@ -25,7 +23,7 @@ type pullOutput struct {
 	Reason string `json:"reason,omitempty"`
 }
 
-func newPullCmd() *cobra.Command {
+func newPullCmd(cl *cli) *cobra.Command {
 	var (
 		node, policy, pod, requestID string
 		secrets                      []string
@@ -59,12 +57,12 @@ and ten waiting in serial mode) is refused at once.`,
 				return fmt.Errorf("pull request: %w", err)
 			}
 			ctx := cmd.Context()
-			b, err := connect(ctx, "imagefleet-pull")
+			b, err := cl.connect(ctx, "imagefleet-pull")
 			if err != nil {
 				return err
 			}
 			defer b.Close()
-			return runPull(ctx, cmd, b, node, req, wait, waitTimeout)
+			return cl.runPull(ctx, cmd, b, node, req, wait, waitTimeout)
 		},
 	}
 	f := cmd.Flags()
@@ -78,7 +76,7 @@ and ten waiting in serial mode) is refused at once.`,
 	return cmd
 }
 
-func runPull(ctx context.Context, cmd *cobra.Command, b *bus.Bus, node string, req events.PullRequest, wait bool, waitTimeout time.Duration) error {
+func (cl *cli) runPull(ctx context.Context, cmd *cobra.Command, b *bus.Bus, node string, req events.PullRequest, wait bool, waitTimeout time.Duration) error {
 	var sub *bus.Subscription
 	if wait {
 		// Subscribe before publishing: the result cannot come before the subscription.
@@ -88,7 +86,7 @@ func runPull(ctx context.Context, cmd *cobra.Command, b *bus.Bus, node string, r
 		}
 		defer sub.Close()
 	}
-	pctx, cancel := contextTimeout(ctx)
+	pctx, cancel := cl.contextTimeout(ctx)
 	_, err := b.PublishPull(pctx, events.CommandSubject(node, events.VerbPull), req.ID, req)
 	cancel()
 	if errors.Is(err, bus.ErrPullQueueFull) {
@@ -99,7 +97,7 @@ func runPull(ctx context.Context, cmd *cobra.Command, b *bus.Bus, node string, r
 	}
 	out := pullOutput{Node: node, Queued: true, PullResult: events.PullResult{RequestID: req.ID, Image: req.Image, Policy: req.Policy, Pod: req.Pod}}
 	if !wait {
-		if jsonOutput() {
+		if cl.jsonOutput() {
 			return printJSON(cmd.OutOrStdout(), out)
 		}
 		fmt.Fprintf(cmd.OutOrStdout(), "queued pull of %s on %s (request %s)\n", req.Image, node, req.ID)
@@ -121,13 +119,13 @@ func runPull(ctx context.Context, cmd *cobra.Command, b *bus.Bus, node string, r
 			continue
 		}
 		if ev.Type == events.TypeName(events.EntityPull, events.ActionPulling) {
-			if !jsonOutput() {
+			if !cl.jsonOutput() {
 				fmt.Fprintf(cmd.ErrOrStderr(), "%s: %s\n", ev.Reason, ev.Message)
 			}
 			continue
 		}
 		out.PullResult, out.Reason = r, ev.Reason
-		if jsonOutput() {
+		if cl.jsonOutput() {
 			if err := printJSON(cmd.OutOrStdout(), out); err != nil {
 				return err
 			}

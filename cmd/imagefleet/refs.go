@@ -9,9 +9,7 @@ import (
 	"github.com/imagefleet/imagefleet/events"
 )
 
-func init() { registerCommand(newRefsCmd) }
-
-func newRefsCmd() *cobra.Command {
+func newRefsCmd(cl *cli) *cobra.Command {
 	var node string
 	cmd := &cobra.Command{
 		Use:   "refs --node N",
@@ -21,12 +19,12 @@ func newRefsCmd() *cobra.Command {
 				return err
 			}
 			ctx := cmd.Context()
-			b, err := connect(ctx, "imagefleet-refs")
+			b, err := cl.connect(ctx, "imagefleet-refs")
 			if err != nil {
 				return err
 			}
 			defer b.Close()
-			rctx, cancel := contextTimeout(ctx)
+			rctx, cancel := cl.contextTimeout(ctx)
 			defer cancel()
 			var rep events.RefsReply
 			if err := indexRequest(rctx, b, node, events.QryRefs, nil, &rep); err != nil {
@@ -35,7 +33,7 @@ func newRefsCmd() *cobra.Command {
 			if rep.Refs == nil {
 				rep.Refs = []events.Ref{}
 			}
-			if jsonOutput() {
+			if cl.jsonOutput() {
 				return printJSON(cmd.OutOrStdout(), rep.Refs)
 			}
 			tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
