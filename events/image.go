@@ -106,6 +106,9 @@ type GCRequest struct {
 	LowThresholdPercent  *int      `json:"lowThresholdPercent,omitempty"`
 	MinAge               *Duration `json:"minAge,omitempty"`
 	MaxAge               *Duration `json:"maxAge,omitempty"`
+	// Trigger names why the pass is asked for (default manual; the puller sends pull when it makes room
+	// before a pull). Added field.
+	Trigger string `json:"trigger,omitempty"`
 }
 
 // Validate checks the overrides with the kubelet's image GC policy messages.
@@ -125,8 +128,21 @@ func (r GCRequest) Validate() error {
 	if r.MaxAge != nil && r.MaxAge.Duration < 0 {
 		return fmt.Errorf("imageMaximumGCAge %v must not be negative", r.MaxAge.Duration)
 	}
+	switch r.Trigger {
+	case "", GCTriggerManual, GCTriggerPull:
+	default:
+		return fmt.Errorf("gc request trigger %q must be %q or %q", r.Trigger, GCTriggerManual, GCTriggerPull)
+	}
 	return nil
 }
+
+// What starts a GC pass (GCResult.Trigger, the trigger label of kubelet_image_gc_attempts_total).
+const (
+	GCTriggerPeriodic = "periodic" // the ImageGCPeriod loop
+	GCTriggerUsage    = "usage"    // the usage check saw the high threshold reached
+	GCTriggerPull     = "pull"     // the puller making room before a pull
+	GCTriggerManual   = "manual"   // a gc command
+)
 
 // GCRemoved is one image a GC pass removed (or, in a dry run, would remove).
 type GCRemoved struct {
@@ -158,6 +174,43 @@ type GCResult struct {
 	Error          string      `json:"error,omitempty"`
 	Started        time.Time   `json:"started"`
 	Duration       Duration    `json:"duration"`
+
+	// Added fields (older readers ignore them; older executors leave them unset).
+
+	// Failed lists the removals that failed, with their errors: the entries of Removed whose Error is set
+	// (Removed keeps them, for older readers).
+	Failed []GCRemoved `json:"failed,omitempty"`
+	// MeasuredFreedBytes is what the space pass gave back on the image filesystem as measured (statfs, or the
+	// byte quota's sum of listed sizes) after its last removal batch; FreedBytes is the CRI-declared sizes.
+	// Not set in a dry run.
+	MeasuredFreedBytes int64 `json:"measuredFreedBytes,omitempty"`
+	// MeasuredAvailableBytes is the image filesystem's available bytes measured at the end of the space pass.
+	MeasuredAvailableBytes int64 `json:"measuredAvailableBytes,omitempty"`
+	// Trigger is what started the pass: periodic, usage (the usage check), pull (room before a pull) or
+	// manual (a gc command).
+	Trigger string `json:"trigger,omitempty"`
+}
+
+// Succeeded returns the removals of the result that did not fail.
+func (r GCResult) Succeeded() []GCRemoved {
+	out := make([]GCRemoved, 0, len(r.Removed))
+	for _, rm := range r.Removed {
+		if rm.Error == "" {
+			out = append(out, rm)
+		}
+	}
+	return out
+}
+
+// FailedCount is how many removals of the result failed.
+func (r GCResult) FailedCount() int {
+	n := 0
+	for _, rm := range r.Removed {
+		if rm.Error != "" {
+			n++
+		}
+	}
+	return n
 }
 
 // NodeWarning is the data of node.warning: a Kubernetes Warning event the kubelet posts on its node.

@@ -182,6 +182,7 @@ var agentWorkers = []workerDef{
 			fs.StringVar(&c.GCFsQuota, "image-fs-capacity", "", "byte quota for images (bytes, or a quantity like 10Gi): capacity = this, used = sum of image sizes (default: statfs of the image filesystem)")
 			fs.StringSliceVar(&c.GC.PinnedImages, "pinned-images", nil, "references and globs of images GC never removes (REF,GLOB,...; e.g. busybox,*/pause:*)")
 			fs.DurationVar(&c.GC.Period, "image-gc-period", 5*time.Minute, "period of the image GC loop")
+			fs.DurationVar(&c.GC.CheckPeriod, "image-gc-check-period", 10*time.Second, "period of the image filesystem usage check that starts image GC between periods when usage reaches the high threshold")
 			fs.IntVar(&c.GC.RemovalParallelism, "image-gc-removal-parallelism", 16, "images removed at once (1: one by one, as the kubelet)")
 		},
 		Build: func(_ context.Context, c *agentConfig, env *agentEnv) (runnable, error) {
@@ -236,6 +237,9 @@ func gcConfig(c *agentConfig, node string) (gc.Config, error) {
 	}
 	if cfg.Period <= 0 {
 		return gc.Config{}, fmt.Errorf("invalid configuration: imageGCPeriod (--image-gc-period) %v must be positive", cfg.Period)
+	}
+	if cfg.CheckPeriod <= 0 {
+		return gc.Config{}, fmt.Errorf("invalid configuration: imageGCCheckPeriod (--image-gc-check-period) %v must be positive", cfg.CheckPeriod)
 	}
 	if err := cfg.Validate(); err != nil {
 		return gc.Config{}, err

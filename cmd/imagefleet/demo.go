@@ -181,7 +181,7 @@ func runDemo(ctx context.Context, w io.Writer, f demoFlags) error {
 			return err
 		}
 		capacity, used := rt.FsUsage()
-		st.done("removed %d images, freed %s; usage %d%% -> %d%%", len(res.Removed), FormatSize(res.FreedBytes),
+		st.done("removed %d, %d failed, freed %s; usage %d%% -> %d%%", len(res.Succeeded()), res.FailedCount(), FormatSize(res.FreedBytes),
 			res.UsagePercent, 100-int((capacity-used)*100/capacity))
 	} else {
 		st.done("skipped")

@@ -283,7 +283,7 @@ func nodeLine(nr events.RolloutNodeResult) string {
 	case nr.GC != nil && nr.GC.DryRun:
 		return fmt.Sprintf("%s: would remove %d images, %s; %s", nr.Node, len(nr.GC.Removed), FormatSize(bytesOf(nr.GC)), status)
 	case nr.GC != nil:
-		return fmt.Sprintf("%s: removed %d images, freed %s; %s", nr.Node, len(nr.GC.Removed), FormatSize(bytesOf(nr.GC)), status)
+		return fmt.Sprintf("%s: removed %d, %d failed, freed %s; %s", nr.Node, len(nr.GC.Succeeded()), nr.GC.FailedCount(), FormatSize(bytesOf(nr.GC)), status)
 	case nr.Pull != nil && nr.Pull.ImageRef != "":
 		return fmt.Sprintf("%s: %s; %s", nr.Node, shortID(nr.Pull.ImageRef), status)
 	}
@@ -314,7 +314,10 @@ func printRolloutResult(w io.Writer, res events.RolloutResult) {
 				status = "failed: " + nr.Error
 			}
 			if nr.GC != nil {
-				imgs, freed = fmt.Sprint(len(nr.GC.Removed)), FormatSize(bytesOf(nr.GC))
+				imgs, freed = fmt.Sprint(len(nr.GC.Succeeded())), FormatSize(bytesOf(nr.GC))
+				if n := nr.GC.FailedCount(); n > 0 {
+					imgs += fmt.Sprintf(" (%d failed)", n)
+				}
 				if res.DryRun {
 					var ids []string
 					for _, rm := range nr.GC.Removed {

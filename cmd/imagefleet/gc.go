@@ -100,7 +100,14 @@ func printGCResult(cmd *cobra.Command, res events.GCResult) error {
 	if res.DryRun {
 		verb = "would free"
 	}
-	fmt.Fprintf(w, "%s %s (%d bytes) in %v\n", verb, FormatSize(res.FreedBytes), res.FreedBytes, res.Duration.Duration.Round(time.Millisecond))
+	if res.DryRun {
+		fmt.Fprintf(w, "would remove %d, %s %s (%d bytes) in %v\n", len(res.Succeeded()), verb, FormatSize(res.FreedBytes), res.FreedBytes, res.Duration.Duration.Round(time.Millisecond))
+	} else {
+		fmt.Fprintf(w, "removed %d, %d failed, %s %s (%d bytes) in %v\n", len(res.Succeeded()), res.FailedCount(), verb, FormatSize(res.FreedBytes), res.FreedBytes, res.Duration.Duration.Round(time.Millisecond))
+		if res.MeasuredAvailableBytes > 0 {
+			fmt.Fprintf(w, "measured on the image fs: %s given back, %s available\n", FormatSize(max(res.MeasuredFreedBytes, 0)), FormatSize(res.MeasuredAvailableBytes))
+		}
+	}
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "ID\tTAGS\tSIZE\tACTION\tWHY")
 	for _, r := range res.Removed {

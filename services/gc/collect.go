@@ -25,6 +25,7 @@ const (
 
 // runtime is the part of the CRI client the GC executor needs.
 type runtime interface {
+	ListImages(ctx context.Context) ([]cri.Image, error)
 	ListContainers(ctx context.Context) ([]cri.Container, error)
 	RemoveImage(ctx context.Context, id string) error
 	ImageFsInfo(ctx context.Context) ([]cri.FsInfo, error)
@@ -44,6 +45,7 @@ type collector struct {
 	statfs       func(path string) (capacity, available int64, err error)
 	now          func() time.Time
 	removed      *prometheus.CounterVec
+	metrics      *metrics
 	log          *slog.Logger
 }
 
@@ -52,6 +54,54 @@ type pass struct {
 	policy Policy
 	dryRun bool
 	res    events.GCResult
+	// meter measures the image filesystem during the space pass (nil: the kubelet's way, declared sizes).
+	meter *meter
+}
+
+// meter is how a space pass measures what it frees. The kubelet stops freeing once the CRI-declared sizes of
+// the removed images add up to amountToFree; on a real disk an image takes more room than its CRI size
+// (containerd keeps the compressed content and the unpacked snapshot) or less (layers shared with other
+// images), so that stop removes too much or too little. Here the filesystem is measured again after each
+// removal batch and the pass stops as soon as the measured available bytes reach the low threshold's.
+//
+// Batches are planned with factor, the estimated disk bytes per declared byte: 1 + the runtime's reported
+// image filesystem usage (ImageFsInfo UsedBytes: containerd's snapshots) over the sum of the declared sizes,
+// between 1 and maxFactor (1 with a byte quota, or when the runtime reports no usage). A dry run cannot
+// measure: it counts each planned image as factor times its declared size, so on an unchanged node it plans
+// exactly the batches, and so the images, the real pass removes when the estimate holds.
+type meter struct {
+	target  int64 // available bytes at the low threshold
+	start   int64 // available bytes when the space pass began
+	factor  float64
+	measure func(ctx context.Context) (int64, error) // nil in a dry run
+	avail   int64                                    // available bytes now (measured, or estimated in a dry run)
+	log     *slog.Logger
+}
+
+// maxFactor bounds the disk-per-declared-byte estimate: a runtime that reports more (a shared filesystem with
+// other data) makes batches smaller, never the pass wrong, since the real pass measures.
+const maxFactor = 4
+
+// remaining is how many declared bytes are still to free, as the planner counts them.
+func (m *meter) remaining() int64 {
+	if m.avail >= m.target {
+		return 0
+	}
+	return int64(math.Ceil(float64(m.target-m.avail) / m.factor))
+}
+
+// update measures after a batch that freed batchFreed declared bytes (or estimates, in a dry run or when the
+// measure fails).
+func (m *meter) update(ctx context.Context, batchFreed int64) {
+	if m.measure != nil {
+		avail, err := m.measure(ctx)
+		if err == nil {
+			m.avail = avail
+			return
+		}
+		m.log.Warn("measure image filesystem after removals failed, estimating", "err", err)
+	}
+	m.avail += int64(float64(batchFreed) * m.factor)
 }
 
 // garbageCollect is the kubelet's GarbageCollect(ctx, beganGC), with two changes: a failed age pass does
@@ -70,7 +120,7 @@ func (c *collector) garbageCollect(ctx context.Context, p *pass, beganGC time.Ti
 	cands, ageErr := c.freeOldImages(ctx, p, cands, freeTime, beganGC)
 	ageFreed := p.res.FreedBytes - before
 
-	capacity, available, err := c.imageFsStats(ctx, p, recs, ageFreed)
+	capacity, available, fsUsed, err := c.imageFsStats(ctx, p, recs, ageFreed)
 	if err != nil {
 		return joinErrors(ageErr, err)
 	}
@@ -95,11 +145,16 @@ func (c *collector) garbageCollect(ctx context.Context, p *pass, beganGC time.Ti
 	c.log.Info("disk usage on image filesystem is over the high threshold, trying to free bytes down to the low threshold",
 		"usage", usagePercent, "high_threshold", p.policy.HighThresholdPercent, "amount_to_free", amountToFree,
 		"low_threshold", p.policy.LowThresholdPercent, "dry_run", p.dryRun)
+	p.meter = c.newMeter(p, capacity, available, fsUsed, recs)
 	freed, err := c.freeSpace(ctx, p, amountToFree, freeTime, cands, ReasonSpace)
+	if !p.dryRun {
+		p.res.MeasuredFreedBytes = p.meter.avail - p.meter.start
+		p.res.MeasuredAvailableBytes = p.meter.avail
+	}
 	if err != nil {
 		return joinErrors(ageErr, err)
 	}
-	if freed < amountToFree {
+	if p.meter.avail < p.meter.target {
 		msg := fmt.Sprintf("Insufficient free disk space on the node's image filesystem (%d%% of %s used). "+
 			"Failed to free sufficient space by deleting unused images (freed %d bytes). "+
 			"Investigate disk usage, as it could be used by active images, logs, volumes, or other data.",
@@ -108,6 +163,63 @@ func (c *collector) garbageCollect(ctx context.Context, p *pass, beganGC time.Ti
 		return joinErrors(ageErr, errors.New(msg))
 	}
 	return ageErr
+}
+
+// newMeter sets up the space pass's measure (see meter).
+func (c *collector) newMeter(p *pass, capacity, available int64, fsUsed uint64, recs map[string]events.ImageRecord) *meter {
+	m := &meter{target: capacity * int64(100-p.policy.LowThresholdPercent) / 100, start: available, avail: available,
+		factor: 1, log: c.log}
+	if c.capacity == 0 && fsUsed > 0 {
+		var declared int64
+		for _, r := range recs {
+			declared += r.Size
+		}
+		if declared > 0 {
+			m.factor = min(1+float64(fsUsed)/float64(declared), maxFactor)
+		}
+	}
+	if !p.dryRun {
+		m.measure = c.measureAvailable
+	}
+	return m
+}
+
+// measureAvailable measures the available bytes of the image filesystem now: statfs of the runtime's image
+// filesystem mountpoint, or with a byte quota the quota less the sum of the sizes of the images listed now.
+func (c *collector) measureAvailable(ctx context.Context) (int64, error) {
+	capacity, available, _, err := c.imageFs(ctx)
+	if err != nil {
+		return 0, err
+	}
+	return min(available, capacity), nil
+}
+
+// imageFs returns the image filesystem's capacity, available bytes and the runtime's reported usage (0
+// with a byte quota) now.
+func (c *collector) imageFs(ctx context.Context) (capacity, available int64, fsUsed uint64, err error) {
+	if c.capacity > 0 {
+		imgs, err := c.rt.ListImages(ctx)
+		if err != nil {
+			return 0, 0, 0, fmt.Errorf("image fs stats: %w", err)
+		}
+		var used int64
+		for _, im := range imgs {
+			used += im.Size
+		}
+		return c.capacity, c.capacity - used, 0, nil
+	}
+	fs, err := c.rt.ImageFsInfo(ctx)
+	if err != nil {
+		return 0, 0, 0, fmt.Errorf("image fs stats: %w", err)
+	}
+	if len(fs) == 0 || fs[0].Mountpoint == "" {
+		return 0, 0, 0, errors.New("image fs stats: the runtime reports no image filesystem mountpoint")
+	}
+	capacity, available, err = c.statfs(fs[0].Mountpoint)
+	if err != nil {
+		return 0, 0, 0, fmt.Errorf("image fs stats: %w", err)
+	}
+	return capacity, available, fs[0].UsedBytes, nil
 }
 
 // deleteUnusedImages is the kubelet's DeleteUnusedImages: every eligible image (MinAge still honoured).
@@ -122,8 +234,29 @@ func (c *collector) deleteUnusedImages(ctx context.Context, p *pass) error {
 	}
 	cands, skipped := evictionOrder(recs, c.pinned)
 	p.res.Skipped = append(p.res.Skipped, skipped...)
-	p.res.AmountToFree = math.MaxInt64
+	// What is reported: the image filesystem and the eligible bytes (the kubelet passes MaxInt64 as the
+	// amount to free, and it still does here: every eligible image goes).
+	var eligible int64
+	for _, cd := range cands {
+		if cd.LastUsed.Before(freeTime) && freeTime.Sub(cd.FirstDetected) >= p.policy.MinAge {
+			eligible += cd.Size
+		}
+	}
+	p.res.AmountToFree = eligible
+	if capacity, available, _, err := c.imageFs(ctx); err == nil && capacity > 0 {
+		available = min(available, capacity)
+		p.res.CapacityBytes, p.res.AvailableBytes = capacity, available
+		p.res.UsagePercent = 100 - int(available*100/capacity)
+	} else if err != nil {
+		c.log.Warn("image fs stats for the report failed", "err", err)
+	}
 	_, err = c.freeSpace(ctx, p, math.MaxInt64, freeTime, cands, ReasonUnused)
+	if !p.dryRun && p.res.CapacityBytes > 0 {
+		if avail, mErr := c.measureAvailable(ctx); mErr == nil {
+			p.res.MeasuredAvailableBytes = avail
+			p.res.MeasuredFreedBytes = avail - p.res.AvailableBytes
+		}
+	}
 	return err
 }
 
@@ -190,10 +323,20 @@ func (c *collector) freeSpace(ctx context.Context, p *pass, bytesToFree int64, f
 		errs       []error
 		i          int
 	)
-	for i < len(cands) && !(removedAny && freed >= bytesToFree) && ctx.Err() == nil {
+	m := p.meter
+	enough := func() bool {
+		if m != nil {
+			return m.avail >= m.target
+		}
+		return removedAny && freed >= bytesToFree
+	}
+	for i < len(cands) && !enough() && ctx.Err() == nil {
 		var batch []candidate
-		planned := freed
-		for i < len(cands) && len(batch) < c.batchSize() && (len(batch) == 0 || planned < bytesToFree) {
+		planned, toPlan := freed, bytesToFree
+		if m != nil {
+			planned, toPlan = 0, m.remaining()
+		}
+		for i < len(cands) && len(batch) < c.batchSize() && (len(batch) == 0 || planned < toPlan) {
 			cd := cands[i]
 			i++
 			if !cd.LastUsed.Before(freeTime) {
@@ -210,15 +353,20 @@ func (c *collector) freeSpace(ctx context.Context, p *pass, bytesToFree int64, f
 		if len(batch) == 0 {
 			break
 		}
+		var batchFreed int64
 		for _, o := range c.removeBatch(ctx, p, batch, reason) {
 			switch {
 			case o.inUse:
 			case o.err != nil:
 				errs = append(errs, o.err)
 			default:
-				freed += o.c.Size
+				batchFreed += o.c.Size
 				removedAny = true
 			}
+		}
+		freed += batchFreed
+		if m != nil {
+			m.update(ctx, batchFreed)
 		}
 	}
 	c.notNeeded(p, cands[i:])
@@ -363,29 +511,22 @@ func (c *collector) podIndexImages(ctx context.Context) ([]string, error) {
 // imageFsStats returns the capacity and available bytes of the image filesystem: from the byte quota
 // (used = the sum of the image sizes, less what the age pass removed), or statfs of the runtime's image
 // filesystem mountpoint. In a dry run, what the age pass would have removed is counted as available.
-func (c *collector) imageFsStats(ctx context.Context, p *pass, recs map[string]events.ImageRecord, ageFreed int64) (capacity, available int64, err error) {
+func (c *collector) imageFsStats(ctx context.Context, p *pass, recs map[string]events.ImageRecord, ageFreed int64) (capacity, available int64, fsUsed uint64, err error) {
 	if c.capacity > 0 {
 		var used int64
 		for _, r := range recs {
 			used += r.Size
 		}
-		return c.capacity, c.capacity - (used - ageFreed), nil
+		return c.capacity, c.capacity - (used - ageFreed), 0, nil
 	}
-	fs, err := c.rt.ImageFsInfo(ctx)
+	capacity, available, fsUsed, err = c.imageFs(ctx)
 	if err != nil {
-		return 0, 0, fmt.Errorf("image fs stats: %w", err)
-	}
-	if len(fs) == 0 || fs[0].Mountpoint == "" {
-		return 0, 0, errors.New("image fs stats: the runtime reports no image filesystem mountpoint")
-	}
-	capacity, available, err = c.statfs(fs[0].Mountpoint)
-	if err != nil {
-		return 0, 0, fmt.Errorf("image fs stats: %w", err)
+		return 0, 0, 0, err
 	}
 	if p.dryRun {
 		available += ageFreed
 	}
-	return capacity, available, nil
+	return capacity, available, fsUsed, nil
 }
 
 // warn publishes a Kubernetes Warning event on the node (not in a dry run).

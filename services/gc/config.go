@@ -66,6 +66,9 @@ type Config struct {
 	PinnedImages []string
 	// Period between periodic GC passes (default 5m, the kubelet's ImageGCPeriod).
 	Period time.Duration
+	// CheckPeriod between checks of the image filesystem's usage (default 10s): a pass starts between periods
+	// as soon as a check finds usage at or above the high threshold (--image-gc-check-period).
+	CheckPeriod time.Duration
 	// RemovalParallelism is how many images are removed at once (default 16; 1 is the kubelet's serial way).
 	RemovalParallelism int
 	// DetectTimeout bounds the detect request sent to the detector before each pass (default 1m).
@@ -118,6 +121,9 @@ func (c Config) Validate() error {
 	if c.RemovalParallelism < 0 {
 		errs = append(errs, fmt.Errorf("invalid configuration: imageGCRemovalParallelism (--image-gc-removal-parallelism) %v must not be negative", c.RemovalParallelism))
 	}
+	if c.CheckPeriod < 0 {
+		errs = append(errs, fmt.Errorf("invalid configuration: imageGCCheckPeriod (--image-gc-check-period) %v must not be negative", c.CheckPeriod))
+	}
 	if c.Period < 0 {
 		errs = append(errs, fmt.Errorf("invalid configuration: imageGCPeriod (--image-gc-period) %v must not be negative", c.Period))
 	}
@@ -133,6 +139,9 @@ func (c Config) Validate() error {
 func (c *Config) setDefaults() {
 	if c.Period == 0 {
 		c.Period = 5 * time.Minute
+	}
+	if c.CheckPeriod == 0 {
+		c.CheckPeriod = 10 * time.Second
 	}
 	if c.RemovalParallelism == 0 {
 		c.RemovalParallelism = 16

@@ -78,7 +78,8 @@ func newHarness(t *testing.T, policy Policy, opts ...harnessOpt) *harness {
 	}
 	h.c = &collector{
 		node: testNode, parallelism: 1, rt: h.rt, records: h.recs, inUseTimeout: time.Second,
-		statfs: func(string) (int64, int64, error) { return h.capacity, h.available, h.statfsErr },
+		// A disk: what the runtime removed is available again.
+		statfs: func(string) (int64, int64, error) { return h.capacity, h.available + h.rt.RemovedBytes(), h.statfsErr },
 		now:    h.clock.Now, removed: counter, log: slog.New(slog.DiscardHandler),
 	}
 	for _, o := range opts {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/imagefleet/imagefleet/bus"
@@ -43,6 +44,15 @@ type Service struct {
 
 	// prevFailed is the periodic loop's "previous pass failed" (only the loop goroutine touches it).
 	prevFailed bool
+	// running is set while a pass runs: the usage check does not queue a pass behind another.
+	running atomic.Bool
+	// checkNow asks the loop for a usage check at once (a pull finished on the node).
+	checkNow chan struct{}
+	metrics  *metrics
+	// quietUntil: after a usage-triggered pass that failed (nothing more to remove), the timed checks wait
+	// one Period before trying again, so FreeDiskSpaceFailed is posted no more often than the kubelet posts
+	// it; a pull still triggers a check at once. Only the loop goroutine touches it.
+	quietUntil time.Time
 
 	// recent answers repeats of a GC request id (handleGC).
 	recent recentRequests
@@ -70,13 +80,17 @@ func New(cfg Config, deps Deps) (*Service, error) {
 	if err != nil {
 		return nil, fmt.Errorf("register image gc metric: %w", err)
 	}
+	m, err := newMetrics(cfg.Registerer)
+	if err != nil {
+		return nil, fmt.Errorf("register image gc metrics: %w", err)
+	}
 	pinned, _ := newRefMatcher(cfg.PinnedImages, true) // validated above
 	log := cfg.Logger.With("worker", QueueGroup, "node", cfg.Node)
-	s := &Service{cfg: cfg, bus: deps.Bus, log: log, beganGC: deps.Now()}
+	s := &Service{cfg: cfg, bus: deps.Bus, log: log, beganGC: deps.Now(), checkNow: make(chan struct{}, 1), metrics: m}
 	s.c = &collector{
 		node: cfg.Node, capacity: cfg.CapacityBytes, pinned: pinned, parallelism: cfg.RemovalParallelism,
 		rt: deps.Runtime, records: deps.Records, bus: deps.Bus, inUseTimeout: cfg.InUseTimeout,
-		statfs: deps.Statfs, now: deps.Now, removed: counter, log: log,
+		statfs: deps.Statfs, now: deps.Now, removed: counter, metrics: m, log: log,
 	}
 	return s, nil
 }
@@ -84,17 +98,24 @@ func New(cfg Config, deps Deps) (*Service, error) {
 // Run serves imagefleet.cmd.<node>.gc (queue group gc-executor) and runs the periodic GC every Period,
 // with beganGC captured once here as the kubelet's StartGarbageCollection does. Unlike the kubelet (whose
 // first pass at start usually fails once, "Stats initialization may not have completed yet"), the first
-// periodic pass runs one Period after start; a pass can be asked for at any time with the gc command. When the
-// policy has HighThresholdPercent 100 and MaxAge 0 the periodic GC is disabled (commands are still
-// served). Run blocks until ctx ends and returns nil after a clean shutdown.
+// periodic pass runs one Period after start; a pass can be asked for at any time with the gc command.
+//
+// Between periods, the image filesystem is checked every CheckPeriod (statfs of the runtime's image
+// filesystem, or the byte quota's sum of listed sizes) and at once when a pull finishes on the node (a
+// pull.pulled event); a pass starts when usage is at or above the high threshold (trigger "usage"). A check
+// while a pass runs is skipped: passes never overlap. When the policy has HighThresholdPercent 100 and MaxAge
+// 0 the periodic GC and the check are disabled (commands are still served). Run blocks until ctx ends and
+// returns nil after a clean shutdown.
 func (s *Service) Run(ctx context.Context) error {
 	s.mu.Lock()
 	s.beganGC = s.c.now()
 	s.mu.Unlock()
 
+	ctx, cancel := context.WithCancel(ctx)
 	var wg sync.WaitGroup
 	defer wg.Wait()
-	serveErr := make(chan error, 1)
+	defer cancel()
+	serveErr := make(chan error, 2)
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
@@ -116,27 +137,77 @@ func (s *Service) Run(ctx context.Context) error {
 		s.log.Info("ImageGCHighThresholdPercent is set 100 and ImageMaximumGCAge is 0, Disable image GC")
 		return wait()
 	}
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		err := s.bus.Subscribe(ctx, events.EventSubject(s.cfg.Node, events.EntityPull, events.ActionPulled), func(string, []byte) {
+			s.CheckSoon()
+		})
+		if err != nil && ctx.Err() == nil {
+			serveErr <- err
+		}
+	}()
 	tick := time.NewTicker(s.cfg.Period)
 	defer tick.Stop()
+	check := time.NewTicker(s.cfg.CheckPeriod)
+	defer check.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			return nil
 		case err := <-serveErr:
-			if err != nil {
-				return err
-			}
-			return nil
+			return err
 		case <-tick.C:
+			s.periodic(ctx)
+		case <-check.C:
+			s.checkUsage(ctx, true)
+		case <-s.checkNow:
+			s.checkUsage(ctx, false)
 		}
-		s.periodic(ctx)
 	}
+}
+
+// CheckSoon asks the loop for a usage check at once (several asks before it runs make one check).
+func (s *Service) CheckSoon() {
+	select {
+	case s.checkNow <- struct{}{}:
+	default:
+	}
+}
+
+// checkUsage measures the image filesystem and runs a pass when usage is at or above the high threshold. It
+// is cheap (one ImageFsInfo and one statfs, or one ListImages with a byte quota) and skipped while a pass
+// runs (a gc command).
+func (s *Service) checkUsage(ctx context.Context, timed bool) {
+	if s.running.Load() || (timed && time.Now().Before(s.quietUntil)) {
+		return
+	}
+	capacity, available, _, err := s.c.imageFs(ctx)
+	if err != nil || capacity <= 0 {
+		if ctx.Err() == nil {
+			s.log.Debug("image fs usage check failed", "err", err, "capacity", capacity)
+		}
+		return
+	}
+	usage := 100 - int(min(available, capacity)*100/capacity)
+	s.metrics.usage.Set(float64(usage))
+	if usage < s.cfg.Policy.HighThresholdPercent {
+		return
+	}
+	s.log.Info("image fs usage reached the high threshold between periods, running image GC",
+		"usage", usage, "high_threshold", s.cfg.Policy.HighThresholdPercent)
+	if _, err := s.garbageCollect(ctx, events.GCRequest{}, events.GCTriggerUsage); err != nil && ctx.Err() == nil {
+		s.log.Warn("image garbage collection on high usage failed", "err", err)
+		s.quietUntil = time.Now().Add(s.cfg.Period)
+		return
+	}
+	s.quietUntil = time.Time{}
 }
 
 // periodic is one tick of the kubelet's image GC loop: a failure is logged; a failure right after another
 // one also posts the ImageGCFailed Warning with the error's text.
 func (s *Service) periodic(ctx context.Context) {
-	_, err := s.GarbageCollect(ctx, events.GCRequest{})
+	_, err := s.garbageCollect(ctx, events.GCRequest{}, events.GCTriggerPeriodic)
 	if ctx.Err() != nil {
 		return
 	}
@@ -163,13 +234,23 @@ func (s *Service) periodic(ctx context.Context) {
 // and the pass's error (also in the result's Error). An invalid override is an error wrapping
 // events.ErrMalformed and runs nothing.
 func (s *Service) GarbageCollect(ctx context.Context, req events.GCRequest) (events.GCResult, error) {
+	trigger := req.Trigger
+	if trigger == "" {
+		trigger = events.GCTriggerManual
+	}
+	return s.garbageCollect(ctx, req, trigger)
+}
+
+func (s *Service) garbageCollect(ctx context.Context, req events.GCRequest, trigger string) (events.GCResult, error) {
 	policy, err := s.policyFor(req)
 	if err != nil {
 		return events.GCResult{}, err
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	p := &pass{policy: policy, dryRun: req.DryRun, res: events.GCResult{Node: s.cfg.Node, DryRun: req.DryRun}}
+	s.running.Store(true)
+	defer s.running.Store(false)
+	p := &pass{policy: policy, dryRun: req.DryRun, res: events.GCResult{Node: s.cfg.Node, DryRun: req.DryRun, Trigger: trigger}}
 	start := time.Now()
 	if req.AllUnused {
 		err = s.c.deleteUnusedImages(ctx, p)
@@ -189,6 +270,14 @@ func (s *Service) GarbageCollect(ctx context.Context, req events.GCRequest) (eve
 	res.Duration = events.Duration{Duration: time.Since(start)}
 	if err != nil {
 		res.Error = err.Error()
+	}
+	for _, rm := range res.Removed {
+		if rm.Error != "" {
+			res.Failed = append(res.Failed, rm)
+		}
+	}
+	if !req.DryRun {
+		s.metrics.observe(req.AllUnused, trigger, res, err)
 	}
 	if ev, evErr := events.New(s.cfg.Node, events.EntityGC, events.ActionFinished, res); evErr == nil {
 		s.c.publish(ctx, ev)

@@ -26,6 +26,10 @@ type Runtime struct {
 	onRemove   func(id string)
 	calls      []string
 	removeGate chan struct{}
+	// removedBytes is the sum of the sizes of the images removed so far.
+	removedBytes int64
+	// fsUsed is the image filesystem usage ImageFsInfo reports.
+	fsUsed uint64
 
 	inFlight, maxInFlight int
 }
@@ -144,8 +148,17 @@ func (r *Runtime) RemoveImage(ctx context.Context, id string) error {
 	if i < 0 {
 		return fmt.Errorf("remove image %q: %w", id, cri.ErrNotFound)
 	}
+	r.removedBytes += r.images[i].Size
 	r.images = slices.Delete(r.images, i, i+1)
 	return nil
+}
+
+// RemovedBytes is the sum of the sizes of the images RemoveImage removed so far (what a disk would have
+// gained back).
+func (r *Runtime) RemovedBytes() int64 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.removedBytes
 }
 
 // ImageFsInfo reports one image filesystem at the mountpoint.
@@ -156,7 +169,14 @@ func (r *Runtime) ImageFsInfo(context.Context) ([]cri.FsInfo, error) {
 	if r.fsErr != nil {
 		return nil, r.fsErr
 	}
-	return []cri.FsInfo{{Mountpoint: r.mountpoint}}, nil
+	return []cri.FsInfo{{Mountpoint: r.mountpoint, UsedBytes: r.fsUsed}}, nil
+}
+
+// SetFsUsed sets the usage ImageFsInfo reports (containerd reports its snapshots' usage).
+func (r *Runtime) SetFsUsed(n uint64) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.fsUsed = n
 }
 
 // Images returns the IDs of the images listed now, in list order.
