@@ -1,0 +1,4 @@
+// Package archtest holds the architecture test: the dependency rules of DESIGN.md ("workers talk only
+// through messages", "events knows no transport", "bus is the only NATS client"), checked over the import
+// graph that `go list` reports, so a broken rule fails CI instead of waiting for a reviewer.
+package archtest
