@@ -11,6 +11,8 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/imagefleet/imagefleet/events"
 )
 
 // permanentError marks an error that redelivery cannot fix.
@@ -318,7 +320,7 @@ const (
 )
 
 func (b *Bus) deadLetter(ctx context.Context, cfg ConsumerConfig, m *Msg, reason error) {
-	dm := nats.NewMsg(DeadLetterPrefix + "." + cfg.Stream + "." + cfg.Durable)
+	dm := nats.NewMsg(events.DeadLetterPrefix + "." + cfg.Stream + "." + cfg.Durable)
 	dm.Data = m.Data
 	for k, vs := range m.Header {
 		// The original headers (CloudEvents envelope, ...) travel with it, so a replay is the same message.
@@ -350,12 +352,12 @@ type DeadLetter struct {
 
 // DeadLetters lists dead letters (filter "" for all) in stream order.
 func (b *Bus) DeadLetters(ctx context.Context, filter string) ([]DeadLetter, error) {
-	subj := DeadLetterPrefix + ".>"
+	subj := events.DeadLetterPrefix + ".>"
 	if filter != "" {
 		subj = filter
 	}
 	var out []DeadLetter
-	err := b.ReadStream(ctx, DeadLetterStream, subj, 0, func(m StreamMsg) bool {
+	err := b.ReadStream(ctx, events.DeadLetterStream, subj, 0, func(m StreamMsg) bool {
 		out = append(out, DeadLetter{Seq: m.Seq, Consumer: m.Subject, Subject: m.Header.Get(HeaderDLQSubject),
 			Reason: m.Header.Get(HeaderDLQReason), Deliveries: m.Header.Get(HeaderDLQDeliveries), Time: m.Time, Data: m.Data})
 		return true

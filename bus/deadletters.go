@@ -9,6 +9,8 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/imagefleet/imagefleet/events"
 )
 
 // ErrNoDeadLetter is returned by ReplayDeadLetter when the dead-letter stream has no message at seq.
@@ -29,7 +31,7 @@ type Replayed struct {
 // "replay-<seq>", so replaying the same dead letter twice in the duplicate window stores it once), else as a
 // core message. With remove, the dead letter is deleted after a successful replay.
 func (b *Bus) ReplayDeadLetter(ctx context.Context, seq uint64, remove bool) (Replayed, error) {
-	s, err := b.js.Stream(ctx, DeadLetterStream)
+	s, err := b.js.Stream(ctx, events.DeadLetterStream)
 	if err != nil {
 		return Replayed{}, fmt.Errorf("replay dead letter %d: %w", seq, err)
 	}

@@ -142,7 +142,7 @@ func (p *Pending) Wait(ctx context.Context) error {
 // terminated message of Consume: consumers that track their own position (Tail) use it for poison messages.
 // The dead letter's Nats-Msg-Id is <stream>-<seq>, so a replay dead-letters a message once.
 func (b *Bus) DeadLetterMsg(ctx context.Context, stream, consumer string, m StreamMsg, reason error) error {
-	dm := nats.NewMsg(DeadLetterPrefix + "." + stream + "." + consumer)
+	dm := nats.NewMsg(events.DeadLetterPrefix + "." + stream + "." + consumer)
 	dm.Data = m.Data
 	dm.Header.Set(HeaderDLQSubject, m.Subject)
 	dm.Header.Set(HeaderDLQReason, truncate(reason.Error(), 1024))

@@ -12,15 +12,6 @@ import (
 	"github.com/imagefleet/imagefleet/events"
 )
 
-// Stream names beyond the ones in events.
-const (
-	// DeadLetterStream keeps messages that were terminated or ran out of deliveries, for operators to list
-	// and replay.
-	DeadLetterStream = "IMAGEFLEET_DLQ"
-	// DeadLetterPrefix is the subject root of dead letters: imagefleet.dlq.<stream>.<consumer>.
-	DeadLetterPrefix = events.Prefix + ".dlq"
-)
-
 // StreamsConfig sizes the streams.
 type StreamsConfig struct {
 	// EventsMaxAge is how long events are kept (default 7 days).
@@ -69,9 +60,9 @@ func (b *Bus) EnsureStreams(ctx context.Context, cfg StreamsConfig) error {
 			DiscardNewPerSubject: true,
 		},
 		{
-			Name:        DeadLetterStream,
+			Name:        events.DeadLetterStream,
 			Description: "messages that were terminated or exhausted their deliveries",
-			Subjects:    []string{DeadLetterPrefix + ".>"},
+			Subjects:    []string{events.DeadLetterPrefix + ".>"},
 			Storage:     jetstream.FileStorage,
 			Retention:   jetstream.LimitsPolicy,
 			MaxAge:      30 * 24 * time.Hour,

@@ -21,7 +21,6 @@ import (
 	"github.com/imagefleet/imagefleet/integration/lab"
 	"github.com/imagefleet/imagefleet/internal/testport"
 	"github.com/imagefleet/imagefleet/services/fleet"
-	"github.com/imagefleet/imagefleet/services/puller"
 )
 
 // buildImagefleet builds the imagefleet binary once per test binary run.
@@ -203,7 +202,7 @@ func logPullState(t *testing.T, b *bus.Bus, rolloutID string, nodes []string) {
 		t.Logf("state: pull queue: %d messages, seq %d-%d, leader %q", info.Messages, info.FirstSeq, info.LastSeq, info.Leader)
 	}
 	for _, n := range nodes {
-		st, err := b.Consumer(ctx, events.PullStream, puller.Durable(n))
+		st, err := b.Consumer(ctx, events.PullStream, events.PullerDurable(n))
 		if err != nil {
 			t.Logf("state: consumer of %s: %v", n, err)
 			continue

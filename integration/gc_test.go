@@ -14,6 +14,7 @@ import (
 	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
 	"github.com/imagefleet/imagefleet/integration/lab"
+	"github.com/imagefleet/imagefleet/internal/records"
 	"github.com/imagefleet/imagefleet/services/cri"
 	"github.com/imagefleet/imagefleet/services/detector"
 	"github.com/imagefleet/imagefleet/services/gc"
@@ -82,7 +83,7 @@ func gcUsage(t *testing.T, mountpoint string) (capacity, available int64, percen
 
 func gcLoadRecords(t *testing.T, b *bus.Bus, node string) map[string]events.ImageRecord {
 	t.Helper()
-	st, err := detector.OpenStore(t.Context(), b, node)
+	st, err := records.OpenStore(t.Context(), b, node)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -239,7 +239,7 @@ func TestSecurityNodeIsolation(t *testing.T) {
 		got := make(chan string, 1)
 		done := make(chan error, 1)
 		go func() {
-			done <- a.Consume(cctx, bus.ConsumerConfig{Stream: events.PullStream, Durable: natsconf.PullerDurablePrefix + events.NodeToken(nodeA),
+			done <- a.Consume(cctx, bus.ConsumerConfig{Stream: events.PullStream, Durable: events.PullerDurable(nodeA),
 				FilterSubjects: []string{events.CommandSubject(nodeA, events.VerbPull)}, MaxAckPending: 2},
 				func(_ context.Context, m *bus.Msg) error {
 					select {
@@ -264,7 +264,7 @@ func TestSecurityNodeIsolation(t *testing.T) {
 
 		c, cancel2 := short(t)
 		defer cancel2()
-		durB := natsconf.PullerDurablePrefix + events.NodeToken(nodeB)
+		durB := events.PullerDurable(nodeB)
 		err := a.Consume(c, bus.ConsumerConfig{Stream: events.PullStream, Durable: durB,
 			FilterSubjects: []string{events.CommandSubject(nodeB, events.VerbPull)}}, func(context.Context, *bus.Msg) error { return nil })
 		if err == nil {
@@ -274,7 +274,7 @@ func TestSecurityNodeIsolation(t *testing.T) {
 		// Nor a consumer of its own name over the whole queue (no filter).
 		c3, cancel3 := short(t)
 		defer cancel3()
-		if err := a.Consume(c3, bus.ConsumerConfig{Stream: events.PullStream, Durable: natsconf.PullerDurablePrefix + events.NodeToken(nodeA) + "-all"},
+		if err := a.Consume(c3, bus.ConsumerConfig{Stream: events.PullStream, Durable: events.PullerDurable(nodeA) + "-all"},
 			func(context.Context, *bus.Msg) error { return nil }); err == nil {
 			t.Error("A created an unfiltered consumer on the pull queue")
 		}
@@ -465,7 +465,7 @@ func TestSecurityNoSecretLeaks(t *testing.T) {
 	}
 	// The puller's KV state: pulled records (KEP-2535, which keep a hash of the credentials) and backoff.
 	var kvText []string
-	for _, bucket := range []string{puller.RecordsBucket, puller.BackoffBucket} {
+	for _, bucket := range []string{events.PullRecordsBucket, events.PullBackoffBucket} {
 		kv, err := b.KV(ctx, bus.KVConfig{Bucket: bucket})
 		if err != nil {
 			t.Fatal(err)
@@ -561,7 +561,7 @@ func TestSecurityAgentRunsWithANodeIdentity(t *testing.T) {
 	if err != nil {
 		t.Fatalf("bus init with the admin identity: %v\n%s", err, out)
 	}
-	for _, s := range []string{events.EventsStream, events.PullStream, bus.DeadLetterStream, "KV_imagefleet-records", "KV_imagefleet-pods"} {
+	for _, s := range []string{events.EventsStream, events.PullStream, events.DeadLetterStream, "KV_" + events.RecordsBucket, "KV_" + events.PodsBucket} {
 		if !strings.Contains(string(out), s) {
 			t.Errorf("bus init output lacks %s:\n%s", s, out)
 		}

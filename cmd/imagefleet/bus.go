@@ -8,7 +8,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/imagefleet/imagefleet/bus"
-	"github.com/imagefleet/imagefleet/services/detector"
+	"github.com/imagefleet/imagefleet/internal/records"
 	"github.com/imagefleet/imagefleet/services/fleet"
 	"github.com/imagefleet/imagefleet/services/podindex"
 	"github.com/imagefleet/imagefleet/services/puller"
@@ -71,7 +71,7 @@ admin identity (--nkey admin.nk). Agents that find them open them as they are.`,
 				what   string
 				ensure func() error
 			}{
-				{"image records", func() error { _, err := detector.OpenStore(ctx, b, ""); return err }},
+				{"image records", func() error { _, err := records.OpenStore(ctx, b, ""); return err }},
 				{"pod index snapshots", func() error { _, err := podindex.OpenStore(ctx, b, ""); return err }},
 				{"puller", func() error { return puller.EnsureBuckets(ctx, b, puller.Config{}) }},
 				{"fleet", func() error { return fleet.EnsureBuckets(ctx, b, 0) }},

@@ -10,6 +10,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/events"
 )
 
 func newDeadLettersCmd(cl *cli) *cobra.Command {
@@ -33,7 +34,7 @@ func newDeadLettersCmd(cl *cli) *cobra.Command {
 			defer b.Close()
 			filter := ""
 			if consumer != "" {
-				filter = bus.DeadLetterPrefix + ".*." + consumer
+				filter = events.DeadLetterPrefix + ".*." + consumer
 			}
 			dls, err := b.DeadLetters(ctx, filter)
 			if err != nil {
@@ -49,7 +50,7 @@ func newDeadLettersCmd(cl *cli) *cobra.Command {
 			fmt.Fprintln(w, "SEQ\tTIME\tCONSUMER\tSUBJECT\tDELIVERIES\tREASON")
 			for _, d := range dls {
 				fmt.Fprintf(w, "%d\t%s\t%s\t%s\t%s\t%s\n", d.Seq, d.Time.UTC().Format(time.RFC3339),
-					strings.TrimPrefix(d.Consumer, bus.DeadLetterPrefix+"."), d.Subject, d.Deliveries, oneLine(d.Reason))
+					strings.TrimPrefix(d.Consumer, events.DeadLetterPrefix+"."), d.Subject, d.Deliveries, oneLine(d.Reason))
 			}
 			return w.Flush()
 		},

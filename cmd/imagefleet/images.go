@@ -10,6 +10,7 @@ import (
 
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/internal/records"
 	"github.com/imagefleet/imagefleet/services/detector"
 )
 
@@ -73,7 +74,7 @@ func newRecordsCmd(cl *cli) *cobra.Command {
 func (cl *cli) printRecords(cmd *cobra.Command, b *bus.Bus, node string) error {
 	ctx, cancel := cl.contextTimeout(cmd.Context())
 	defer cancel()
-	st, err := detector.OpenStore(ctx, b, node)
+	st, err := records.OpenStore(ctx, b, node)
 	if err != nil {
 		return err
 	}

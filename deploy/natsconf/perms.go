@@ -12,21 +12,13 @@ const (
 	RoleAdmin     = "admin"
 )
 
-// Well-known names the permissions refer to. They mirror the workers' constants (services/* may not be
-// imported here without pulling the whole agent into the config generator).
-const (
-	// PullerDurable is the pull consumer of a node: "puller-" + node token (services/puller.Durable).
-	PullerDurablePrefix = "puller-"
-	// InventoryDurable is the fleet inventory's durable consumer on the events stream.
-	InventoryDurable = "fleet-inventory"
-)
-
-// NodeBuckets are the key-value buckets where each node owns the keys under its node token.
+// NodeBuckets are the key-value buckets where each node owns the keys under its node token. The names, like
+// every name the permissions refer to, are the workers' own, from events.
 var NodeBuckets = []string{
-	"imagefleet-records",      // detector: image records
-	"imagefleet-pods",         // pod index snapshots
-	"imagefleet-pull-backoff", // puller: backoff per pod and image
-	"imagefleet-pull-records", // puller: KEP-2535 pulled records
+	events.RecordsBucket,     // detector: image records
+	events.PodsBucket,        // pod index snapshots
+	events.PullBackoffBucket, // puller: backoff per pod and image
+	events.PullRecordsBucket, // puller: KEP-2535 pulled records
 }
 
 // NodeKeyBuckets are buckets where a node owns exactly one key, its node token (heartbeats).
@@ -55,7 +47,7 @@ func inbox(pub string) string { return "_INBOX." + pub + ".>" }
 // an operator (the admin user) creates them.
 func NodePermissions(node, pub string) Permissions {
 	t := events.NodeToken(node)
-	durable := PullerDurablePrefix + t
+	durable := events.PullerDurable(node)
 	pullFilter := events.CommandSubject(node, events.VerbPull)
 	pub1 := []string{
 		events.Prefix + ".evt." + t + ".>",
@@ -73,7 +65,7 @@ func NodePermissions(node, pub string) Permissions {
 		"$JS.API.CONSUMER.MSG.NEXT." + events.EventsStream + ".*",
 		"$JS.API.CONSUMER.INFO." + events.EventsStream + ".*",
 		// Dead letters of the node's consumers (bus.Consume keeps terminated messages there).
-		events.Prefix + ".dlq.>",
+		events.DeadLetterPrefix + ".>",
 	}
 	for _, b := range NodeBuckets {
 		pub1 = append(pub1,
@@ -151,18 +143,18 @@ func InventoryPermissions(pub string) Permissions {
 		Publish: []string{
 			"$JS.API.INFO",
 			"$JS.API.STREAM.INFO.*",
-			"$JS.API.CONSUMER.CREATE." + events.EventsStream + "." + InventoryDurable,
-			"$JS.API.CONSUMER.CREATE." + events.EventsStream + "." + InventoryDurable + ".>",
-			"$JS.API.CONSUMER.INFO." + events.EventsStream + "." + InventoryDurable,
-			"$JS.API.CONSUMER.MSG.NEXT." + events.EventsStream + "." + InventoryDurable,
-			"$JS.ACK." + events.EventsStream + "." + InventoryDurable + ".>",
+			"$JS.API.CONSUMER.CREATE." + events.EventsStream + "." + events.InventoryDurable,
+			"$JS.API.CONSUMER.CREATE." + events.EventsStream + "." + events.InventoryDurable + ".>",
+			"$JS.API.CONSUMER.INFO." + events.EventsStream + "." + events.InventoryDurable,
+			"$JS.API.CONSUMER.MSG.NEXT." + events.EventsStream + "." + events.InventoryDurable,
+			"$JS.ACK." + events.EventsStream + "." + events.InventoryDurable + ".>",
 			"$JS.API.STREAM.CREATE.KV_" + b,
 			"$JS.API.STREAM.UPDATE.KV_" + b,
 			"$KV." + b + ".>",
 			"$JS.API.DIRECT.GET.KV_" + b + ".>",
 			"$JS.API.CONSUMER.CREATE.KV_" + b + ".>",
 			"$JS.API.CONSUMER.MSG.NEXT.KV_" + b + ".*",
-			events.Prefix + ".dlq.>",
+			events.DeadLetterPrefix + ".>",
 		},
 		Subscribe:      []string{events.InventoryQuerySubject, inbox(pub)},
 		AllowResponses: true,

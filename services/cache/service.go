@@ -67,7 +67,7 @@ func (s *Service) Run(ctx context.Context) error {
 	}
 	errc := make(chan error, 1)
 	go func() {
-		errc <- s.bus.ServeConcurrent(ctx, events.QuerySubject(s.cfg.Node, events.QryImages), "cache", 4, s.handleImages)
+		errc <- s.bus.ServeConcurrent(ctx, events.QuerySubject(s.cfg.Node, events.QryImages), events.CacheQueue, 4, s.handleImages)
 	}()
 	tick := time.NewTicker(s.cfg.Period)
 	defer tick.Stop()

@@ -9,6 +9,7 @@ import (
 
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/internal/records"
 	"github.com/imagefleet/imagefleet/services/cri"
 )
 
@@ -23,11 +24,11 @@ type Service struct {
 	cfg   Config
 	rt    runtime
 	bus   *bus.Bus
-	store *Store
+	store *records.Store
 
 	// mu serialises detections and guards records (the in-memory copy of the store).
 	mu      sync.Mutex
-	records *Records
+	records *records.Table
 	loaded  bool
 }
 
@@ -55,7 +56,7 @@ func (s *Service) Run(ctx context.Context) error {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if err := s.bus.Serve(ctx, subject, "detector", h); err != nil {
+			if err := s.bus.Serve(ctx, subject, events.DetectorQueue, h); err != nil {
 				errs <- err
 			}
 		}()
@@ -86,7 +87,7 @@ func (s *Service) Run(ctx context.Context) error {
 
 // Open opens the records store; Run calls it. Tests and benchmarks that call Detect directly call it first.
 func (s *Service) Open(ctx context.Context) error {
-	store, err := OpenStore(ctx, s.bus, s.cfg.Node)
+	store, err := records.OpenStore(ctx, s.bus, s.cfg.Node)
 	if err != nil {
 		return err
 	}
@@ -105,7 +106,7 @@ func (s *Service) Detect(ctx context.Context, detectTime time.Time) (events.Dete
 		if err != nil {
 			return events.DetectReply{}, err
 		}
-		s.records, s.loaded = NewRecords(recs), true
+		s.records, s.loaded = records.NewTable(recs), true
 	}
 	// The kubelet lists images then containers one after the other; both calls are reads, so they run at
 	// once here (a detection costs about the slower of the two instead of their sum).
@@ -144,7 +145,7 @@ func (s *Service) Detect(ctx context.Context, detectTime time.Time) (events.Dete
 		Added: len(ch.Added), Removed: len(ch.Removed), Duration: events.Duration{Duration: time.Since(start)}}, nil
 }
 
-func (s *Service) publish(ctx context.Context, ch Changes) error {
+func (s *Service) publish(ctx context.Context, ch records.Changes) error {
 	if len(ch.Added)+len(ch.Removed) == 0 {
 		return nil
 	}

@@ -11,6 +11,7 @@ import (
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/internal/records"
 	"github.com/imagefleet/imagefleet/services/cri"
 	"github.com/imagefleet/imagefleet/services/detector"
 )
@@ -90,7 +91,7 @@ func detect(t *testing.T, b *bus.Bus, at time.Time) events.DetectReply {
 
 func load(t *testing.T, b *bus.Bus) map[string]events.ImageRecord {
 	t.Helper()
-	st, err := detector.OpenStore(t.Context(), b, node)
+	st, err := records.OpenStore(t.Context(), b, node)
 	if err != nil {
 		t.Fatal(err)
 	}

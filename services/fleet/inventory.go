@@ -74,7 +74,7 @@ func NewInventory(ctx context.Context, cfg InventoryConfig, b *bus.Bus) (*Invent
 		cfg.Concurrency = 32
 	}
 	if cfg.Durable == "" {
-		cfg.Durable = "fleet-inventory"
+		cfg.Durable = events.InventoryDurable
 	}
 	if cfg.Replica == "" {
 		h, _ := os.Hostname()
@@ -147,7 +147,7 @@ func (s *Inventory) Run(ctx context.Context) error {
 			return nil
 		case <-loaded:
 		}
-		return s.b.ServeConcurrent(ctx, events.InventoryQuerySubject, "fleet-inventory", 4, s.Query)
+		return s.b.ServeConcurrent(ctx, events.InventoryQuerySubject, events.InventoryQueue, 4, s.Query)
 	})
 	wg.Wait()
 	close(errs)

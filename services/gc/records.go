@@ -8,7 +8,7 @@ import (
 
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
-	"github.com/imagefleet/imagefleet/services/detector"
+	"github.com/imagefleet/imagefleet/internal/records"
 )
 
 // recordSource detects images now and returns the node's records, keyed by image ID. The detector is the
@@ -26,7 +26,7 @@ type busRecords struct {
 	timeout time.Duration
 
 	mu    sync.Mutex
-	store *detector.Store
+	store *records.Store
 }
 
 func (r *busRecords) Detect(ctx context.Context, at time.Time) (map[string]events.ImageRecord, error) {
@@ -38,7 +38,7 @@ func (r *busRecords) Detect(ctx context.Context, at time.Time) (map[string]event
 	}
 	r.mu.Lock()
 	if r.store == nil {
-		st, err := detector.OpenStore(ctx, r.bus, r.node)
+		st, err := records.OpenStore(ctx, r.bus, r.node)
 		if err != nil {
 			r.mu.Unlock()
 			return nil, fmt.Errorf("detect images: %w", err)

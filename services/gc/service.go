@@ -14,9 +14,6 @@ import (
 	"github.com/imagefleet/imagefleet/services/cri"
 )
 
-// QueueGroup is the queue group of the gc command: replicas of the executor share the requests.
-const QueueGroup = "gc-executor"
-
 // Deps are the GC executor's dependencies.
 type Deps struct {
 	// Runtime is the CRI client (ListContainers, RemoveImage, ImageFsInfo). Required.
@@ -85,7 +82,7 @@ func New(cfg Config, deps Deps) (*Service, error) {
 		return nil, fmt.Errorf("register image gc metrics: %w", err)
 	}
 	pinned, _ := newRefMatcher(cfg.PinnedImages, true) // validated above
-	log := cfg.Logger.With("worker", QueueGroup, "node", cfg.Node)
+	log := cfg.Logger.With("worker", events.GCQueue, "node", cfg.Node)
 	s := &Service{cfg: cfg, bus: deps.Bus, log: log, beganGC: deps.Now(), checkNow: make(chan struct{}, 1), metrics: m}
 	s.c = &collector{
 		node: cfg.Node, capacity: cfg.CapacityBytes, pinned: pinned, parallelism: cfg.RemovalParallelism,
@@ -119,7 +116,7 @@ func (s *Service) Run(ctx context.Context) error {
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		serveErr <- s.bus.Serve(ctx, events.CommandSubject(s.cfg.Node, events.VerbGC), QueueGroup, s.handleGC)
+		serveErr <- s.bus.Serve(ctx, events.CommandSubject(s.cfg.Node, events.VerbGC), events.GCQueue, s.handleGC)
 	}()
 	wait := func() error {
 		select {

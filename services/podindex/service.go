@@ -21,7 +21,7 @@ import (
 )
 
 // Consumer is the pod index's name in dead letters (imagefleet.dlq.IMAGEFLEET_EVENTS.pod-index-<node>).
-const Consumer = "pod-index"
+const Consumer = events.PodIndexQueue
 
 // Service is the pod index of one node.
 //
@@ -382,7 +382,7 @@ func IsCatchingUp(err error) bool {
 func (s *Service) Reject(m bus.StreamMsg, reason error) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if err := s.bus.DeadLetterMsg(ctx, events.EventsStream, Consumer+"-"+events.NodeToken(s.cfg.Node), m, reason); err != nil {
+	if err := s.bus.DeadLetterMsg(ctx, events.EventsStream, events.PodIndexDeadLetters(s.cfg.Node), m, reason); err != nil {
 		return err
 	}
 	eventsRejected.WithLabelValues(s.cfg.Node, RejectReason(reason)).Inc()

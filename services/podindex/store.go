@@ -18,7 +18,7 @@ import (
 //
 //	<node>.applied      the stream sequence (IMAGEFLEET_EVENTS) of the last pod event the snapshot reflects
 //	<node>.pod.<uid>    one pod: {"order": <sequence of its last upsert>, "pod": <core/v1 Pod>}
-const SnapshotBucket = "imagefleet-pods"
+const SnapshotBucket = events.PodsBucket
 
 // Store is the durable snapshot of one node's pod index.
 type Store struct {

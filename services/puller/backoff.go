@@ -110,18 +110,15 @@ func (s *memBackoff) GC(_ context.Context, now time.Time, p backoffPolicy) {
 	}
 }
 
-// BackoffBucket is the KV bucket of pull backoff entries, keyed <node token>.<sha256 of the backoff key>.
-const BackoffBucket = "imagefleet-pull-backoff"
-
-// kvBackoff keeps entries in the BackoffBucket, so backoff survives a puller restart and is shared by the
-// node's replicas. The bucket's TTL (longer than 2*max) is the GC: an idle entry is expired anyway.
+// kvBackoff keeps entries in events.PullBackoffBucket, keyed <node token>.<sha256 of the backoff key>, so
+// backoff survives a puller restart and is shared by the node's replicas. The bucket's TTL (longer than 2*max) is the GC: an idle entry is expired anyway.
 type kvBackoff struct {
 	kv   *bus.KV
 	node string
 }
 
 func openKVBackoff(ctx context.Context, b *bus.Bus, node string, p backoffPolicy) (*kvBackoff, error) {
-	kv, err := b.KV(ctx, bus.KVConfig{Bucket: BackoffBucket, Description: "image pull backoff per pod and image",
+	kv, err := b.KV(ctx, bus.KVConfig{Bucket: events.PullBackoffBucket, Description: "image pull backoff per pod and image",
 		TTL: 2*p.max + time.Minute})
 	if err != nil {
 		return nil, err

@@ -144,6 +144,3 @@ func (c *Config) setDefaults() error {
 	}
 	return nil
 }
-
-// Durable is the name of the node's work-queue consumer. It is API: renaming it redelivers the queue.
-func Durable(node string) string { return "puller-" + events.NodeToken(node) }

@@ -281,18 +281,15 @@ func cloneRecord(r PulledRecord) PulledRecord {
 	return out
 }
 
-// RecordsBucket is the KV bucket of pulled records (<node>.rec.<sha256 of imageRef>) and pull intents
-// (<node>.intent.<sha256 of image>).
-const RecordsBucket = "imagefleet-pull-records"
-
-// kvRecords keeps records in RecordsBucket: they survive restarts and are shared by the node's replicas.
+// kvRecords keeps records in events.PullRecordsBucket, pulled records (<node>.rec.<sha256 of imageRef>) and
+// pull intents (<node>.intent.<sha256 of image>): they survive restarts and are shared by the node's replicas.
 type kvRecords struct {
 	kv   *bus.KV
 	node string
 }
 
 func openKVRecords(ctx context.Context, b *bus.Bus, node string) (*kvRecords, error) {
-	kv, err := b.KV(ctx, bus.KVConfig{Bucket: RecordsBucket, Description: "KEP-2535 image pulled records and pull intents"})
+	kv, err := b.KV(ctx, bus.KVConfig{Bucket: events.PullRecordsBucket, Description: "KEP-2535 image pulled records and pull intents"})
 	if err != nil {
 		return nil, err
 	}

@@ -122,7 +122,7 @@ func (s *Service) Run(ctx context.Context) error {
 	}
 	goRun(func() error {
 		tokens := s.cfg.Tokens()
-		cc := bus.ConsumerConfig{Stream: events.PullStream, Durable: Durable(s.cfg.Node),
+		cc := bus.ConsumerConfig{Stream: events.PullStream, Durable: events.PullerDurable(s.cfg.Node),
 			FilterSubjects: []string{events.CommandSubject(s.cfg.Node, events.VerbPull)},
 			MaxAckPending:  tokens, AckWait: s.cfg.AckWait, MaxDeliver: s.cfg.MaxDeliver}
 		if tokens == 0 {

@@ -280,7 +280,7 @@ func TestTokensAcrossReplicas(t *testing.T) {
 	if got := rt.inFlight.Load(); got != 2 {
 		t.Fatalf("%d pulls in flight, want 2", got)
 	}
-	st, err := b.Consumer(t.Context(), events.PullStream, Durable(testNode))
+	st, err := b.Consumer(t.Context(), events.PullStream, events.PullerDurable(testNode))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -125,7 +125,7 @@ func (n *Node) GC(ctx context.Context, data []byte) (any, error) {
 
 // ServeGC answers imagefleet.cmd.<node>.gc until ctx ends.
 func (n *Node) ServeGC(ctx context.Context) error {
-	return n.Bus.Serve(ctx, events.CommandSubject(n.Name, events.VerbGC), "gc-executor", n.GC)
+	return n.Bus.Serve(ctx, events.CommandSubject(n.Name, events.VerbGC), events.GCQueue, n.GC)
 }
 
 // Pull handles one pull command from the work queue: it pulls through CRI and publishes pull.pulled or

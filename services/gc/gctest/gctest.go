@@ -9,8 +9,8 @@ import (
 	"time"
 
 	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/internal/records"
 	"github.com/imagefleet/imagefleet/services/cri"
-	"github.com/imagefleet/imagefleet/services/detector"
 )
 
 // Runtime is a fake CRI runtime. Its fields may be set before use; the setters are safe at any time.
@@ -204,7 +204,7 @@ func (r *Runtime) InFlight() (now, most int) {
 	return r.inFlight, r.maxInFlight
 }
 
-// Records is an in-memory record source: each Detect runs detector.Detect (the kubelet's detectImages) over
+// Records is an in-memory record source: each Detect runs records.Detect (the kubelet's detectImages) over
 // the runtime, exactly as the detector worker does, and returns a copy of the records.
 type Records struct {
 	mu      sync.Mutex
@@ -234,7 +234,7 @@ func (r *Records) Detect(ctx context.Context, at time.Time) (map[string]events.I
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	detector.Detect(r.records, images, containers, at, r.now())
+	records.Detect(r.records, images, containers, at, r.now())
 	return maps.Clone(r.records), nil
 }
 

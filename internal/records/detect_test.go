@@ -1,4 +1,4 @@
-package detector
+package records
 
 import (
 	"fmt"
@@ -117,17 +117,5 @@ func TestDetectExitedContainersKeepImagesInUse(t *testing.T) {
 	Detect(records, []cri.Image{makeImage(0, 1)}, []cri.Container{c}, zero, time.Now())
 	if !records[imageID(0)].InUse || records[imageID(0)].LastUsed.IsZero() {
 		t.Fatalf("exited container's image not in use: %+v", records[imageID(0)])
-	}
-}
-
-func TestEscapeKey(t *testing.T) {
-	for in, want := range map[string]string{
-		"sha256:ab12": "sha256=3Aab12",
-		"image-1":     "image-1",
-		"a.b/c=d":     "a=2Eb=2Fc=3Dd",
-	} {
-		if got := EscapeKey(in); got != want {
-			t.Errorf("EscapeKey(%q) = %q, want %q", in, got, want)
-		}
 	}
 }

@@ -1,4 +1,4 @@
-package detector
+package records
 
 import (
 	"slices"
@@ -28,10 +28,10 @@ func InUseSet(containers []cri.Container) map[string]bool {
 	return inUse
 }
 
-// Records is the detector's in-memory table of one node's records. Each entry carries the generation of the
+// Table is the in-memory table of one node's records. Each entry carries the generation of the
 // last detection that listed it, so one detection needs a single map lookup per listed image and finds the
 // vanished records without a second set.
-type Records struct {
+type Table struct {
 	m   map[string]*entry
 	gen uint64
 }
@@ -41,9 +41,9 @@ type entry struct {
 	gen uint64
 }
 
-// NewRecords builds a table from records keyed by image ID.
-func NewRecords(recs map[string]events.ImageRecord) *Records {
-	t := &Records{m: make(map[string]*entry, len(recs))}
+// NewTable builds a table from records keyed by image ID.
+func NewTable(recs map[string]events.ImageRecord) *Table {
+	t := &Table{m: make(map[string]*entry, len(recs))}
 	for id, r := range recs {
 		t.m[id] = &entry{rec: r}
 	}
@@ -51,10 +51,10 @@ func NewRecords(recs map[string]events.ImageRecord) *Records {
 }
 
 // Len is the number of records.
-func (t *Records) Len() int { return len(t.m) }
+func (t *Table) Len() int { return len(t.m) }
 
 // Map returns a copy of the records keyed by image ID.
-func (t *Records) Map() map[string]events.ImageRecord {
+func (t *Table) Map() map[string]events.ImageRecord {
 	out := make(map[string]events.ImageRecord, len(t.m))
 	for id, e := range t.m {
 		out[id] = e.rec
@@ -66,7 +66,7 @@ func (t *Records) Map() map[string]events.ImageRecord {
 // firstDetected = detectTime; an image in use gets lastUsed = now (the wall clock, not detectTime); size and
 // pinned refresh from the listing; records of images no longer listed are dropped. When the listing holds the
 // same ID twice, the last entry wins (as the kubelet's map assignment).
-func (t *Records) Detect(images []cri.Image, containers []cri.Container, detectTime, now time.Time) Changes {
+func (t *Table) Detect(images []cri.Image, containers []cri.Container, detectTime, now time.Time) Changes {
 	t.gen++
 	gen := t.gen
 	ch := Changes{InUse: InUseSet(containers)}
@@ -121,9 +121,9 @@ func (t *Records) Detect(images []cri.Image, containers []cri.Container, detectT
 	return ch
 }
 
-// Detect applies one detection to records in place (a map keyed by image ID); see Records.Detect.
+// Detect applies one detection to records in place (a map keyed by image ID); see Table.Detect.
 func Detect(records map[string]events.ImageRecord, images []cri.Image, containers []cri.Container, detectTime, now time.Time) Changes {
-	t := NewRecords(records)
+	t := NewTable(records)
 	ch := t.Detect(images, containers, detectTime, now)
 	clear(records)
 	for id, e := range t.m {

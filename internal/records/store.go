@@ -1,20 +1,16 @@
-package detector
+package records
 
 import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"strings"
 
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
 )
 
-// RecordsBucket is the KV bucket of image records; keys are <node token>.<escaped image id>, so a per-node
-// NATS permission on $KV.imagefleet-records.<node>.> reaches only that node's records.
-const RecordsBucket = "imagefleet-records"
-
-// Store is the durable copy of one node's image records.
+// Store is the durable copy of one node's image records in events.RecordsBucket: the detector writes it (the
+// single writer), the GC executor and the CLI read it.
 type Store struct {
 	kv   *bus.KV
 	node string
@@ -22,7 +18,7 @@ type Store struct {
 
 // OpenStore opens (creating if needed) the records bucket for node.
 func OpenStore(ctx context.Context, b *bus.Bus, node string) (*Store, error) {
-	kv, err := b.KV(ctx, bus.KVConfig{Bucket: RecordsBucket, Description: "image records per node"})
+	kv, err := b.KV(ctx, bus.KVConfig{Bucket: events.RecordsBucket, Description: events.RecordsBucketDescription})
 	if err != nil {
 		return nil, err
 	}
@@ -31,7 +27,7 @@ func OpenStore(ctx context.Context, b *bus.Bus, node string) (*Store, error) {
 
 // Load returns every record of the node, keyed by image ID.
 func (s *Store) Load(ctx context.Context) (map[string]events.ImageRecord, error) {
-	entries, err := s.kv.List(ctx, events.NodeToken(s.node)+".>")
+	entries, err := s.kv.List(ctx, events.RecordKeys(s.node))
 	if err != nil {
 		return nil, fmt.Errorf("load records of %s: %w", s.node, err)
 	}
@@ -69,19 +65,4 @@ func (s *Store) Write(ctx context.Context, puts []events.ImageRecord, deletes []
 	return nil
 }
 
-func (s *Store) key(id string) string { return events.NodeToken(s.node) + "." + EscapeKey(id) }
-
-// EscapeKey turns an image ID into one KV key token: bytes outside [-_a-zA-Z0-9] become =XX (hex), so
-// "sha256:ab" is "sha256=3Aab". Reversible and readable.
-func EscapeKey(id string) string {
-	var b strings.Builder
-	for i := 0; i < len(id); i++ {
-		c := id[i]
-		if c == '-' || c == '_' || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') {
-			b.WriteByte(c)
-			continue
-		}
-		fmt.Fprintf(&b, "=%02X", c)
-	}
-	return b.String()
-}
+func (s *Store) key(id string) string { return events.RecordKey(s.node, id) }

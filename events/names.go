@@ -1,0 +1,84 @@
+package events
+
+import (
+	"fmt"
+	"strings"
+)
+
+// The names below are the wire contract between the workers, the permissions of deploy/natsconf and the
+// operators' tools, kept here so each is typed once. They are API: renaming a durable consumer redelivers its
+// whole stream, renaming a bucket leaves its data behind, renaming a queue group splits replicas of two
+// versions into two groups that both answer. testdata/names.golden pins every one; a rename fails
+// TestNamesGolden. (The events and pull streams are in subject.go, the fleet's names in fleet.go.)
+
+// Dead letters.
+const (
+	// DeadLetterStream keeps messages that were terminated or ran out of deliveries, for operators to list
+	// and replay.
+	DeadLetterStream = "IMAGEFLEET_DLQ"
+	// DeadLetterPrefix is the subject root of dead letters: imagefleet.dlq.<stream>.<consumer>.
+	DeadLetterPrefix = Prefix + ".dlq"
+)
+
+// Key-value buckets where each node owns the keys under its node token.
+const (
+	// RecordsBucket holds the image records the detector writes (its single writer) and the GC executor
+	// reads; keys are RecordKey(node, image ID), so a per-node NATS permission on
+	// $KV.imagefleet-records.<node token>.> reaches only that node's records.
+	RecordsBucket = "imagefleet-records"
+	// RecordsBucketDescription is the bucket's description; every opener passes the same one, since an
+	// opener whose settings differ updates the bucket.
+	RecordsBucketDescription = "image records per node"
+	// PodsBucket holds the pod index's snapshots, one per node.
+	PodsBucket = "imagefleet-pods"
+	// PullBackoffBucket holds the puller's backoff per pod and image.
+	PullBackoffBucket = "imagefleet-pull-backoff"
+	// PullRecordsBucket holds the puller's KEP-2535 pulled-image records.
+	PullRecordsBucket = "imagefleet-pull-records"
+)
+
+// Queue groups of the request/reply subjects: the replicas of a worker share its requests.
+const (
+	CacheQueue     = "cache"           // imagefleet.qry.<node>.images
+	DetectorQueue  = "detector"        // imagefleet.cmd.<node>.detect, imagefleet.qry.<node>.records
+	GCQueue        = "gc-executor"     // imagefleet.cmd.<node>.gc
+	PodIndexQueue  = "pod-index"       // imagefleet.qry.<node>.pods, .refs, .inuse
+	InventoryQueue = "fleet-inventory" // InventoryQuerySubject
+)
+
+// Durable consumers.
+const (
+	// PullerDurablePrefix starts the name of each node's pull consumer on PullStream (PullerDurable).
+	PullerDurablePrefix = "puller-"
+	// InventoryDurable is the fleet inventory's consumer on EventsStream.
+	InventoryDurable = "fleet-inventory"
+)
+
+// PullerDurable is node's pull consumer on PullStream: "puller-" + node token. Its MaxAckPending is the
+// node's pull-token limit.
+func PullerDurable(node string) string { return PullerDurablePrefix + NodeToken(node) }
+
+// PodIndexDeadLetters is the consumer name under which the pod index of node keeps the pod events it
+// refused: imagefleet.dlq.IMAGEFLEET_EVENTS.pod-index-<node token>.
+func PodIndexDeadLetters(node string) string { return PodIndexQueue + "-" + NodeToken(node) }
+
+// RecordKey is the key of one image record in RecordsBucket: <node token>.<escaped image id>.
+func RecordKey(node, imageID string) string { return NodeToken(node) + "." + EscapeKey(imageID) }
+
+// RecordKeys is the key filter of every record of node in RecordsBucket.
+func RecordKeys(node string) string { return NodeToken(node) + ".>" }
+
+// EscapeKey turns an image ID into one KV key token: bytes outside [-_a-zA-Z0-9] become =XX (hex), so
+// "sha256:ab" is "sha256=3Aab". Reversible and readable.
+func EscapeKey(id string) string {
+	var b strings.Builder
+	for i := 0; i < len(id); i++ {
+		c := id[i]
+		if c == '-' || c == '_' || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') {
+			b.WriteByte(c)
+			continue
+		}
+		fmt.Fprintf(&b, "=%02X", c)
+	}
+	return b.String()
+}
