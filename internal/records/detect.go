@@ -50,6 +50,18 @@ func NewTable(recs map[string]events.ImageRecord) *Table {
 	return t
 }
 
+// Forget deletes the records of ids and returns the IDs that had one.
+func (t *Table) Forget(ids []string) []string {
+	var gone []string
+	for _, id := range ids {
+		if _, ok := t.m[id]; ok {
+			delete(t.m, id)
+			gone = append(gone, id)
+		}
+	}
+	return gone
+}
+
 // Len is the number of records.
 func (t *Table) Len() int { return len(t.m) }
 

@@ -59,16 +59,42 @@ func New(cfg Config, rt runtime, b *bus.Bus) (*Service, error) {
 	return &Service{cfg: cfg, rt: rt, bus: b}, nil
 }
 
-// Run refreshes at start and every Period, and answers imagefleet.qry.<node>.images until ctx ends.
+// Run refreshes at start, every Period, and at once when a pull finishes or GC removes an image on the node
+// (pull.pulled, image.removed: the list reflects them within a second; the Period stays as the floor), and
+// answers imagefleet.qry.<node>.images until ctx ends.
 func (s *Service) Run(ctx context.Context) error {
 	log := s.cfg.Logger.With("worker", "cache", "node", s.cfg.Node)
 	if err := s.Refresh(ctx); err != nil {
 		log.Warn("failed to update image list", "err", err)
 	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
 	errc := make(chan error, 1)
 	go func() {
 		errc <- s.bus.ServeConcurrent(ctx, events.QuerySubject(s.cfg.Node, events.QryImages), events.CacheQueue, 4, s.handleImages)
 	}()
+	wake := make(chan struct{}, 1)
+	poke := func(string, []byte) {
+		select {
+		case wake <- struct{}{}:
+		default:
+		}
+	}
+	subErr := make(chan error, 2)
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	for _, subject := range []string{
+		events.EventSubject(s.cfg.Node, events.EntityPull, events.ActionPulled),
+		events.EventSubject(s.cfg.Node, events.EntityImage, events.ActionRemoved),
+	} {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := s.bus.Subscribe(ctx, subject, poke); err != nil && ctx.Err() == nil {
+				subErr <- err
+			}
+		}()
+	}
 	tick := time.NewTicker(s.cfg.Period)
 	defer tick.Stop()
 	for {
@@ -77,10 +103,15 @@ func (s *Service) Run(ctx context.Context) error {
 			return <-errc
 		case err := <-errc:
 			return err
+		case err := <-subErr:
+			cancel()
+			<-errc
+			return err
 		case <-tick.C:
-			if err := s.Refresh(ctx); err != nil && ctx.Err() == nil {
-				log.Warn("failed to update image list", "err", err)
-			}
+		case <-wake:
+		}
+		if err := s.Refresh(ctx); err != nil && ctx.Err() == nil {
+			log.Warn("failed to update image list", "err", err)
 		}
 	}
 }

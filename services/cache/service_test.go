@@ -86,3 +86,67 @@ func TestQueryAnswersSortedCappedListAndRefreshes(t *testing.T) {
 		t.Fatalf("negative limit: %+v %v", bad, err)
 	}
 }
+
+func TestListFollowsPullsAndRemovals(t *testing.T) {
+	_, b := bustest.Start(t)
+	rt := &fakeRuntime{images: []cri.Image{{ID: "a", Size: 1}}}
+	svc, err := cache.New(cache.Config{Node: "n1", Period: time.Hour}, rt, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() { done <- svc.Run(ctx) }()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Run = %v", err)
+		}
+	}()
+	ids := func() string {
+		var rep events.ImagesReply
+		if err := b.Request(t.Context(), events.QuerySubject("n1", events.QryImages), events.QueryRequest{}, &rep); err != nil {
+			return "error: " + err.Error()
+		}
+		var out []string
+		for _, im := range rep.Images {
+			out = append(out, im.ID)
+		}
+		return strings.Join(out, ",")
+	}
+	waitList := func(want string) {
+		t.Helper()
+		deadline := time.Now().Add(time.Second)
+		for ids() != want {
+			if time.Now().After(deadline) {
+				t.Fatalf("list %q, want %q within a second", ids(), want)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for ids() != "a" && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond) // serving
+	}
+	for _, step := range []struct {
+		images         []cri.Image
+		entity, action string
+		data           any
+		want           string
+	}{
+		{[]cri.Image{{ID: "a", Size: 1}, {ID: "b", Size: 2}}, events.EntityPull, events.ActionPulled, events.PullResult{}, "b,a"},
+		{[]cri.Image{{ID: "b", Size: 2}}, events.EntityImage, events.ActionRemoved, events.ImageRemoved{ID: "a", Reason: "space"}, "b"},
+	} {
+		rt.mu.Lock()
+		rt.images = step.images
+		rt.mu.Unlock()
+		ev, err := events.New("n1", step.entity, step.action, step.data)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := b.Publish(t.Context(), ev); err != nil {
+			t.Fatal(err)
+		}
+		waitList(step.want)
+	}
+}

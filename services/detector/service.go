@@ -30,6 +30,12 @@ type Service struct {
 	mu      sync.Mutex
 	records *records.Table
 	loaded  bool
+
+	// Events between detections (pull.pulled, image.removed): wake the loop; removedIDs waits for it.
+	evMu       sync.Mutex
+	removedIDs []string
+	pulled     bool
+	wake       chan struct{}
 }
 
 // New validates cfg and builds the detector.
@@ -40,18 +46,23 @@ func New(cfg Config, rt runtime, b *bus.Bus) (*Service, error) {
 	if rt == nil || b == nil {
 		return nil, fmt.Errorf("detector needs a runtime and a bus")
 	}
-	return &Service{cfg: cfg, rt: rt, bus: b}, nil
+	return &Service{cfg: cfg, rt: rt, bus: b, wake: make(chan struct{}, 1)}, nil
 }
 
-// Run detects at start, every Period, and on each detect command; it answers record queries. It blocks until
-// ctx ends and returns nil after a clean shutdown.
+// Run detects at start, every Period, and on each detect command; it answers record queries. Between
+// periods it follows the node's events: an image.removed event deletes the removed image's record (the
+// kubelet's freeImage deletes it with the image), a pull.pulled event runs a detection at once, so records
+// reflect a pull or a removal within a second; the Period stays as the floor. It blocks until ctx ends and
+// returns nil after a clean shutdown.
 func (s *Service) Run(ctx context.Context) error {
 	if err := s.Open(ctx); err != nil {
 		return err
 	}
 	log := s.cfg.Logger.With("worker", "detector", "node", s.cfg.Node)
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
 	var wg sync.WaitGroup
-	errs := make(chan error, 2)
+	errs := make(chan error, 4)
 	serve := func(subject string, h bus.Handler) {
 		wg.Add(1)
 		go func() {
@@ -63,6 +74,17 @@ func (s *Service) Run(ctx context.Context) error {
 	}
 	serve(events.CommandSubject(s.cfg.Node, events.VerbDetect), s.handleDetect)
 	serve(events.QuerySubject(s.cfg.Node, events.QryRecords), s.handleRecords)
+	follow := func(subject string, fn func([]byte)) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := s.bus.Subscribe(ctx, subject, func(_ string, data []byte) { fn(data) }); err != nil && ctx.Err() == nil {
+				errs <- err
+			}
+		}()
+	}
+	follow(events.EventSubject(s.cfg.Node, events.EntityImage, events.ActionRemoved), s.onRemoved)
+	follow(events.EventSubject(s.cfg.Node, events.EntityPull, events.ActionPulled), func([]byte) { s.onPulled() })
 
 	tick := time.NewTicker(s.cfg.Period)
 	defer tick.Stop()
@@ -73,9 +95,13 @@ func (s *Service) Run(ctx context.Context) error {
 				wg.Wait()
 				return nil
 			case err := <-errs:
+				cancel()
 				wg.Wait()
 				return err
 			case <-tick.C:
+			case <-s.wake:
+				s.onEvents(ctx, log)
+				continue
 			}
 		}
 		if _, err := s.Detect(ctx, s.cfg.Now()); err != nil && ctx.Err() == nil {
@@ -83,6 +109,78 @@ func (s *Service) Run(ctx context.Context) error {
 			log.Warn("failed to monitor images", "err", err)
 		}
 	}
+}
+
+// onRemoved queues the record of an image GC removed for deletion.
+func (s *Service) onRemoved(data []byte) {
+	ev, err := events.DecodeEvent(data)
+	if err != nil {
+		return
+	}
+	var r events.ImageRemoved
+	if err := ev.DecodeData(&r); err != nil || r.ID == "" {
+		return
+	}
+	s.evMu.Lock()
+	s.removedIDs = append(s.removedIDs, r.ID)
+	s.evMu.Unlock()
+	s.poke()
+}
+
+// onPulled asks for a detection at once.
+func (s *Service) onPulled() {
+	s.evMu.Lock()
+	s.pulled = true
+	s.evMu.Unlock()
+	s.poke()
+}
+
+func (s *Service) poke() {
+	select {
+	case s.wake <- struct{}{}:
+	default:
+	}
+}
+
+// onEvents applies what the events asked for since the last wake: forget removed images, detect after pulls.
+func (s *Service) onEvents(ctx context.Context, log interface{ Warn(string, ...any) }) {
+	s.evMu.Lock()
+	ids, pulled := s.removedIDs, s.pulled
+	s.removedIDs, s.pulled = nil, false
+	s.evMu.Unlock()
+	if len(ids) > 0 {
+		if err := s.Forget(ctx, ids); err != nil && ctx.Err() == nil {
+			log.Warn("failed to delete the records of removed images", "err", err)
+		}
+	}
+	if pulled {
+		if _, err := s.Detect(ctx, s.cfg.Now()); err != nil && ctx.Err() == nil {
+			log.Warn("failed to monitor images", "err", err)
+		}
+	}
+}
+
+// Forget deletes the records of images GC removed, as the kubelet's freeImage does. No image.vanished event
+// is published for them: image.removed already said they are gone.
+func (s *Service) Forget(ctx context.Context, ids []string) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !s.loaded {
+		recs, err := s.store.Load(ctx)
+		if err != nil {
+			return err
+		}
+		s.records, s.loaded = records.NewTable(recs), true
+	}
+	gone := s.records.Forget(ids)
+	if len(gone) == 0 {
+		return nil
+	}
+	if err := s.store.Write(ctx, nil, gone); err != nil {
+		s.loaded = false
+		return err
+	}
+	return nil
 }
 
 // Open opens the records store; Run calls it. Tests and benchmarks that call Detect directly call it first.

@@ -1,0 +1,80 @@
+package detector_test
+
+import (
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/bus/bustest"
+	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/services/cri"
+)
+
+// recordIDs asks the detector for the node's records.
+func recordIDs(t *testing.T, b *bus.Bus) []string {
+	t.Helper()
+	var rep events.RecordsReply
+	if err := b.Request(t.Context(), events.QuerySubject(node, events.QryRecords), events.QueryRequest{}, &rep); err != nil {
+		t.Fatal(err)
+	}
+	var ids []string
+	for _, r := range rep.Records {
+		ids = append(ids, r.ID)
+	}
+	slices.Sort(ids)
+	return ids
+}
+
+// within polls cond for one second: records follow events within a second.
+func within(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("not within a second: %s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func TestRecordsFollowPullsAndRemovals(t *testing.T) {
+	_, b := bustest.Start(t)
+	rt := &fakeRuntime{}
+	rt.set([]cri.Image{{ID: "sha256:a", Size: 1}}, nil, nil)
+	defer start(t, b, rt, nil)() // Period 1h: only the start detection and the events
+	if got := recordIDs(t, b); !slices.Equal(got, []string{"sha256:a"}) {
+		t.Fatalf("records %v", got)
+	}
+
+	// A pull: a detection at once.
+	rt.set([]cri.Image{{ID: "sha256:a", Size: 1}, {ID: "sha256:b", Size: 2}}, nil, nil)
+	pulled, err := events.New(node, events.EntityPull, events.ActionPulled, events.PullResult{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Publish(t.Context(), pulled); err != nil {
+		t.Fatal(err)
+	}
+	within(t, "the pulled image's record", func() bool { return slices.Equal(recordIDs(t, b), []string{"sha256:a", "sha256:b"}) })
+
+	// A removal by GC: the record goes with it, although the runtime (here) still lists the image, and no
+	// image.vanished event is published for it.
+	removed, err := events.New(node, events.EntityImage, events.ActionRemoved, events.ImageRemoved{ID: "sha256:a", Size: 1, Reason: "space"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Publish(t.Context(), removed); err != nil {
+		t.Fatal(err)
+	}
+	within(t, "the removed image's record deleted", func() bool { return slices.Equal(recordIDs(t, b), []string{"sha256:b"}) })
+	var vanished int
+	err = b.ReadStream(t.Context(), events.EventsStream, events.EventSubject(node, events.EntityImage, events.ActionVanished), 0,
+		func(bus.StreamMsg) bool { vanished++; return true })
+	if err != nil {
+		t.Fatal(err)
+	}
+	if vanished != 0 {
+		t.Errorf("%d image.vanished events, want none", vanished)
+	}
+}
