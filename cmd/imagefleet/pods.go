@@ -6,17 +6,16 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"slices"
 	"strings"
 	"text/tabwriter"
 	"time"
 
-	"github.com/google/uuid"
 	"github.com/spf13/cobra"
 	v1 "k8s.io/api/core/v1"
-	"k8s.io/apimachinery/pkg/types"
-	"sigs.k8s.io/yaml"
+	"k8s.io/apimachinery/pkg/util/yaml"
 
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
@@ -47,9 +46,12 @@ func newPodsApplyCmd(cl *cli) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "apply --node N -f FILE...",
 		Short: "Publish pod.added (a new pod) or pod.updated (a pod the index has) for each pod in the files",
-		Long: `Publish each pod of the files (YAML or JSON, "---" separates documents) as a pod event.
-A pod without a namespace goes to "default". A pod without a UID takes the UID of the indexed pod of the same
-namespace and name, or a new random UID. apply = added if the index does not have the pod, updated otherwise.`,
+		Long: `Send each pod of the files (YAML or JSON; "---" separates YAML documents; a kind: List document's
+items are pods) to the node's pod index, which stores it as a pod event. A pod without a namespace goes to
+"default". The index decides, one request at a time: added if it does not have the pod, updated otherwise;
+a pod without a UID takes the UID of the indexed pod of the same namespace and name (a mirror pod manifest:
+of the indexed mirror pod), or a new random UID. Pods are checked as the static pod source checks manifests
+(the kubelet's validation) first; a refused pod fails the command and nothing is stored.`,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if err := requireNode(node); err != nil {
 				return err
@@ -57,11 +59,11 @@ namespace and name, or a new random UID. apply = added if the index does not hav
 			if len(files) == 0 {
 				return fmt.Errorf("-f FILE is required")
 			}
-			pods, err := readPodFiles(files)
+			raws, _, err := readPodFiles(files, true)
 			if err != nil {
 				return err
 			}
-			return cl.publishPods(cmd, node, pods, "", false, wait)
+			return cl.applyPods(cmd, node, raws, events.PodApply, false, wait)
 		},
 	}
 	cmd.Flags().StringVar(&node, "node", "", "node name")
@@ -85,21 +87,26 @@ func newPodsDeleteCmd(cl *cli) *cobra.Command {
 			if (len(args) == 1) == (len(files) > 0) {
 				return fmt.Errorf("give either NS/NAME or -f FILE")
 			}
-			var pods []*v1.Pod
+			var raws []json.RawMessage
 			if len(args) == 1 {
 				ns, name, err := splitNSName(args[0])
 				if err != nil {
 					return err
 				}
-				pods = []*v1.Pod{{}}
-				pods[0].Namespace, pods[0].Name = ns, name
+				p := v1.Pod{}
+				p.Namespace, p.Name = ns, name
+				raw, err := json.Marshal(p)
+				if err != nil {
+					return err
+				}
+				raws = []json.RawMessage{raw}
 			} else {
 				var err error
-				if pods, err = readPodFiles(files); err != nil {
+				if raws, _, err = readPodFiles(files, false); err != nil {
 					return err
 				}
 			}
-			return cl.publishPods(cmd, node, pods, events.ActionDeleted, len(args) == 1, wait)
+			return cl.applyPods(cmd, node, raws, events.PodDelete, len(args) == 1, wait)
 		},
 	}
 	cmd.Flags().StringVar(&node, "node", "", "node name")
@@ -172,7 +179,7 @@ func listPods(ctx context.Context, b *bus.Bus, node string, q events.PodsQuery, 
 			q.Limit = limit - (len(pods) + len(mirrors))
 		}
 		var rep events.PodsReply
-		if err := indexRequest(ctx, b, node, events.QryPods, q, &rep); err != nil {
+		if err := indexRequest(ctx, b, events.QuerySubject(node, events.QryPods), q, &rep); err != nil {
 			return events.PodsReply{}, err
 		}
 		pods, mirrors = append(pods, rep.Pods...), append(mirrors, rep.MirrorPods...)
@@ -184,11 +191,11 @@ func listPods(ctx context.Context, b *bus.Bus, node string, q events.PodsQuery, 
 	}
 }
 
-// indexRequest asks the pod index's query what, again while the index answers that it is catching up with
+// indexRequest asks the pod index (a query or podapply), again while the index answers that it is catching up with
 // its events (after a restart: seconds), until ctx ends.
-func indexRequest(ctx context.Context, b *bus.Bus, node, what string, q, rep any) error {
+func indexRequest(ctx context.Context, b *bus.Bus, subject string, q, rep any) error {
 	for {
-		err := b.Request(ctx, events.QuerySubject(node, what), q, rep)
+		err := b.Request(ctx, subject, q, rep)
 		if !podindex.IsCatchingUp(err) {
 			return err
 		}
@@ -258,61 +265,83 @@ func splitNSName(s string) (string, string, error) {
 	return ns, name, nil
 }
 
-// readPodFiles reads the pods of YAML or JSON files ("---" separates YAML documents).
-func readPodFiles(files []string) ([]*v1.Pod, error) {
+// manifestDoc is what a manifest document is read as first: a Pod, or a List of them (as `kubectl get pods
+// -o yaml` prints).
+type manifestDoc struct {
+	Kind       string            `json:"kind"`
+	APIVersion string            `json:"apiVersion"`
+	Items      []json.RawMessage `json:"items"`
+}
+
+// readPodFiles reads the pods of YAML or JSON files with apimachinery's decoder: multi-document YAML
+// ("---" separators, comments after them), a stream of JSON objects, and `kind: List` documents whose items
+// are pods. Each pod is decoded as the index decodes it; for apply (check), it is also checked as the index
+// checks it, so a refused pod is reported before anything is sent.
+func readPodFiles(files []string, check bool) ([]json.RawMessage, []*v1.Pod, error) {
+	var raws []json.RawMessage
 	var pods []*v1.Pod
 	for _, f := range files {
-		data, err := os.ReadFile(f)
+		fh, err := os.Open(f)
 		if err != nil {
-			return nil, err
+			return nil, nil, err
 		}
-		for i, doc := range splitYAMLDocs(data) {
-			js, err := yaml.YAMLToJSON(doc)
-			if err != nil {
-				return nil, fmt.Errorf("%s: document %d: %w", f, i+1, err)
+		dec := yaml.NewYAMLOrJSONDecoder(fh, 4096)
+		for i := 1; ; i++ {
+			var doc json.RawMessage
+			err := dec.Decode(&doc)
+			if errors.Is(err, io.EOF) {
+				break
 			}
-			if len(bytes.TrimSpace(js)) == 0 || string(bytes.TrimSpace(js)) == "null" {
+			if err != nil {
+				_ = fh.Close()
+				return nil, nil, fmt.Errorf("%s: document %d: %w", f, i, err)
+			}
+			if t := bytes.TrimSpace(doc); len(t) == 0 || string(t) == "null" {
 				continue
 			}
-			p := &v1.Pod{}
-			if err := json.Unmarshal(js, p); err != nil {
-				return nil, fmt.Errorf("%s: document %d is not a pod: %w", f, i+1, err)
+			var head manifestDoc
+			if err := json.Unmarshal(doc, &head); err != nil {
+				_ = fh.Close()
+				return nil, nil, fmt.Errorf("%s: document %d is not a pod: %w", f, i, err)
 			}
-			if p.Kind != "" && p.Kind != "Pod" {
-				return nil, fmt.Errorf("%s: document %d is a %s, not a Pod", f, i+1, p.Kind)
+			items := []json.RawMessage{doc}
+			if head.Kind == "List" && (head.APIVersion == "v1" || head.APIVersion == "") {
+				items = head.Items
 			}
-			if p.Name == "" {
-				return nil, fmt.Errorf("%s: document %d: pod has no metadata.name", f, i+1)
+			for k, item := range items {
+				where := fmt.Sprintf("%s: document %d", f, i)
+				if head.Kind == "List" {
+					where += fmt.Sprintf(", item %d", k+1)
+				}
+				p, err := podindex.DecodePod(item)
+				if err != nil {
+					_ = fh.Close()
+					return nil, nil, fmt.Errorf("%s: %w", where, err)
+				}
+				if check {
+					if err := podindex.ValidatePod(p); err != nil {
+						_ = fh.Close()
+						return nil, nil, fmt.Errorf("%s: %w", where, err)
+					}
+				}
+				raws, pods = append(raws, item), append(pods, p)
 			}
-			if p.Namespace == "" {
-				p.Namespace = "default"
-			}
-			pods = append(pods, p)
 		}
+		_ = fh.Close()
 	}
 	if len(pods) == 0 {
-		return nil, fmt.Errorf("no pods in %s", strings.Join(files, ", "))
+		return nil, nil, fmt.Errorf("no pods in %s", strings.Join(files, ", "))
 	}
-	return pods, nil
+	return raws, pods, nil
 }
 
-func splitYAMLDocs(data []byte) [][]byte {
-	var docs [][]byte
-	var cur []byte
-	for _, line := range bytes.SplitAfter(data, []byte("\n")) {
-		if t := bytes.TrimRight(line, " \t\r\n"); string(t) == "---" {
-			docs = append(docs, cur)
-			cur = nil
-			continue
-		}
-		cur = append(cur, line...)
-	}
-	return append(docs, cur)
-}
+// applyBatchBytes bounds the pods of one podapply request (the server's max payload is 1 MiB by default).
+const applyBatchBytes = 512 << 10
 
-// publishPods resolves each pod against the index (apply: added or updated; delete: the indexed pod), then
-// publishes the events and, with wait, waits until the index applied them.
-func (cl *cli) publishPods(cmd *cobra.Command, node string, pods []*v1.Pod, action string, byName, wait bool) error {
+// applyPods sends the pods to the node's pod index in requests of at most applyBatchBytes: the index decides
+// each pod's event (added, updated, deleted), its UID and whether it is a mirror pod, stores the events and,
+// with wait, answers once it applied them. It prints what the index did.
+func (cl *cli) applyPods(cmd *cobra.Command, node string, raws []json.RawMessage, op string, byName, wait bool) error {
 	ctx := cmd.Context()
 	b, err := cl.connect(ctx, "imagefleet-pods")
 	if err != nil {
@@ -321,109 +350,33 @@ func (cl *cli) publishPods(cmd *cobra.Command, node string, pods []*v1.Pod, acti
 	defer b.Close()
 	rctx, cancel := cl.contextTimeout(ctx)
 	defer cancel()
-	indexUp := true
-	var msgs []bus.RawMsg
-	var results []podResult
-	now := time.Now()
-	for _, p := range pods {
-		pod, mirror, err := lookupPod(rctx, b, node, p.Namespace, p.Name)
-		if errors.Is(err, bus.ErrNoResponders) {
-			indexUp, pod, mirror, err = false, nil, nil, nil
+	var results []events.PodApplyResult
+	for len(raws) > 0 {
+		n, size := 0, 0
+		for n < len(raws) && (n == 0 || size+len(raws[n]) <= applyBatchBytes) {
+			size += len(raws[n])
+			n++
 		}
-		if err != nil {
-			return err
-		}
-		// A mirror pod manifest is matched with the indexed mirror pod of its name, any other with the
-		// indexed pod: a UID is never carried from one kind to the other. Deleting by NS/NAME (no manifest)
-		// falls back to the mirror pod when the index has no pod of that name.
-		existing := pod
-		if podindex.IsMirrorPod(p) || (byName && pod == nil) {
-			existing = mirror
-		}
-		act := action
-		switch {
-		case act == events.ActionDeleted:
-			if existing == nil {
-				if p.UID == "" {
-					return fmt.Errorf("pod %s/%s is not in the index of %s and has no uid to delete", p.Namespace, p.Name, node)
-				}
-			} else if p.UID == "" || p.UID == existing.UID {
-				p = existing
+		req := events.PodApplyRequest{Op: op, Pods: raws[:n], ByName: byName, Wait: wait && n == len(raws)}
+		var rep events.PodApplyReply
+		if err := indexRequest(rctx, b, events.CommandSubject(node, events.VerbPodApply), req, &rep); err != nil {
+			if errors.Is(err, bus.ErrNoResponders) {
+				return fmt.Errorf("no pod index answers on %s: it decides what each pod is, so nothing was sent (run the agent's podindex worker)", node)
 			}
-		case existing != nil && (p.UID == "" || p.UID == existing.UID):
-			p.UID, act = existing.UID, events.ActionUpdated
-		default:
-			if p.UID == "" {
-				p.UID = types.UID(uuid.NewString())
-			}
-			act = events.ActionAdded
+			return fmt.Errorf("pods on %s: %w", node, err)
 		}
-		m, err := podindex.PodEventMsg(node, act, p, "", now)
-		if err != nil {
-			return err
-		}
-		msgs = append(msgs, m)
-		results = append(results, podResult{Action: act, Namespace: p.Namespace, Name: p.Name, UID: string(p.UID)})
-	}
-	last, err := b.PublishMsgs(rctx, msgs)
-	if err != nil {
-		return err
-	}
-	if wait && indexUp {
-		if err := waitApplied(rctx, b, node, last); err != nil {
-			return err
-		}
+		results = append(results, rep.Results...)
+		raws = raws[n:]
 	}
 	if cl.jsonOutput() {
-		return printJSON(cmd.OutOrStdout(), results)
+		out := make([]podResult, len(results))
+		for i, r := range results {
+			out[i] = podResult{Action: r.Action, Namespace: r.Namespace, Name: r.Name, UID: r.UID}
+		}
+		return printJSON(cmd.OutOrStdout(), out)
 	}
 	for _, r := range results {
 		fmt.Fprintf(cmd.OutOrStdout(), "pod %s/%s %s (uid %s)\n", r.Namespace, r.Name, r.Action, r.UID)
 	}
-	if !indexUp {
-		fmt.Fprintf(cmd.ErrOrStderr(), "the pod index of %s is not running; the events are stored and applied when it starts\n", node)
-	}
 	return nil
-}
-
-// lookupPod returns the indexed non-mirror pod and the indexed mirror pod named ns/name, each nil when the
-// index does not have it.
-func lookupPod(ctx context.Context, b *bus.Bus, node, ns, name string) (pod, mirror *v1.Pod, err error) {
-	var rep events.PodsReply
-	if err := indexRequest(ctx, b, node, events.QryPods, events.PodsQuery{Namespace: ns, Name: name}, &rep); err != nil {
-		return nil, nil, fmt.Errorf("look up pod %s/%s on %s: %w", ns, name, node, err)
-	}
-	decode := func(raws []json.RawMessage) (*v1.Pod, error) {
-		if len(raws) == 0 {
-			return nil, nil
-		}
-		p := &v1.Pod{}
-		if err := json.Unmarshal(raws[0], p); err != nil {
-			return nil, fmt.Errorf("decode pod %s/%s: %w", ns, name, err)
-		}
-		return p, nil
-	}
-	if pod, err = decode(rep.Pods); err != nil {
-		return nil, nil, err
-	}
-	if mirror, err = decode(rep.MirrorPods); err != nil {
-		return nil, nil, err
-	}
-	return pod, mirror, nil
-}
-
-// waitApplied polls the index until it applied seq.
-func waitApplied(ctx context.Context, b *bus.Bus, node string, seq uint64) error {
-	for {
-		var rep events.RefsReply
-		err := b.Request(ctx, events.QuerySubject(node, events.QryRefs), nil, &rep)
-		if err == nil && rep.AppliedSeq >= seq {
-			return nil
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("wait for the pod index of %s to apply sequence %d: %w", node, seq, ctx.Err())
-		case <-time.After(50 * time.Millisecond):
-		}
-	}
 }

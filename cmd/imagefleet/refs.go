@@ -27,7 +27,7 @@ func newRefsCmd(cl *cli) *cobra.Command {
 			rctx, cancel := cl.contextTimeout(ctx)
 			defer cancel()
 			var rep events.RefsReply
-			if err := indexRequest(rctx, b, node, events.QryRefs, nil, &rep); err != nil {
+			if err := indexRequest(rctx, b, events.QuerySubject(node, events.QryRefs), nil, &rep); err != nil {
 				return fmt.Errorf("refs of %s: %w", node, err)
 			}
 			if rep.Refs == nil {

@@ -66,6 +66,9 @@ type Service struct {
 	readyOnce   sync.Once
 
 	applied map[string]prometheus.Counter // eventsApplied of this node, by action
+
+	apply      applier        // serializes the podapply requests
+	seqWaiters appliedWaiters // requests waiting for the applied sequence
 }
 
 // pendingEvents are transition events published asynchronously and not yet confirmed.
@@ -110,7 +113,7 @@ func (s *Service) Run(ctx context.Context) error {
 	defer wg.Wait() // after stop (deferred calls run last first)
 	rctx, stop := context.WithCancel(ctx)
 	defer stop()
-	errs := make(chan error, 4)
+	errs := make(chan error, 5)
 	serve := func(what string, h bus.Handler) {
 		wg.Add(1)
 		go func() {
@@ -123,6 +126,13 @@ func (s *Service) Run(ctx context.Context) error {
 	serve(events.QryPods, s.HandlePods)
 	serve(events.QryRefs, s.HandleRefs)
 	serve(events.QryInUse, s.HandleInUse)
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		if err := s.bus.ServeConcurrent(rctx, events.CommandSubject(s.cfg.Node, events.VerbPodApply), Consumer, 4, s.handleApply); err != nil {
+			errs <- err
+		}
+	}()
 
 	store, err := OpenStore(ctx, s.bus, s.cfg.Node)
 	if err != nil {
@@ -335,6 +345,7 @@ func (s *Service) handleDecoded(d decoded) error {
 	}
 	if err == nil {
 		s.countCaughtUp(d.m.Pending)
+		s.seqWaiters.advanced()
 	}
 	return err
 }
