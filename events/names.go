@@ -42,7 +42,7 @@ const (
 	CacheQueue     = "cache"           // imagefleet.qry.<node>.images
 	DetectorQueue  = "detector"        // imagefleet.cmd.<node>.detect, imagefleet.qry.<node>.records
 	GCQueue        = "gc-executor"     // imagefleet.cmd.<node>.gc
-	PodIndexQueue  = "pod-index"       // imagefleet.qry.<node>.pods, .refs, .inuse
+	PodIndexQueue  = "pod-index"       // imagefleet.qry.<node>.pods, .refs, .inuse; imagefleet.cmd.<node>.podapply
 	InventoryQueue = "fleet-inventory" // InventoryQuerySubject
 )
 

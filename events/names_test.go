@@ -47,7 +47,8 @@ func wireNames() [][2]string {
 	}
 	type named struct{ name, value string }
 	n := func(name, value string) named { return named{name, value} }
-	for _, v := range []named{n("VerbPull", VerbPull), n("VerbPullCancel", VerbPullCancel), n("VerbGC", VerbGC), n("VerbDetect", VerbDetect)} {
+	for _, v := range []named{n("VerbPull", VerbPull), n("VerbPullCancel", VerbPullCancel), n("VerbGC", VerbGC), n("VerbDetect", VerbDetect),
+		n("VerbPodApply", VerbPodApply)} {
 		names = append(names, c("CommandSubject(node, "+v.name+")", CommandSubject(node, v.value)))
 	}
 	for _, q := range []named{n("QryImages", QryImages), n("QryRecords", QryRecords), n("QryPods", QryPods), n("QryRefs", QryRefs),

@@ -129,7 +129,7 @@ func (s *Service) Run(ctx context.Context) error {
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		if err := s.bus.ServeConcurrent(rctx, events.CommandSubject(s.cfg.Node, events.VerbPodApply), Consumer, 4, s.handleApply); err != nil {
+		if err := s.bus.ServeConcurrent(rctx, events.CommandSubject(s.cfg.Node, events.VerbPodApply), events.PodIndexQueue, 4, s.handleApply); err != nil {
 			errs <- err
 		}
 	}()
