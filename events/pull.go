@@ -57,6 +57,10 @@ type PodRef struct {
 	Namespace string `json:"namespace"`
 	Name      string `json:"name"`
 	UID       string `json:"uid"`
+	// FieldPath names the container the pull is for, as the kubelet's container reference does
+	// (spec.containers{name}, spec.initContainers{name}, spec.ephemeralContainers{name}); the pull's
+	// Kubernetes Events are about it. Optional (additive): a pull without it is about the pod.
+	FieldPath string `json:"fieldPath,omitempty"`
 }
 
 // String is namespace/name/uid.

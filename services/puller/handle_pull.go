@@ -150,7 +150,8 @@ func (s *Service) publishEvent(ctx context.Context, action, id string, data even
 	ev.ID = id
 	var obj *events.ObjectRef
 	if data.Pod != nil {
-		obj = &events.ObjectRef{Kind: "Pod", Namespace: data.Pod.Namespace, Name: data.Pod.Name, UID: data.Pod.UID}
+		obj = &events.ObjectRef{Kind: "Pod", Namespace: data.Pod.Namespace, Name: data.Pod.Name, UID: data.Pod.UID,
+			FieldPath: data.Pod.FieldPath}
 	}
 	if kev.Reason != "" {
 		ev = ev.WithKube(kev.Severity, kev.Reason, kev.Message, obj)

@@ -38,26 +38,29 @@ func PodPullRequests(pod *v1.Pod, now time.Time) []events.PullRequest {
 			secrets = append(secrets, s.Name)
 		}
 	}
-	ref := &events.PodRef{Namespace: pod.Namespace, Name: pod.Name, UID: string(pod.UID)}
 	seen := map[string]bool{}
 	var out []events.PullRequest
-	add := func(name, image string, policy v1.PullPolicy) {
+	add := func(field, name, image string, policy v1.PullPolicy) {
 		if image == "" || seen[image] {
 			return
 		}
 		seen[image] = true
 		sum := sha256.Sum256([]byte(string(pod.UID) + "\x00" + name + "\x00" + image))
+		// The kubelet's container reference (kubecontainer.GenerateContainerRef): its pull events are
+		// about the container's field in the pod.
+		ref := &events.PodRef{Namespace: pod.Namespace, Name: pod.Name, UID: string(pod.UID),
+			FieldPath: field + "{" + name + "}"}
 		out = append(out, events.PullRequest{ID: "pod-" + hex.EncodeToString(sum[:16]), Image: image,
 			Policy: string(policy), Pod: ref, Secrets: secrets, Annotations: pod.Annotations, Enqueued: now})
 	}
 	for _, c := range pod.Spec.InitContainers {
-		add(c.Name, c.Image, c.ImagePullPolicy)
+		add("spec.initContainers", c.Name, c.Image, c.ImagePullPolicy)
 	}
 	for _, c := range pod.Spec.Containers {
-		add(c.Name, c.Image, c.ImagePullPolicy)
+		add("spec.containers", c.Name, c.Image, c.ImagePullPolicy)
 	}
 	for _, c := range pod.Spec.EphemeralContainers {
-		add(c.Name, c.Image, c.ImagePullPolicy)
+		add("spec.ephemeralContainers", c.Name, c.Image, c.ImagePullPolicy)
 	}
 	return out
 }

@@ -34,9 +34,12 @@ func TestPodPullRequests(t *testing.T) {
 	now := time.Date(2026, 11, 22, 10, 0, 0, 0, time.UTC)
 	pod := podWithImages("1")
 	reqs := PodPullRequests(pod, now)
-	var got []string
+	var got, fields []string
 	for _, r := range reqs {
 		got = append(got, r.Image+" "+r.Policy)
+		if r.Pod != nil {
+			fields = append(fields, r.Pod.FieldPath)
+		}
 		if err := r.Validate(); err != nil {
 			t.Errorf("request %+v: %v", r, err)
 		}
@@ -51,6 +54,12 @@ func TestPodPullRequests(t *testing.T) {
 		"registry.example/proxy:latest ", "registry.example/debug:1 Never"}
 	if !slices.Equal(got, want) {
 		t.Fatalf("requests %q, want %q (spec order, one per image, the container's policy)", got, want)
+	}
+	// Each request is about its container, as the kubelet's container reference (its events' fieldPath).
+	wantFields := []string{"spec.initContainers{init}", "spec.containers{app}", "spec.containers{proxy}",
+		"spec.ephemeralContainers{debug}"}
+	if !slices.Equal(fields, wantFields) {
+		t.Fatalf("field paths %q, want %q", fields, wantFields)
 	}
 	// The IDs depend on the pod, the container and the image only: the same event twice enqueues nothing new.
 	again := PodPullRequests(podWithImages("1"), now.Add(time.Hour))
