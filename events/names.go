@@ -35,6 +35,9 @@ const (
 	PullBackoffBucket = "imagefleet-pull-backoff"
 	// PullRecordsBucket holds the puller's KEP-2535 pulled-image records.
 	PullRecordsBucket = "imagefleet-pull-records"
+	// KubeEventsBucket holds the Kubernetes Events bridge's decided write (create or count patch, with its
+	// body) per imagefleet event, keys <node token>.<event id>, so a redelivered event replays it.
+	KubeEventsBucket = "imagefleet-kube-events"
 )
 
 // Queue groups of the request/reply subjects: the replicas of a worker share its requests.
@@ -52,7 +55,14 @@ const (
 	PullerDurablePrefix = "puller-"
 	// InventoryDurable is the fleet inventory's consumer on EventsStream.
 	InventoryDurable = "fleet-inventory"
+	// KubeEventsDurablePrefix starts the name of each node's Kubernetes Events bridge consumer on
+	// EventsStream (KubeEventsDurable).
+	KubeEventsDurablePrefix = "kube-events-"
 )
+
+// KubeEventsDurable is node's Kubernetes Events bridge consumer on EventsStream: "kube-events-" + node token,
+// created with the node's events filter (NodeEvents).
+func KubeEventsDurable(node string) string { return KubeEventsDurablePrefix + NodeToken(node) }
 
 // PullerDurable is node's pull consumer on PullStream: "puller-" + node token. Its MaxAckPending is the
 // node's pull-token limit.

@@ -29,11 +29,13 @@ func wireNames() [][2]string {
 		c("RecordsBucket", RecordsBucket), c("RecordsBucketDescription", RecordsBucketDescription),
 		c("PodsBucket", PodsBucket), c("PullBackoffBucket", PullBackoffBucket), c("PullRecordsBucket", PullRecordsBucket),
 		c("NodesBucket", NodesBucket), c("NodesSeenBucket", NodesSeenBucket), c("InventoryBucket", InventoryBucket),
+		c("KubeEventsBucket", KubeEventsBucket),
 		// Queue groups and durable consumers.
 		c("CacheQueue", CacheQueue), c("DetectorQueue", DetectorQueue), c("GCQueue", GCQueue),
 		c("PodIndexQueue", PodIndexQueue), c("InventoryQueue", InventoryQueue),
 		c("PullerDurablePrefix", PullerDurablePrefix), c("InventoryDurable", InventoryDurable),
 		c("PullerDurable(node)", PullerDurable(node)), c("PodIndexDeadLetters(node)", PodIndexDeadLetters(node)),
+		c("KubeEventsDurablePrefix", KubeEventsDurablePrefix), c("KubeEventsDurable(node)", KubeEventsDurable(node)),
 		// Keys.
 		c("RecordKey(node, \"sha256:ab\")", RecordKey(node, "sha256:ab")), c("RecordKeys(node)", RecordKeys(node)),
 		// Fleet subjects and filters.

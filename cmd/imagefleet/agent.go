@@ -24,6 +24,7 @@ import (
 	"github.com/imagefleet/imagefleet/services/detector"
 	"github.com/imagefleet/imagefleet/services/fleet"
 	"github.com/imagefleet/imagefleet/services/gc"
+	"github.com/imagefleet/imagefleet/services/kevents"
 	"github.com/imagefleet/imagefleet/services/podindex"
 	"github.com/imagefleet/imagefleet/services/puller"
 )
@@ -65,6 +66,9 @@ type agentConfig struct {
 	Heartbeat        fleet.HeartbeatConfig
 	NodeLabels       string // --node-labels: parsed into Heartbeat.Labels
 	Inventory        fleet.InventoryConfig
+	// Kubeconfig is the kubeconfig file of the workers that talk to the API server ("": in-cluster config).
+	Kubeconfig string
+	KubeEvents kevents.Config
 }
 
 // agentEnv is what every worker gets from the agent besides the configuration.
@@ -159,6 +163,13 @@ var agentWorkers = []workerDef{
 			cfg.Node, cfg.Labels, cfg.AgentVersion, cfg.Workers, cfg.Logger = env.Node, labels, agentVersion(), env.Workers, env.Log
 			return fleet.NewHeartbeat(cfg, env.CRI, env.Bus)
 		},
+	},
+	{
+		Name: "kube-events", Default: false,
+		Flags: func(fs *pflag.FlagSet, c *agentConfig) {
+			fs.StringVar(&c.KubeEvents.Component, "kube-events-component", kevents.DefaultComponent, "source component of the Kubernetes Events the kube-events bridge posts (kubelet: described as the kubelet's own)")
+		},
+		Build: buildKubeEvents,
 	},
 	{
 		Name: "inventory", Default: false,
@@ -303,6 +314,7 @@ func (c *agentConfig) flags(fs *pflag.FlagSet) {
 	fs.StringVar(&c.DataDir, "data-dir", defaultDataDir(), "state directory (embedded NATS store, journal)")
 	fs.StringVar(&c.Workers, "workers", "", "comma-separated workers to run (default: "+defaultWorkers()+")")
 	fs.DurationVar(&c.CRITimeout, "runtime-request-timeout", 2*time.Minute, "timeout of every CRI call but pulls")
+	fs.StringVar(&c.Kubeconfig, "kubeconfig", "", "kubeconfig file of the workers that talk to the Kubernetes API server (kube-events); empty: the in-cluster config of the agent's pod")
 	fs.IntVar(&c.Replicas, "stream-replicas", 0, "replicas of the JetStream streams and buckets the agent creates or ensures (3 on a 3-server cluster; 0: 1 for new ones, existing ones keep theirs)")
 	for _, w := range agentWorkers {
 		if w.Flags != nil {

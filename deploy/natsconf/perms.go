@@ -19,6 +19,7 @@ var NodeBuckets = []string{
 	events.PodsBucket,        // pod index snapshots
 	events.PullBackoffBucket, // puller: backoff per pod and image
 	events.PullRecordsBucket, // puller: KEP-2535 pulled records
+	events.KubeEventsBucket,  // kube-events bridge: the Event write decided per event
 }
 
 // NodeKeyBuckets are buckets where a node owns exactly one key, its node token (heartbeats).
@@ -64,6 +65,8 @@ func NodePermissions(node, pub string) Permissions {
 		"$JS.API.CONSUMER.CREATE." + events.EventsStream + ".*." + events.NodeEvents(node),
 		"$JS.API.CONSUMER.MSG.NEXT." + events.EventsStream + ".*",
 		"$JS.API.CONSUMER.INFO." + events.EventsStream + ".*",
+		// The Kubernetes Events bridge's durable consumer of the node's events (created with the filter above).
+		"$JS.ACK." + events.EventsStream + "." + events.KubeEventsDurable(node) + ".>",
 		// Dead letters of the node's consumers (bus.Consume keeps terminated messages there).
 		events.DeadLetterPrefix + ".>",
 	}

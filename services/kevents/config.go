@@ -15,14 +15,14 @@ import (
 // with the exact body) before it is sent: keys <node token>.<event key>. A redelivered event (the agent
 // stopped between the API's answer and the ack, or the API was away) replays that same write instead of
 // correlating again, so it is counted once.
-const DedupBucket = "imagefleet-kube-events"
+const DedupBucket = events.KubeEventsBucket
 
 // DefaultComponent is the source component of the Events the bridge posts.
 const DefaultComponent = "imagefleet"
 
 // Durable is the bridge's durable consumer on the events stream for node: "kube-events-" + node token. It is
 // API: renaming it posts the whole stream again (bounded by DedupTTL).
-func Durable(node string) string { return "kube-events-" + events.NodeToken(node) }
+func Durable(node string) string { return events.KubeEventsDurable(node) }
 
 // Config configures the bridge.
 type Config struct {

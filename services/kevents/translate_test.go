@@ -1,12 +1,14 @@
 package kevents
 
 import (
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	v1 "k8s.io/api/core/v1"
 
+	"github.com/imagefleet/imagefleet/deploy/natsconf"
 	"github.com/imagefleet/imagefleet/events"
 )
 
@@ -139,5 +141,15 @@ func TestConfig(t *testing.T) {
 		if err := bad.setDefaults(); err == nil {
 			t.Errorf("config %+v accepted", bad)
 		}
+	}
+}
+
+// The names a node identity's NATS permissions allow (deploy/natsconf) are the bridge's.
+func TestNamesMatchPermissions(t *testing.T) {
+	if got, want := Durable("node.a"), "kube-events-node_a"; got != want {
+		t.Fatalf("durable %q, permissions allow %q", got, want)
+	}
+	if !slices.Contains(natsconf.NodeBuckets, DedupBucket) {
+		t.Fatalf("bucket %s is not among the node buckets %q", DedupBucket, natsconf.NodeBuckets)
 	}
 }
