@@ -263,6 +263,8 @@ func gcConfig(c *agentConfig, node string) (gc.Config, error) {
 func buildPuller(_ context.Context, c *agentConfig, env *agentEnv) (runnable, error) {
 	cfg := c.Puller
 	cfg.Node, cfg.Logger, cfg.Registerer = env.Node, env.Log, prometheus.DefaultRegisterer
+	// Room before a pull: the GC executor's high threshold (--image-gc-high-threshold).
+	cfg.ImageGCHighThresholdPercent = c.GC.Policy.HighThresholdPercent
 	if env.Changed("serialize-image-pulls") {
 		v := c.SerializePulls
 		cfg.SerializeImagePulls = &v

@@ -48,6 +48,14 @@ type Config struct {
 	// DeletedPodMemory is how long a deleted pod's UID is remembered, so its queued requests are dropped
 	// (default 10m).
 	DeletedPodMemory time.Duration
+	// ImageGCHighThresholdPercent is the node's image GC high threshold: at or above it, or when the image
+	// does not fit in the available bytes, a runtime pull asks the GC executor for a pass first (see room).
+	// 0: no room is made before pulls (the kubelet's behaviour). The agent sets it from
+	// --image-gc-high-threshold.
+	ImageGCHighThresholdPercent int
+	// PullRoomMarginPercent is the share of the image filesystem that stands for an image whose size the
+	// registry does not tell (default 5).
+	PullRoomMarginPercent int
 	// Now is the clock of backoff and the QPS bucket (default time.Now).
 	Now func() time.Time
 	// Logger (default slog.Default()).
@@ -135,6 +143,9 @@ func (c *Config) setDefaults() error {
 	}
 	if c.DeletedPodMemory == 0 {
 		c.DeletedPodMemory = 10 * time.Minute
+	}
+	if c.PullRoomMarginPercent == 0 {
+		c.PullRoomMarginPercent = 5
 	}
 	if c.Now == nil {
 		c.Now = time.Now

@@ -86,8 +86,10 @@ type managerConfig struct {
 
 // manager is the kubelet's imageManager + puller for one node.
 type manager struct {
-	cfg     managerConfig
-	svc     imageService
+	cfg managerConfig
+	svc imageService
+	// room makes room on the image filesystem before a runtime pull (nil: pull whatever the usage).
+	room    *room
 	creds   credentialSource
 	backoff backoffStore
 	records *pullManager
@@ -423,6 +425,16 @@ func (m *manager) runtimePull(ctx context.Context, image string, req Request, cr
 	start := time.Now()
 	if m.limiter != nil && !m.limiter.AllowN(m.cfg.now(), 1) {
 		return pullResult{err: errQPSExceeded, pullDuration: time.Since(start)}
+	}
+	if m.room != nil {
+		var auth *cri.AuthConfig
+		if len(creds) > 0 {
+			a := creds[0].Auth
+			auth = &a
+		}
+		if err := m.room.make(ctx, image, auth); err != nil {
+			return pullResult{err: err, pullDuration: time.Since(start)}
+		}
 	}
 	var sandbox *cri.SandboxConfig
 	if req.Pod.UID != "" {

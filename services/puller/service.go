@@ -10,6 +10,7 @@ import (
 
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/services/cri"
 )
 
 // Service is the puller worker of one node: it consumes the node's pull requests from the work queue and
@@ -43,7 +44,17 @@ func New(cfg Config, rt runtime, b *bus.Bus) (*Service, error) {
 	if rt == nil || b == nil {
 		return nil, fmt.Errorf("puller needs a runtime and a bus")
 	}
-	return newService(cfg, criImages{rt: rt}, b)
+	s, err := newService(cfg, criImages{rt: rt}, b)
+	if err != nil {
+		return nil, err
+	}
+	if fsrt, ok := rt.(interface {
+		ImageFsInfo(ctx context.Context) ([]cri.FsInfo, error)
+	}); ok && cfg.ImageGCHighThresholdPercent > 0 {
+		s.m.room = &room{node: cfg.Node, high: cfg.ImageGCHighThresholdPercent, margin: cfg.PullRoomMarginPercent,
+			fs: imageFsFunc(fsrt), size: registrySize, gc: busGC(b, cfg.Node, 10*time.Minute), log: s.m.cfg.log}
+	}
+	return s, nil
 }
 
 func newService(cfg Config, svc imageService, b *bus.Bus) (*Service, error) {
