@@ -86,8 +86,8 @@ func (g randomPods) pod() *v1.Pod {
 	return p
 }
 
-// TestModelEquivalence applies random pod events to the State and to the reference model (the code before it
-// was optimised, model_test.go) and compares every transition, every index and registry answer, and every
+// TestModelEquivalence applies random pod events to the State and to the naive reference model (model_test.go)
+// and compares every transition, every index and registry answer, and every
 // snapshot delta, after every event. Half the added and updated events come prepared, as from the decoder.
 func TestModelEquivalence(t *testing.T) {
 	for seed := range uint64(40) {
