@@ -156,10 +156,16 @@ func (ix *mIndex) GetStaticPodToMirrorPodMap() map[*v1.Pod]*v1.Pod {
 
 func (ix *mIndex) GetPodByUID(uid types.UID) (*v1.Pod, bool)       { return ix.byUID(false, uid) }
 func (ix *mIndex) GetMirrorPodByUID(uid types.UID) (*v1.Pod, bool) { return ix.byUID(true, uid) }
-func (ix *mIndex) GetPodByName(ns, name string) (*v1.Pod, bool)    { return ix.byFullName(false, name+"_"+ns) }
-func (ix *mIndex) GetPodByFullName(fn string) (*v1.Pod, bool)      { return ix.byFullName(false, fn) }
-func (ix *mIndex) GetMirrorPodByPod(p *v1.Pod) (*v1.Pod, bool)     { return ix.byFullName(true, mFullName(p)) }
-func (ix *mIndex) GetPodByMirrorPod(m *v1.Pod) (*v1.Pod, bool)     { return ix.byFullName(false, mFullName(m)) }
+func (ix *mIndex) GetPodByName(ns, name string) (*v1.Pod, bool) {
+	return ix.byFullName(false, name+"_"+ns)
+}
+func (ix *mIndex) GetPodByFullName(fn string) (*v1.Pod, bool) { return ix.byFullName(false, fn) }
+func (ix *mIndex) GetMirrorPodByPod(p *v1.Pod) (*v1.Pod, bool) {
+	return ix.byFullName(true, mFullName(p))
+}
+func (ix *mIndex) GetPodByMirrorPod(m *v1.Pod) (*v1.Pod, bool) {
+	return ix.byFullName(false, mFullName(m))
+}
 
 func (ix *mIndex) GetPodAndMirrorPod(p *v1.Pod) (*v1.Pod, *v1.Pod, bool) {
 	if mIsMirror(p) {
