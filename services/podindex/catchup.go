@@ -1,0 +1,62 @@
+package podindex
+
+// Catching up: until the index has applied the events its stream held when it started, the queries answer
+// that it is catching up.
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/imagefleet/imagefleet/bus"
+)
+
+// catchUpStall is how long the tail may deliver nothing before the index has caught up, before it counts
+// again what is left (a variable for tests).
+var catchUpStall = 2 * time.Second
+
+// errRecount ends a tail that stalled before catching up: tailLoop starts the next one at once.
+var errRecount = errors.New("recount the events left to catch up")
+
+// countCaughtUp counts one handled event towards catching up: the index is caught up once it handled as
+// many as its stream held when the tail started, or an event had none after it.
+func (s *Service) countCaughtUp(pending uint64) {
+	if s.caughtUp.Load() {
+		return
+	}
+	if s.catchUpLeft.Add(-1) <= 0 || pending == 0 {
+		s.markCaughtUp()
+	}
+}
+
+// markCaughtUp opens the queries and closes Ready.
+func (s *Service) markCaughtUp() {
+	s.readyOnce.Do(func() {
+		s.caughtUp.Store(true)
+		pods, mirrors := s.state.Index.Len()
+		s.log.Info("pod index caught up", "pods", pods, "mirror_pods", mirrors, "applied_seq", s.state.Applied())
+		close(s.ready)
+	})
+}
+
+// CatchingUpText is the error the queries answer until the index has applied the events its stream held
+// when it started: a state without them could say a pod is absent (so its images unused) when it is not.
+const CatchingUpText = "the pod index is catching up with its events"
+
+// errCatchingUp is the queries' answer before the index caught up.
+func (s *Service) errCatchingUp() error {
+	if s.caughtUp.Load() {
+		return nil
+	}
+	return fmt.Errorf("%s (applied up to stream sequence %d, %d events to go)", CatchingUpText,
+		s.state.Applied(), max(s.catchUpLeft.Load(), 0))
+}
+
+// IsCatchingUp reports whether err is a query's answer from a pod index that has not caught up yet.
+func IsCatchingUp(err error) bool {
+	return errors.Is(err, bus.ErrRemote) && strings.Contains(err.Error(), CatchingUpText)
+}
+
+// catchUpBacklog is the backlog (events after the last applied one) over which the index is catching up.
+const catchUpBacklog = 1000
