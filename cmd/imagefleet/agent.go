@@ -19,6 +19,7 @@ import (
 
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/internal/kubeletcfg"
 	"github.com/imagefleet/imagefleet/services/cache"
 	"github.com/imagefleet/imagefleet/services/cri"
 	"github.com/imagefleet/imagefleet/services/detector"
@@ -69,6 +70,9 @@ type agentConfig struct {
 	// Kubeconfig is the kubeconfig file of the workers that talk to the API server ("": in-cluster config).
 	Kubeconfig string
 	KubeEvents kevents.Config
+	// KubeletConfig and KubeletCoexistence: the kubelet's configuration file checked against GC's policy.
+	KubeletConfig      string
+	KubeletCoexistence string
 }
 
 // agentEnv is what every worker gets from the agent besides the configuration.
@@ -195,6 +199,8 @@ var agentWorkers = []workerDef{
 			fs.DurationVar(&c.GC.Period, "image-gc-period", 5*time.Minute, "period of the image GC loop")
 			fs.DurationVar(&c.GC.CheckPeriod, "image-gc-check-period", 10*time.Second, "period of the image filesystem usage check that starts image GC between periods when usage reaches the high threshold")
 			fs.IntVar(&c.GC.RemovalParallelism, "image-gc-removal-parallelism", 16, "images removed at once (1: one by one, as the kubelet)")
+			fs.StringVar(&c.KubeletConfig, "kubelet-config", "", "the node kubelet's KubeletConfiguration file: read at start, with a warning naming each setting that would fight imagefleet's GC (docs/kubernetes.md)")
+			fs.StringVar(&c.KubeletCoexistence, "kubelet-coexistence", kubeletcfg.FirstResponder, "how imagefleet lives beside the kubelet's image GC: first-responder (its thresholds below the kubelet's) or takeover (the kubelet's image GC off)")
 		},
 		Build: func(_ context.Context, c *agentConfig, env *agentEnv) (runnable, error) {
 			cfg, err := gcConfig(c, env.Node)
@@ -202,6 +208,9 @@ var agentWorkers = []workerDef{
 				return nil, err
 			}
 			cfg.Logger = env.Log
+			if err := warnKubeletConfig(c, cfg, env.Log); err != nil {
+				return nil, err
+			}
 			return gc.New(cfg, gc.Deps{Runtime: env.CRI, Bus: env.Bus})
 		},
 	},

@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -243,6 +244,9 @@ func httpGet(t *testing.T, url string) (string, int, error) {
 }
 
 func TestBadFlagsExitNonZero(t *testing.T) {
+	dataDir := t.TempDir()
+	agentGC := []string{"agent", "--node", "n1", "--workers", "gc", "--embedded-nats", "127.0.0.1:-1", "--data-dir", dataDir,
+		"--cri", "unix://" + filepath.Join(dataDir, "none.sock")}
 	for _, tc := range []struct {
 		args []string
 		want string
@@ -250,6 +254,8 @@ func TestBadFlagsExitNonZero(t *testing.T) {
 		{[]string{"agent", "--node", "Bad_Name"}, "not a DNS-1123 subdomain"},
 		{[]string{"agent", "--node", "n1", "--workers", "bogus"}, `unknown worker "bogus"`},
 		{[]string{"records"}, "--node is required"},
+		{append(slices.Clone(agentGC), "--kubelet-config", filepath.Join(dataDir, "kubelet.yaml")), "kubelet config: open " + filepath.Join(dataDir, "kubelet.yaml")},
+		{append(slices.Clone(agentGC), "--kubelet-coexistence", "both"), `--kubelet-coexistence "both" is neither first-responder nor takeover`},
 		{[]string{"images", "--node", "n1", "-o", "yaml"}, `output "yaml": must be text or json`},
 		{[]string{"detect", "--node", "n1", "--nats", "nats://127.0.0.1:1", "--timeout", "300ms"}, "connect to nats"},
 	} {
