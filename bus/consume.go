@@ -116,6 +116,7 @@ func (b *Bus) Consume(ctx context.Context, cfg ConsumerConfig, h MsgHandler) err
 		// this consumer with this filter only (deploy/natsconf). The server stores both forms alike.
 		cc.FilterSubject, cc.FilterSubjects = cc.FilterSubjects[0], nil
 	}
+	initConsumerMetrics(cfg.Durable)
 	log := b.log.With("stream", cfg.Stream, "consumer", cfg.Durable)
 	// open creates (or finds) the consumer and starts pulling from it. It is also how the loop recovers
 	// when pulling fails (a server of the cluster lost, the consumer's leader moved): the pull requests

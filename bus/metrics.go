@@ -79,6 +79,37 @@ func init() {
 	prometheus.MustRegister(eventsPublished, msgsConsumed, msgsAcked, msgsNaked, msgsTerminated, handlerErrors,
 		deadLetters, requestsServed, requestErrors, natsReconnects, journalAppended, journalPending,
 		journalDropped, journalFailedAttempts)
+	for _, t := range publishedTypes {
+		eventsPublished.WithLabelValues(t[0], t[1])
+	}
+}
+
+// publishedTypes are the entity and action of every event type the workers publish. Each series, and each
+// consumer's and served subject's below, is exported at 0 before its first increment, so that an alert on
+// rate() or increase() sees the first event and needs no `or vector(0)`.
+var publishedTypes = [][2]string{
+	{events.EntityImage, events.ActionDetected}, {events.EntityImage, events.ActionRemoved},
+	{events.EntityImage, events.ActionVanished}, {events.EntityNode, events.ActionWarning},
+	{events.EntityGC, events.ActionFinished},
+	{events.EntityPull, events.ActionPulling}, {events.EntityPull, events.ActionPulled},
+	{events.EntityPull, events.ActionFailed},
+	{events.EntityPod, events.ActionAdded}, {events.EntityPod, events.ActionUpdated},
+	{events.EntityPod, events.ActionDeleted},
+	{events.EntitySecret, events.ActionRegistered}, {events.EntitySecret, events.ActionUnregistered},
+	{events.EntityConfigMap, events.ActionRegistered}, {events.EntityConfigMap, events.ActionUnregistered},
+}
+
+// initConsumerMetrics exports the counters of a durable consumer at 0.
+func initConsumerMetrics(consumer string) {
+	for _, cv := range []*prometheus.CounterVec{msgsConsumed, msgsAcked, msgsNaked, msgsTerminated, handlerErrors, deadLetters} {
+		cv.WithLabelValues(consumer)
+	}
+}
+
+// initServedMetrics exports the counters of a served subject at 0.
+func initServedMetrics(subject string) {
+	requestsServed.WithLabelValues(subject)
+	requestErrors.WithLabelValues(subject)
 }
 
 // countPublished counts one stored event of type t.

@@ -33,6 +33,7 @@ func (b *Bus) ServeConcurrent(ctx context.Context, subject, queue string, n int,
 	if err != nil {
 		return fmt.Errorf("subscribe %s: %w", subject, err)
 	}
+	initServedMetrics(subject)
 	log := b.log.With("subject", subject)
 	var wg sync.WaitGroup
 	for i := 0; i < n; i++ {
