@@ -306,15 +306,18 @@ func (d *secretsDir) refreshLocked() error {
 }
 
 // secretKeyring builds the keyring of a pod's pull secrets (the kubelet's MakeDockerKeyring input), in the
-// order the pod names them.
+// order the pod names them. As the kubelet's secretsToTrackedDockerConfigs, a secret is used only when it has
+// the docker-config type and that type's key, non-empty: kubernetes.io/dockerconfigjson with
+// .dockerconfigjson, or kubernetes.io/dockercfg with .dockercfg. Any other secret (an Opaque secret holding a
+// .dockerconfigjson key, a typed secret without its key) is skipped, as the kubelet skips it.
 func secretKeyring(secrets []corev1.Secret) (*keyring, error) {
 	k := &keyring{}
 	for _, s := range secrets {
 		var data []byte
 		switch {
-		case s.Type == corev1.SecretTypeDockerConfigJson || len(s.Data[corev1.DockerConfigJsonKey]) > 0:
+		case s.Type == corev1.SecretTypeDockerConfigJson && len(s.Data[corev1.DockerConfigJsonKey]) > 0:
 			data = s.Data[corev1.DockerConfigJsonKey]
-		case s.Type == corev1.SecretTypeDockercfg || len(s.Data[corev1.DockerConfigKey]) > 0:
+		case s.Type == corev1.SecretTypeDockercfg && len(s.Data[corev1.DockerConfigKey]) > 0:
 			data = s.Data[corev1.DockerConfigKey]
 		default:
 			continue

@@ -10,6 +10,8 @@ import (
 	"strings"
 	"testing"
 
+	corev1 "k8s.io/api/core/v1"
+
 	"github.com/imagefleet/imagefleet/events"
 )
 
@@ -165,5 +167,39 @@ func TestPullRecordsWithSecrets(t *testing.T) {
 	podC := events.PodRef{Namespace: "team-c", Name: "c", UID: "pod-c"}
 	if o := h.m.EnsureImageExists(t.Context(), Request{Image: "private/app:1", Policy: events.PullNever, Pod: podC}); o.Err != nil {
 		t.Fatalf("pod c after an anonymous pull: %v", o.Err)
+	}
+}
+
+// TestSecretKeyringNeedsTypeAndKey: a pull secret is used only with the docker-config type and that type's
+// key (the kubelet's secretsToTrackedDockerConfigs); a key without the type, or the type with the other
+// type's key or an empty key, is skipped.
+func TestSecretKeyringNeedsTypeAndKey(t *testing.T) {
+	cfgJSON := []byte(dockerConfig(map[string][2]string{"registry.example": {"user", "pass"}}))
+	legacy := []byte(`{"registry.example": {"auth": "` + base64.StdEncoding.EncodeToString([]byte("user:pass")) + `"}}`)
+	for _, c := range []struct {
+		name string
+		typ  corev1.SecretType
+		data map[string][]byte
+		used bool
+	}{
+		{"dockerconfigjson", corev1.SecretTypeDockerConfigJson, map[string][]byte{corev1.DockerConfigJsonKey: cfgJSON}, true},
+		{"dockercfg", corev1.SecretTypeDockercfg, map[string][]byte{corev1.DockerConfigKey: legacy}, true},
+		{"opaque with .dockerconfigjson", corev1.SecretTypeOpaque, map[string][]byte{corev1.DockerConfigJsonKey: cfgJSON}, false},
+		{"no type with .dockercfg", "", map[string][]byte{corev1.DockerConfigKey: legacy}, false},
+		{"dockerconfigjson type with .dockercfg key", corev1.SecretTypeDockerConfigJson, map[string][]byte{corev1.DockerConfigKey: legacy}, false},
+		{"dockercfg type with .dockerconfigjson key", corev1.SecretTypeDockercfg, map[string][]byte{corev1.DockerConfigJsonKey: cfgJSON}, false},
+		{"dockerconfigjson type with an empty key", corev1.SecretTypeDockerConfigJson, map[string][]byte{corev1.DockerConfigJsonKey: {}}, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			s := corev1.Secret{Type: c.typ, Data: c.data}
+			s.Namespace, s.Name = "ns", "pull"
+			k, err := secretKeyring([]corev1.Secret{s})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := len(k.lookup("registry.example/app")) > 0; got != c.used {
+				t.Errorf("secret used = %v, want %v", got, c.used)
+			}
+		})
 	}
 }
