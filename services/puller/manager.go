@@ -120,7 +120,7 @@ type pullResult struct {
 
 func newManager(cfg managerConfig, svc imageService, creds credentialSource, bo backoffStore, rs recordStore, m *metrics) *manager {
 	mg := &manager{cfg: cfg, svc: svc, creds: creds, backoff: bo, metrics: m, flights: map[string]*flight{},
-		records: &pullManager{store: rs, policy: cfg.verifyPolicy, allowlist: cfg.allowlist, now: cfg.now}}
+		records: &pullManager{store: rs, policy: cfg.verifyPolicy, allowlist: cfg.allowlist, now: cfg.now, checks: m.mustPullChecks}}
 	if cfg.tokens > 0 {
 		mg.tokens = make(chan struct{}, cfg.tokens)
 	}

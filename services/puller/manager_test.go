@@ -205,13 +205,21 @@ func runPullCase(t *testing.T, c pullCase, o harnessOpts) {
 			t.Errorf("step %d: message %q does not contain %q", i+1, out.Message, s.msg)
 		}
 		if i == 0 {
-			want := fmt.Sprintf(`
-# HELP kubelet_image_manager_ensure_image_requests_total Number of ensure-image requests processed by the kubelet.
-# TYPE kubelet_image_manager_ensure_image_requests_total counter
-kubelet_image_manager_ensure_image_requests_total{present_locally=%q,pull_policy=%q,pull_required=%q} 1
-`, c.metric[1], c.metric[0], c.metric[2])
-			if err := testutil.GatherAndCompare(h.reg, strings.NewReader(want), "kubelet_image_manager_ensure_image_requests_total"); err != nil {
-				t.Errorf("step 1 metric: %v", err)
+			// Every label combination is exported at 0 from the start: the step's request is the only 1.
+			if got := testutil.ToFloat64(h.m.metrics.ensureRequests.WithLabelValues(c.metric[0], c.metric[1], c.metric[2])); got != 1 {
+				t.Errorf("step 1 metric: kubelet_image_manager_ensure_image_requests_total{pull_policy=%q,present_locally=%q,pull_required=%q} = %v, want 1",
+					c.metric[0], c.metric[1], c.metric[2], got)
+			}
+			var sum float64
+			for _, policy := range []string{"always", "ifnotpresent", "never"} {
+				for _, present := range []string{"true", "false", "unknown"} {
+					for _, required := range []string{"true", "false", "unknown"} {
+						sum += testutil.ToFloat64(h.m.metrics.ensureRequests.WithLabelValues(policy, present, required))
+					}
+				}
+			}
+			if n := testutil.CollectAndCount(h.m.metrics.ensureRequests); sum != 1 || n != 27 {
+				t.Errorf("step 1 metric: %v requests counted over %d series, want 1 over 27", sum, n)
 			}
 		}
 	}

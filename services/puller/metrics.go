@@ -54,6 +54,7 @@ type metrics struct {
 	malformed      prometheus.Counter
 	shared         prometheus.Counter
 	cancelled      prometheus.Counter
+	mustPullChecks *prometheus.CounterVec
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
@@ -78,6 +79,10 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Namespace: "imagefleet", Subsystem: "puller", Name: "cancelled_pulls_total",
 			Help: "Pull requests cancelled because their pod was deleted or on request.",
 		}),
+		mustPullChecks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Subsystem: "kubelet", Name: "imagemanager_image_mustpull_checks_total",
+			Help: "Counter for how many times kubelet checked whether credentials need to be re-verified to access an image",
+		}, []string{"result"}),
 	}
 	if reg == nil {
 		reg = prometheus.NewRegistry()
@@ -85,6 +90,14 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	var err error
 	if m.ensureRequests, err = register(reg, m.ensureRequests); err != nil {
 		return nil, err
+	}
+	// Every label combination is exported at 0 before its first increment (alerts need no `or vector(0)`).
+	for _, policy := range []string{"always", "ifnotpresent", "never"} {
+		for _, present := range []string{"true", "false", "unknown"} {
+			for _, required := range []string{"true", "false", "unknown"} {
+				m.ensureRequests.WithLabelValues(policy, present, required)
+			}
+		}
 	}
 	if m.pullDuration, err = register(reg, m.pullDuration); err != nil {
 		return nil, err
@@ -97,6 +110,12 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	}
 	if m.cancelled, err = register(reg, m.cancelled); err != nil {
 		return nil, err
+	}
+	if m.mustPullChecks, err = register(reg, m.mustPullChecks); err != nil {
+		return nil, err
+	}
+	for _, result := range []string{checkCredentialPolicyAllowed, checkCredentialRecordFound, checkMustAuthenticate, checkError} {
+		m.mustPullChecks.WithLabelValues(result)
 	}
 	return m, nil
 }

@@ -10,6 +10,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
 )
@@ -75,6 +77,8 @@ type pullManager struct {
 	policy    string
 	allowlist []string
 	now       func() time.Time
+	// checks is kubelet_imagemanager_image_mustpull_checks_total (nil: not counted).
+	checks *prometheus.CounterVec
 }
 
 // imageWithoutTagOrDigest is the key of a credential mapping: the image as requested, without tag or digest.
@@ -97,63 +101,89 @@ func imageWithoutTagOrDigest(image string) string {
 	return s
 }
 
+// Results of a must-pull check, the label of kubelet_imagemanager_image_mustpull_checks_total (the kubelet's
+// pullmanager mustAttemptImagePullResult values).
+const (
+	checkCredentialPolicyAllowed = "credentialPolicyAllowed"
+	checkCredentialRecordFound   = "credentialRecordFound"
+	checkMustAuthenticate        = "mustAuthenticate"
+	checkError                   = "error"
+
+	// writeRecordWhileMatchingLimit is the kubelet's bound on a mapping's secrets below which a match by hash
+	// or by coordinates also updates the record.
+	writeRecordWhileMatchingLimit = 100
+)
+
 // mustAttemptImagePull decides whether an image present on the node must be pulled again for this pod's
-// credentials. Any storage error answers true (fail safe: pull).
+// credentials, in the kubelet's PullManager.MustAttemptImagePull order, and counts the check's result in
+// kubelet_imagemanager_image_mustpull_checks_total as the kubelet does (an empty imageRef is not counted).
+// Any storage error answers true (fail safe: pull).
 func (m *pullManager) mustAttemptImagePull(ctx context.Context, image, imageRef string, getCreds func() (podCredentials, error)) bool {
 	if imageRef == "" {
 		return true
 	}
+	must, result := m.mustPull(ctx, image, imageRef, getCreds)
+	if m.checks != nil {
+		m.checks.WithLabelValues(result).Inc()
+	}
+	return must
+}
+
+func (m *pullManager) mustPull(ctx context.Context, image, imageRef string, getCreds func() (podCredentials, error)) (bool, string) {
 	rec, found, err := m.store.GetRecord(ctx, imageRef)
 	if err != nil {
-		return true
+		return true, checkError
 	}
 	pulledByUs := found
 	if !found {
 		intent, err := m.store.HasIntent(ctx, image)
 		if err != nil {
-			return true
+			return true, checkError
 		}
 		pulledByUs = intent
 	}
 	switch m.policy {
 	case NeverVerify:
-		return false
+		return false, checkCredentialPolicyAllowed
 	case NeverVerifyPreloadedImages:
 		if !pulledByUs {
-			return false
+			return false, checkCredentialPolicyAllowed
 		}
 	case NeverVerifyAllowlistedImages:
 		if m.allowlisted(image) {
-			return false
+			return false, checkCredentialPolicyAllowed
 		}
 	}
 	if !found {
-		return true
+		return true, checkMustAuthenticate
 	}
 	key := imageWithoutTagOrDigest(image)
 	mapping, ok := rec.CredentialMapping[key]
 	if !ok {
-		return true
+		return true, checkMustAuthenticate
 	}
 	if mapping.NodePodsAccessible {
-		return false
+		return false, checkCredentialRecordFound
+	}
+	if len(mapping.KubernetesSecrets) == 0 && len(mapping.KubernetesServiceAccounts) == 0 {
+		return true, checkMustAuthenticate
 	}
 	creds, err := getCreds()
 	if err != nil {
-		return true
-	}
-	if len(creds.secrets) == 0 && creds.serviceAccount == nil {
-		return true
+		return true, checkError
 	}
 	for _, ps := range creds.secrets {
 		for i, rs := range mapping.KubernetesSecrets {
-			hashMatch := ps.CredentialHash != "" && ps.CredentialHash == rs.CredentialHash
+			hashMatch := rs.CredentialHash != "" && ps.CredentialHash == rs.CredentialHash
 			coordsMatch := ps.UID == rs.UID && ps.Namespace == rs.Namespace && ps.Name == rs.Name
-			if !hashMatch && !coordsMatch {
+			short := len(mapping.KubernetesSecrets) < writeRecordWhileMatchingLimit
+			// As the kubelet: equal hashes match; equal coordinates with another hash match only while the
+			// list is short (the record is then updated to the pod's secret).
+			if !hashMatch && !(coordsMatch && short) {
 				continue
 			}
 			// Keep the record current (the kubelet does so while the list is short).
-			if rs != ps && len(mapping.KubernetesSecrets) < 100 {
+			if rs != ps && short {
 				mapping.KubernetesSecrets[i] = ps
 				if hashMatch && !coordsMatch {
 					mapping.KubernetesSecrets = append(mapping.KubernetesSecrets, rs)
@@ -162,13 +192,13 @@ func (m *pullManager) mustAttemptImagePull(ctx context.Context, image, imageRef 
 				rec.LastUpdated = m.now()
 				_ = m.store.PutRecord(ctx, rec)
 			}
-			return false
+			return false, checkCredentialRecordFound
 		}
 	}
 	if sa := creds.serviceAccount; sa != nil && slices.Contains(mapping.KubernetesServiceAccounts, *sa) {
-		return false
+		return false, checkCredentialRecordFound
 	}
-	return true
+	return true, checkMustAuthenticate
 }
 
 func (m *pullManager) allowlisted(image string) bool {
