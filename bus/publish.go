@@ -4,26 +4,12 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/imagefleet/imagefleet/events"
 )
-
-// CloudEvents binary-mode headers.
-const (
-	HeaderSpecVersion = "ce-specversion"
-	HeaderType        = "ce-type"
-	HeaderSource      = "ce-source"
-	HeaderID          = "ce-id"
-	HeaderTime        = "ce-time"
-	HeaderContentType = "content-type"
-)
-
-// SourcePrefix starts the ce-source of every event: SourcePrefix + node name.
-const SourcePrefix = "imagefleet://node/"
 
 // EventMsg builds the NATS message of an event: JSON body, Nats-Msg-Id = event id, CloudEvents binary headers.
 func EventMsg(ev events.Event) (*nats.Msg, error) {
@@ -41,12 +27,9 @@ func EventMsg(ev events.Event) (*nats.Msg, error) {
 	m := nats.NewMsg(subject)
 	m.Data = body
 	m.Header.Set(jetstream.MsgIDHeader, ev.ID)
-	m.Header.Set(HeaderSpecVersion, "1.0")
-	m.Header.Set(HeaderType, ev.Type)
-	m.Header.Set(HeaderSource, SourcePrefix+ev.Node)
-	m.Header.Set(HeaderID, ev.ID)
-	m.Header.Set(HeaderTime, ev.Time.UTC().Format(time.RFC3339Nano))
-	m.Header.Set(HeaderContentType, "application/json")
+	for k, v := range events.CloudEventHeader(ev.Type, ev.ID, ev.Node, ev.Time) {
+		m.Header.Set(k, v)
+	}
 	return m, nil
 }
 

@@ -146,9 +146,10 @@ func (b *Bus) RequestRaw(ctx context.Context, subject string, data []byte) (even
 	return rep, nil
 }
 
-// Subscribe delivers core NATS messages on subject (no queue group) to fn until ctx ends.
-func (b *Bus) Subscribe(ctx context.Context, subject string, fn func(subject string, data []byte)) error {
-	sub, err := b.nc.Subscribe(subject, func(m *nats.Msg) { fn(m.Subject, m.Data) })
+// Subscribe delivers core NATS messages on subject (no queue group) to fn, with their headers, until ctx
+// ends.
+func (b *Bus) Subscribe(ctx context.Context, subject string, fn func(subject string, header map[string][]string, data []byte)) error {
+	sub, err := b.nc.Subscribe(subject, func(m *nats.Msg) { fn(m.Subject, m.Header, m.Data) })
 	if err != nil {
 		return fmt.Errorf("subscribe %s: %w", subject, err)
 	}

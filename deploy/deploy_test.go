@@ -99,7 +99,7 @@ func TestLeafConfigs(t *testing.T) {
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		_ = hb.Subscribe(ctx, "imagefleet.evt.edge-1.>", func(subject string, _ []byte) { got <- subject })
+		_ = hb.Subscribe(ctx, "imagefleet.evt.edge-1.>", func(subject string, _ map[string][]string, _ []byte) { got <- subject })
 	}()
 	defer func() { cancel(); <-done }()
 	deadline := time.After(15 * time.Second)

@@ -46,6 +46,12 @@ func wireNames() [][2]string {
 		c("RolloutFilter(r1)", RolloutFilter("r1")),
 		c("NodeEvents(node)", NodeEvents(node)), c("PodEventSubjects(node)", PodEventSubjects(node)),
 		c("FleetSubject(x)", FleetSubject("x")),
+		// CloudEvents headers and the pod event's rejection reasons (metric label values).
+		c("HeaderSpecVersion", HeaderSpecVersion), c("HeaderType", HeaderType), c("HeaderSource", HeaderSource),
+		c("HeaderID", HeaderID), c("HeaderTime", HeaderTime), c("HeaderContentType", HeaderContentType),
+		c("SourcePrefix", SourcePrefix),
+		c("PodRejectBadSubject", PodRejectBadSubject), c("PodRejectBadType", PodRejectBadType),
+		c("PodRejectBadPod", PodRejectBadPod), c("PodRejectNoUID", PodRejectNoUID), c("PodRejectTooLarge", PodRejectTooLarge),
 	}
 	type named struct{ name, value string }
 	n := func(name, value string) named { return named{name, value} }
@@ -99,7 +105,7 @@ func TestNamesGolden(t *testing.T) {
 }
 
 // wireConst matches the Go names of constants that are, or build, names on the wire.
-var wireConst = regexp.MustCompile(`(Stream|Subjects?|Bucket|BucketDescription|Queue|Durable|Prefix|Filter)$|^(Verb|Qry|Entity|Action)`)
+var wireConst = regexp.MustCompile(`(Stream|Subjects?|Bucket|BucketDescription|Queue|Durable|Prefix|Filter)$|^(Verb|Qry|Entity|Action|Header|PodReject)`)
 
 // TestNamesGoldenComplete: every wire-name constant declared in this package is pinned by wireNames (or, for
 // verbs, queries, entities and actions, used by it), so a name added without the golden is caught.

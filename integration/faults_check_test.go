@@ -44,7 +44,7 @@ func readFaultStream(ctx context.Context, b *bus.Bus, node string) (*faultStream
 		s.msgs++
 		if strings.HasPrefix(m.Subject, podPrefix) {
 			// Pod events carry a core/v1 Pod as body and their id in the CloudEvents header.
-			s.copies[m.Header.Get(bus.HeaderID)]++
+			s.copies[m.Header.Get(events.HeaderID)]++
 			return true
 		}
 		ev, err := events.DecodeEvent(m.Data)

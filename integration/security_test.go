@@ -205,7 +205,7 @@ func TestSecurityNodeIsolation(t *testing.T) {
 		subject := "imagefleet.cmd." + events.NodeToken(nodeB) + ".>"
 		go func() {
 			defer close(done)
-			_ = a.Subscribe(subCtx, subject, func(string, []byte) { got.Add(1) })
+			_ = a.Subscribe(subCtx, subject, func(string, map[string][]string, []byte) { got.Add(1) })
 		}()
 		waitViolation(t, a, subject)
 		c, cancelReq := short(t)
@@ -225,7 +225,7 @@ func TestSecurityNodeIsolation(t *testing.T) {
 		done := make(chan struct{})
 		go func() {
 			defer close(done)
-			_ = a.Subscribe(subCtx, "_INBOX.>", func(string, []byte) {})
+			_ = a.Subscribe(subCtx, "_INBOX.>", func(string, map[string][]string, []byte) {})
 		}()
 		waitViolation(t, a, "_INBOX.>")
 		cancel()

@@ -182,32 +182,26 @@ func (cl *cli) runEvents(cmd *cobra.Command, f eventsFlags) error {
 // about that pod with the Pod as its data.
 func streamEvent(m bus.StreamMsg) (events.Event, error) {
 	ev, err := events.DecodeEvent(m.Data)
-	if err == nil || m.Header.Get(bus.HeaderType) == "" {
+	if err == nil || m.Header.Get(events.HeaderType) == "" {
 		return ev, err
 	}
-	entity, action, _, perr := events.ParseType(m.Header.Get(bus.HeaderType))
+	entity, _, _, perr := events.ParseType(m.Header.Get(events.HeaderType))
 	if perr != nil || entity != events.EntityPod {
 		return events.Event{}, err
 	}
-	var pod struct {
-		Metadata struct {
-			Namespace string `json:"namespace"`
-			Name      string `json:"name"`
-			UID       string `json:"uid"`
-		} `json:"metadata"`
+	pe, perr := events.DecodePodEvent(m.Subject, m.Header, m.Data)
+	if perr != nil {
+		return events.Event{}, fmt.Errorf("pod event %d: %w", m.Seq, perr)
 	}
-	if uerr := json.Unmarshal(m.Data, &pod); uerr != nil {
-		return events.Event{}, fmt.Errorf("pod event %d: %w", m.Seq, uerr)
-	}
-	at, terr := time.Parse(time.RFC3339Nano, m.Header.Get(bus.HeaderTime))
+	at, terr := time.Parse(time.RFC3339Nano, m.Header.Get(events.HeaderTime))
 	if terr != nil {
 		at = m.Time
 	}
-	md := pod.Metadata
-	return events.Event{Type: m.Header.Get(bus.HeaderType), ID: m.Header.Get(bus.HeaderID), Time: at,
-		Node:    strings.TrimPrefix(m.Header.Get(bus.HeaderSource), bus.SourcePrefix),
-		Message: fmt.Sprintf("pod %s/%s (uid %s) %s", md.Namespace, md.Name, md.UID, action), Data: m.Data,
-		Object: &events.ObjectRef{Kind: "Pod", Namespace: md.Namespace, Name: md.Name, UID: md.UID}}, nil
+	p := pe.Pod
+	return events.Event{Type: m.Header.Get(events.HeaderType), ID: pe.ID, Time: at,
+		Node:    strings.TrimPrefix(m.Header.Get(events.HeaderSource), events.SourcePrefix),
+		Message: fmt.Sprintf("pod %s/%s (uid %s) %s", p.Namespace, p.Name, p.UID, pe.Action), Data: m.Data,
+		Object: &events.ObjectRef{Kind: "Pod", Namespace: p.Namespace, Name: p.Name, UID: string(p.UID)}}, nil
 }
 
 // printJournal prints the last n events of a journal file (n < 0: all), reading only the end of the file

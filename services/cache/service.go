@@ -74,7 +74,7 @@ func (s *Service) Run(ctx context.Context) error {
 		errc <- s.bus.ServeConcurrent(ctx, events.QuerySubject(s.cfg.Node, events.QryImages), events.CacheQueue, 4, s.handleImages)
 	}()
 	wake := make(chan struct{}, 1)
-	poke := func(string, []byte) {
+	poke := func(string, map[string][]string, []byte) {
 		select {
 		case wake <- struct{}{}:
 		default:

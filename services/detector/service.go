@@ -78,7 +78,7 @@ func (s *Service) Run(ctx context.Context) error {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if err := s.bus.Subscribe(ctx, subject, func(_ string, data []byte) { fn(data) }); err != nil && ctx.Err() == nil {
+			if err := s.bus.Subscribe(ctx, subject, func(_ string, _ map[string][]string, data []byte) { fn(data) }); err != nil && ctx.Err() == nil {
 				errs <- err
 			}
 		}()

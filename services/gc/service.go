@@ -137,7 +137,7 @@ func (s *Service) Run(ctx context.Context) error {
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		err := s.bus.Subscribe(ctx, events.EventSubject(s.cfg.Node, events.EntityPull, events.ActionPulled), func(string, []byte) {
+		err := s.bus.Subscribe(ctx, events.EventSubject(s.cfg.Node, events.EntityPull, events.ActionPulled), func(string, map[string][]string, []byte) {
 			s.CheckSoon()
 		})
 		if err != nil && ctx.Err() == nil {

@@ -336,7 +336,7 @@ func BenchmarkDecode(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	h := map[string][]string{bus.HeaderType: {m.Header[bus.HeaderType]}}
+	h := map[string][]string{events.HeaderType: {m.Header[events.HeaderType]}}
 	b.SetBytes(int64(len(m.Data)))
 	b.ReportAllocs()
 	for range b.N {

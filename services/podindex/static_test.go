@@ -37,7 +37,7 @@ func (f *fakePublisher) take(t *testing.T) []PodEvent {
 	defer f.mu.Unlock()
 	var out []PodEvent
 	for _, m := range f.msgs {
-		ev, err := DecodePodEvent(m.Subject, map[string][]string{bus.HeaderType: {m.Header[bus.HeaderType]}}, m.Data)
+		ev, err := DecodePodEvent(m.Subject, map[string][]string{events.HeaderType: {m.Header[events.HeaderType]}}, m.Data)
 		if err != nil {
 			t.Fatalf("the source published a malformed event: %v", err)
 		}

@@ -9,14 +9,16 @@ import (
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/apimachinery/pkg/util/validation/field"
+
+	"github.com/imagefleet/imagefleet/events"
 )
 
 // DecodePod decodes a core/v1 Pod given to `pods apply` (JSON): kind Pod (or none), apiVersion v1 (or
 // none), a name; a pod without a namespace is in "default". Errors say what is wrong.
 func DecodePod(data []byte) (*v1.Pod, error) {
 	pod := &v1.Pod{}
-	if err := unmarshalPod(data, pod); err != nil {
-		return nil, fmt.Errorf("not a core/v1 Pod: %s", describeJSON(err))
+	if err := events.UnmarshalPod(data, pod); err != nil {
+		return nil, fmt.Errorf("not a core/v1 Pod: %w", err)
 	}
 	if pod.Kind != "" && pod.Kind != "Pod" {
 		return nil, fmt.Errorf("a %q, not a Pod", truncateTo(pod.Kind, 64))

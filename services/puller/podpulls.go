@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"time"
@@ -68,13 +67,14 @@ func PodPullRequests(pod *v1.Pod, now time.Time) []events.PullRequest {
 // handlePodAdded enqueues the pulls a pod.added event stands for (Config.PullOnPodAdd). A full queue is
 // logged and counted, not retried: the pod's next pull request (or the runtime at container start) does
 // it, and a flood of pod events must not turn into a flood of retries.
-func (s *Service) handlePodAdded(ctx context.Context, data []byte) {
-	var pod v1.Pod
-	if err := json.Unmarshal(data, &pod); err != nil {
-		s.m.cfg.log.Warn("pod added event is not a pod; no pulls enqueued", "err", err)
+func (s *Service) handlePodAdded(ctx context.Context, subject string, header map[string][]string, data []byte) {
+	ev, err := events.DecodePodEvent(subject, header, data)
+	if err != nil {
+		s.m.cfg.log.Warn("pod added event refused; no pulls enqueued", "err", err)
 		return
 	}
-	for _, req := range PodPullRequests(&pod, s.m.cfg.now()) {
+	pod := ev.Pod
+	for _, req := range PodPullRequests(pod, s.m.cfg.now()) {
 		_, err := s.bus.PublishPull(ctx, events.CommandSubject(s.cfg.Node, events.VerbPull), req.ID, req)
 		switch {
 		case err == nil:

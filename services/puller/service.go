@@ -2,7 +2,6 @@ package puller
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"sync"
@@ -115,19 +114,19 @@ func (s *Service) Run(ctx context.Context) error {
 		}()
 	}
 	goRun(func() error {
-		return s.bus.Subscribe(ctx, events.CommandSubject(s.cfg.Node, events.VerbPullCancel), func(_ string, data []byte) {
+		return s.bus.Subscribe(ctx, events.CommandSubject(s.cfg.Node, events.VerbPullCancel), func(_ string, _ map[string][]string, data []byte) {
 			s.handleCancel(data)
 		})
 	})
 	goRun(func() error {
-		return s.bus.Subscribe(ctx, events.EventSubject(s.cfg.Node, events.EntityPod, events.ActionDeleted), func(_ string, data []byte) {
-			s.handlePodDeleted(data)
+		return s.bus.Subscribe(ctx, events.EventSubject(s.cfg.Node, events.EntityPod, events.ActionDeleted), func(subject string, header map[string][]string, data []byte) {
+			s.handlePodDeleted(subject, header, data)
 		})
 	})
 	if s.cfg.PullOnPodAdd {
 		goRun(func() error {
-			return s.bus.Subscribe(ctx, events.EventSubject(s.cfg.Node, events.EntityPod, events.ActionAdded), func(_ string, data []byte) {
-				s.handlePodAdded(ctx, data)
+			return s.bus.Subscribe(ctx, events.EventSubject(s.cfg.Node, events.EntityPod, events.ActionAdded), func(subject string, header map[string][]string, data []byte) {
+				s.handlePodAdded(ctx, subject, header, data)
 			})
 		})
 	}
@@ -196,18 +195,14 @@ var (
 )
 
 // handlePodDeleted cancels the deleted pod's pulls and remembers its UID, so requests still queued for it
-// are dropped (kubernetes/kubernetes#88662). The body is a core/v1 Pod as JSON.
-func (s *Service) handlePodDeleted(data []byte) {
-	var pod struct {
-		Metadata struct {
-			UID string `json:"uid"`
-		} `json:"metadata"`
-	}
-	if err := json.Unmarshal(data, &pod); err != nil || pod.Metadata.UID == "" {
-		s.m.cfg.log.Warn("pod deleted event without a pod uid", "err", err)
+// are dropped (kubernetes/kubernetes#88662). The message is decoded by the pod event contract's decoder.
+func (s *Service) handlePodDeleted(subject string, header map[string][]string, data []byte) {
+	ev, err := events.DecodePodEvent(subject, header, data)
+	if err != nil {
+		s.m.cfg.log.Warn("pod deleted event refused", "err", err)
 		return
 	}
-	uid := pod.Metadata.UID
+	uid := string(ev.Pod.UID)
 	s.mu.Lock()
 	s.deleted[uid] = time.Now()
 	s.mu.Unlock()

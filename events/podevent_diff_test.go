@@ -1,4 +1,4 @@
-package podindex
+package events
 
 import (
 	stdjson "encoding/json"
@@ -12,15 +12,40 @@ import (
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/intstr"
 )
+
+// samplePod is a pod with secrets and configmaps referenced every way a Pod can (as the pod index's
+// benchmark pods).
+func samplePod(k, round int) *v1.Pod {
+	return &v1.Pod{
+		TypeMeta: metav1.TypeMeta{Kind: "Pod", APIVersion: "v1"},
+		ObjectMeta: metav1.ObjectMeta{Namespace: fmt.Sprintf("ns-%d", k%20), Name: fmt.Sprintf("pod-%d", k),
+			UID: types.UID(fmt.Sprintf("uid-%d", k)), Labels: map[string]string{"round": fmt.Sprint(round)}},
+		Spec: v1.PodSpec{
+			ImagePullSecrets: []v1.LocalObjectReference{{Name: fmt.Sprintf("pull-%d", k%7)}},
+			Containers: []v1.Container{{
+				Name: "app", Image: fmt.Sprintf("registry.example/app-%d:1.%d", k%50, round),
+				EnvFrom: []v1.EnvFromSource{{SecretRef: &v1.SecretEnvSource{LocalObjectReference: v1.LocalObjectReference{Name: fmt.Sprintf("env-%d", k%31)}}}},
+				Env: []v1.EnvVar{{Name: "CFG", ValueFrom: &v1.EnvVarSource{ConfigMapKeyRef: &v1.ConfigMapKeySelector{
+					LocalObjectReference: v1.LocalObjectReference{Name: fmt.Sprintf("cfg-%d", k%13)}, Key: "k"}}}},
+			}},
+			Volumes: []v1.Volume{
+				{Name: "tls", VolumeSource: v1.VolumeSource{Secret: &v1.SecretVolumeSource{SecretName: fmt.Sprintf("tls-%d", k%17)}}},
+				{Name: "conf", VolumeSource: v1.VolumeSource{ConfigMap: &v1.ConfigMapVolumeSource{LocalObjectReference: v1.LocalObjectReference{Name: fmt.Sprintf("conf-%d", k%11)}}}},
+			},
+		},
+		Status: v1.PodStatus{Phase: v1.PodRunning},
+	}
+}
 
 // richPod uses the parts of a Pod with their own JSON methods (times, quantities, int-or-string) and the
 // optional pointers, maps and slices, so the differential fuzz starts from every kind of field.
 func richPod() *v1.Pod {
 	grace := int64(30)
 	root := true
-	p := benchPod(3, 1)
+	p := samplePod(3, 1)
 	p.CreationTimestamp = metav1.Unix(1700000000, 0)
 	p.DeletionGracePeriodSeconds = &grace
 	p.Annotations = map[string]string{"kubernetes.io/config.source": "file", "kubernetes.io/config.hash": "abc"}
@@ -43,7 +68,7 @@ func richPod() *v1.Pod {
 // unmarshalPod (what DecodePodEvent uses) must accept exactly what encoding/json accepts and decode it to the
 // same Pod.
 func FuzzPodDecoderMatchesEncodingJSON(f *testing.F) {
-	for _, p := range []*v1.Pod{benchPod(1, 0), richPod()} {
+	for _, p := range []*v1.Pod{samplePod(1, 0), richPod()} {
 		b, err := stdjson.Marshal(p)
 		if err != nil {
 			f.Fatal(err)
@@ -125,7 +150,7 @@ func TestPodStructsAreValidForTheDecoder(t *testing.T) {
 	str := reflect.TypeFor[string]()
 	twoNames := reflect.StructOf([]reflect.StructField{
 		{Name: "A", Type: str, Tag: `json:"x"`}, {Name: "B", Type: str, Tag: `json:"x"`}})
-	unexported := reflect.StructOf([]reflect.StructField{{Name: "a", PkgPath: "podindex", Type: str, Tag: `json:"a"`}})
+	unexported := reflect.StructOf([]reflect.StructField{{Name: "a", PkgPath: "events", Type: str, Tag: `json:"a"`}})
 	for _, typ := range []reflect.Type{twoNames, unexported} {
 		if err := structDecodeDiff(typ); err == nil {
 			t.Errorf("%s: no difference found, want podJSON to reject what encoding/json accepts", typ)
