@@ -190,11 +190,14 @@ func TestGCOnRealContainerd(t *testing.T) {
 	}
 	mount := fss[0].Mountpoint
 	capacity, available, usage := gcUsage(t, mount)
-	// Thresholds from the real usage: high = the usage now (so GC runs), low such that the kubelet's
-	// amountToFree is 1.5 images' reported size: about two of the five sized images must go.
+	// Thresholds from the real usage: high = the usage now (so GC runs), low such that about two of the five
+	// sized images must go. GC stops on the measured filesystem (issue 13), where an image takes about 1.4
+	// times its reported size (its random layer twice, compressed content and unpacked snapshot; the busybox
+	// layer is shared): twice the reported size is about 1.4 images on the disk, so the second image ends
+	// the pass well under the low threshold.
 	size := sized["a"].Size
 	high := usage
-	low := 100 - int((available+size*3/2)*100/capacity)
+	low := 100 - int((available+size*2)*100/capacity)
 	t.Logf("image fs %s: capacity %d MiB, available %d MiB, usage %d%%; thresholds high %d low %d", mount,
 		capacity/gcMiB, available/gcMiB, usage, high, low)
 	if low < 1 || low >= high {

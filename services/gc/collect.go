@@ -64,7 +64,7 @@ type pass struct {
 // images), so that stop removes too much or too little. Here the filesystem is measured again after each
 // removal batch and the pass stops as soon as the measured available bytes reach the low threshold's.
 //
-// Batches are planned with factor, the estimated disk bytes per declared byte: 1 + the runtime's reported
+// Batches (each half of what remains) are planned with factor, the estimated disk bytes per declared byte: 1 + the runtime's reported
 // image filesystem usage (ImageFsInfo UsedBytes: containerd's snapshots) over the sum of the declared sizes,
 // between 1 and maxFactor (1 with a byte quota, or when the runtime reports no usage). A dry run cannot
 // measure: it counts each planned image as factor times its declared size, so on an unchanged node it plans
@@ -334,7 +334,11 @@ func (c *collector) freeSpace(ctx context.Context, p *pass, bytesToFree int64, f
 		var batch []candidate
 		planned, toPlan := freed, bytesToFree
 		if m != nil {
-			planned, toPlan = 0, m.remaining()
+			// Half of what remains at a time (at least one image): when the estimate is short of the disk's
+			// real figure, the measure after a step stops the pass before it removes much more than needed.
+			// The images a dry run lists do not change with the step size: the pass ends at the first image
+			// whose estimate reaches the target either way.
+			planned, toPlan = 0, (m.remaining()+1)/2
 		}
 		for i < len(cands) && len(batch) < c.batchSize() && (len(batch) == 0 || planned < toPlan) {
 			cd := cands[i]

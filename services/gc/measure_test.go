@@ -55,9 +55,10 @@ func TestSpacePassStopsOnMeasure(t *testing.T) {
 		// needs 600 more available: three images on the disk, six by the declared sizes (the kubelet's).
 		// The factor estimate (2) plans three, the measure confirms three.
 		{"estimated factor", 2, 800, 3},
-		// No usage reported: batches are planned by declared size (4 at parallelism 1), and the measure after
-		// the first batch stops the pass at four, where the kubelet would go on to six.
-		{"declared sizes, measured stop", 2, 0, 4},
+		// No usage reported: batches are planned by declared size, half of what remains at a time (300
+		// declared: three images), and the measure after that batch stops the pass at three, where the
+		// kubelet would go on to six.
+		{"declared sizes, measured stop", 2, 0, 3},
 		// Images that give back half their declared size (shared layers): the declared six are not enough;
 		// the pass goes on until the measure reaches the low threshold (twelve declared hundreds: all 8 is
 		// 400, so it cannot: see the failing case below). Here 1 per byte: six.

@@ -1,0 +1,326 @@
+package integration_test
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/bus/bustest"
+	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/integration/lab"
+	"github.com/imagefleet/imagefleet/services/cache"
+	"github.com/imagefleet/imagefleet/services/cri"
+	"github.com/imagefleet/imagefleet/services/detector"
+	"github.com/imagefleet/imagefleet/services/gc"
+	"github.com/imagefleet/imagefleet/services/puller"
+)
+
+// diskLab is a node on a real disk: a private containerd on a small tmpfs, a loopback registry, and the
+// detector, cache, GC executor (default check period) and puller on a real NATS.
+type diskLab struct {
+	node      string
+	reg       *lab.Registry
+	ctrd      *lab.Containerd
+	b         *bus.Bus
+	mount     string
+	pause     lab.Pushed
+	high, low int
+}
+
+func startDiskLab(t *testing.T, node, tmpfs string, high, low int) *diskLab {
+	t.Helper()
+	ctx := t.Context()
+	l := &diskLab{node: node, high: high, low: low}
+	l.reg = lab.StartRegistry(t, lab.RegistryOptions{})
+	bb, err := lab.BusyboxPath()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if l.pause, err = lab.Push(ctx, l.reg.Host(), "lab/pause:1", 0, lab.WithBusybox(bb)); err != nil {
+		t.Fatal(err)
+	}
+	l.ctrd = lab.StartContainerd(t, lab.Options{SandboxImage: l.pause.Ref, TmpfsSize: tmpfs})
+	cl := l.ctrd.Client()
+	if _, err := cl.PullImage(ctx, l.pause.Ref, nil, nil, nil); err != nil {
+		t.Fatal(err)
+	}
+	fss, err := cl.ImageFsInfo(ctx)
+	if err != nil || len(fss) == 0 {
+		t.Fatalf("ImageFsInfo: %v %v", fss, err)
+	}
+	l.mount = fss[0].Mountpoint
+	_, l.b = bustest.Start(t)
+	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+
+	det, err := detector.New(detector.Config{Node: node, Period: time.Hour, Logger: log}, cl, l.b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	gcStartWorker(t, "detector", det.Run)
+	ch, err := cache.New(cache.Config{Node: node, Period: time.Hour, Logger: log}, cl, l.b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	gcStartWorker(t, "cache", ch.Run)
+	g, err := gc.New(gc.Config{
+		Node: node, Policy: gc.Policy{HighThresholdPercent: high, LowThresholdPercent: low, MinAge: 0},
+		PinnedImages: []string{"*/lab/pause:*"}, Period: time.Hour, Registerer: prometheus.NewRegistry(), Logger: log,
+	}, gc.Deps{Runtime: cl, Bus: l.b})
+	if err != nil {
+		t.Fatal(err)
+	}
+	gcStartWorker(t, "gc", g.Run)
+	p, err := puller.New(puller.Config{Node: node, ImageGCHighThresholdPercent: high, Registerer: prometheus.NewRegistry(), Logger: log}, cl, l.b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	gcStartWorker(t, "puller", p.Run)
+	return l
+}
+
+// pull asks the node's puller for image and returns its terminal result.
+func (l *diskLab) pull(t *testing.T, sub *bus.Subscription, ref string) events.PullResult {
+	t.Helper()
+	id := events.NewID()
+	req := events.PullRequest{ID: id, Image: ref, Policy: events.PullIfNotPresent,
+		Pod: &events.PodRef{Namespace: "default", Name: "fill", UID: "uid-fill"}}
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	if _, err := l.b.PublishPull(ctx, events.CommandSubject(l.node, events.VerbPull), id, req); err != nil {
+		t.Fatalf("publish pull: %v", err)
+	}
+	rctx, rcancel := context.WithTimeout(t.Context(), 2*time.Minute)
+	defer rcancel()
+	for {
+		_, data, err := sub.Next(rctx)
+		if err != nil {
+			t.Fatalf("waiting for the pull of %s: %v", ref, err)
+		}
+		ev, err := events.DecodeEvent(data)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var r events.PullResult
+		if err := ev.DecodeData(&r); err != nil {
+			t.Fatal(err)
+		}
+		if r.RequestID == id && ev.Type != events.TypeName(events.EntityPull, events.ActionPulling) {
+			return r
+		}
+	}
+}
+
+func (l *diskLab) listed(t *testing.T) map[string]bool {
+	t.Helper()
+	var rep events.ImagesReply
+	gcRequest(t, l.b, events.QuerySubject(l.node, events.QryImages), events.QueryRequest{}, &rep)
+	out := map[string]bool{}
+	for _, im := range rep.Images {
+		out[im.ID] = true
+	}
+	return out
+}
+
+func (l *diskLab) records(t *testing.T) map[string]bool {
+	t.Helper()
+	var rep events.RecordsReply
+	gcRequest(t, l.b, events.QuerySubject(l.node, events.QryRecords), events.QueryRequest{}, &rep)
+	out := map[string]bool{}
+	for _, r := range rep.Records {
+		out[r.ID] = true
+	}
+	return out
+}
+
+// passes returns the finished GC passes that were not dry runs, in order.
+func (l *diskLab) passes(t *testing.T) []events.GCResult {
+	t.Helper()
+	var out []events.GCResult
+	err := l.b.ReadStream(t.Context(), events.EventsStream, events.EventSubject(l.node, events.EntityGC, events.ActionFinished), 0,
+		func(m bus.StreamMsg) bool {
+			ev, err := events.DecodeEvent(m.Data)
+			if err != nil {
+				t.Errorf("decode gc.finished: %v", err)
+				return false
+			}
+			var r events.GCResult
+			if err := ev.DecodeData(&r); err != nil {
+				t.Errorf("decode gc.finished: %v", err)
+				return false
+			}
+			if !r.DryRun {
+				out = append(out, r)
+			}
+			return true
+		})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// waitIdle waits until a usage check would find nothing to do: usage under the high threshold.
+func (l *diskLab) waitIdle(t *testing.T) {
+	t.Helper()
+	deadline := time.Now().Add(time.Minute)
+	for {
+		_, _, usage := gcUsage(t, l.mount)
+		if usage < l.high {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("usage %d%% still at or above the high threshold %d%% after a minute", usage, l.high)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// TestGCOnARealDiskBetweenPeriods is issue 13's lab run: images of 10 MiB (about 20 MiB on the disk: content
+// plus snapshot) pulled one after another through the puller onto a 128 MiB tmpfs, with GC thresholds 60/40
+// and the 5-minute period out of reach (an hour here). Every pull succeeds: GC runs between periods, on the
+// pull.pulled event or before the pull; each pass removes no more images than needed to reach the low
+// threshold on the measured filesystem and reports no FreeDiskSpaceFailed; records drop the removed images;
+// every pulled image is listed by the images query within 2 s; and a dry run and the next pass agree.
+func TestGCOnARealDiskBetweenPeriods(t *testing.T) {
+	const node = "disk-lab"
+	l := startDiskLab(t, node, "128m", 60, 40)
+	ctx := t.Context()
+	var imgs []lab.Pushed
+	for i := range 8 {
+		p, err := lab.Push(ctx, l.reg.Host(), fmt.Sprintf("lab/fill-%d:1", i), 10*gcMiB)
+		if err != nil {
+			t.Fatal(err)
+		}
+		imgs = append(imgs, p)
+	}
+	sub, err := l.b.SubscribeSync(ctx, events.EventSubject(node, events.EntityPull, "*"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(sub.Close)
+
+	capacity, _, _ := gcUsage(t, l.mount)
+	target := capacity * int64(100-l.low) / 100
+	for i, p := range imgs {
+		r := l.pull(t, sub, p.Ref)
+		_, _, usage := gcUsage(t, l.mount)
+		t.Logf("pull %d (%s): error %q %q, usage now %d%%", i, p.Ref, r.Error, r.Message, usage)
+		if r.Error != "" {
+			t.Fatalf("pull %d of %s failed: %s: %s", i, p.Ref, r.Error, r.Message)
+		}
+		pulledAt := time.Now()
+		for !l.listed(t)[p.ID] {
+			if time.Since(pulledAt) > 2*time.Second {
+				t.Fatalf("%s not listed by the images query 2 s after its pull", p.Ref)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	l.waitIdle(t)
+
+	passes := l.passes(t)
+	var removed []string
+	for _, res := range passes {
+		ok := res.Succeeded()
+		t.Logf("pass (%s): usage %d%%, removed %d (%d failed), declared %d, measured %d, available after %d (target %d), error %q",
+			res.Trigger, res.UsagePercent, len(ok), res.FailedCount(), res.FreedBytes, res.MeasuredFreedBytes, res.MeasuredAvailableBytes, target, res.Error)
+		if len(ok) == 0 {
+			continue
+		}
+		if res.Error != "" || res.FailedCount() > 0 {
+			t.Errorf("pass with removals failed: %q, failed %+v", res.Error, res.Failed)
+		}
+		if res.MeasuredAvailableBytes < target {
+			t.Errorf("pass ended at %d available, under the low threshold's %d", res.MeasuredAvailableBytes, target)
+		}
+		// No more images than needed: without its last image (each gives back about the same), the pass
+		// would have been short of the target.
+		perImage := res.MeasuredFreedBytes / int64(len(ok))
+		if res.MeasuredAvailableBytes-perImage >= target {
+			t.Errorf("pass removed %d images (%d measured, %d each) where %d would have reached the target",
+				len(ok), res.MeasuredFreedBytes, perImage, len(ok)-1)
+		}
+		for _, rm := range ok {
+			removed = append(removed, rm.ID)
+		}
+	}
+	if len(removed) == 0 {
+		t.Fatal("no GC pass removed anything: the disk never reached the high threshold")
+	}
+	var warnings []string
+	err = l.b.ReadStream(ctx, events.EventsStream, events.EventSubject(node, events.EntityNode, events.ActionWarning), 0,
+		func(m bus.StreamMsg) bool {
+			warnings = append(warnings, string(m.Data))
+			return true
+		})
+	if err != nil || len(warnings) != 0 {
+		t.Errorf("node warnings %v (%v), want none", warnings, err)
+	}
+	// Records and the image list follow the removals within a second.
+	deadline := time.Now().Add(time.Second)
+	for {
+		recs, listed := l.records(t), l.listed(t)
+		stale := slices.ContainsFunc(removed, func(id string) bool { return recs[id] || listed[id] })
+		if !stale {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("records or images still list removed images a second after the last pass: records %v, images %v", recs, listed)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+
+	// A dry run and the next pass agree: thresholds that make about two images go.
+	cl := l.ctrd.Client()
+	waitFsUsedFresh(t, cl, 15*time.Second)
+	capacity, available, usage := gcUsage(t, l.mount)
+	high := usage
+	low := 100 - int((available+25*gcMiB)*100/capacity)
+	var plan, res events.GCResult
+	req := events.GCRequest{DryRun: true, HighThresholdPercent: &high, LowThresholdPercent: &low}
+	gcRequest(t, l.b, events.CommandSubject(node, events.VerbGC), req, &plan)
+	req.DryRun = false
+	gcRequest(t, l.b, events.CommandSubject(node, events.VerbGC), req, &res)
+	var planned, done []string
+	for _, r := range plan.Succeeded() {
+		planned = append(planned, r.ID)
+	}
+	for _, r := range res.Succeeded() {
+		done = append(done, r.ID)
+	}
+	t.Logf("thresholds %d/%d: dry run %d images, pass %d images (measured %d, available %d), error %q",
+		high, low, len(planned), len(done), res.MeasuredFreedBytes, res.MeasuredAvailableBytes, res.Error)
+	if len(planned) == 0 || !slices.Equal(planned, done) {
+		t.Errorf("dry run planned %v, the pass removed %v: want the same images in the same order", planned, done)
+	}
+	if res.Error != "" {
+		t.Errorf("pass error %q", res.Error)
+	}
+}
+
+// waitFsUsedFresh waits until containerd's ImageFsInfo usage (its snapshots, refreshed every 10 s) has been
+// refreshed since now, so the GC's disk-per-image estimate sees the images pulled last.
+func waitFsUsedFresh(t *testing.T, cl interface {
+	ImageFsInfo(context.Context) ([]cri.FsInfo, error)
+}, limit time.Duration) {
+	t.Helper()
+	start := time.Now()
+	for time.Since(start) < limit {
+		fss, err := cl.ImageFsInfo(t.Context())
+		if err != nil || len(fss) == 0 {
+			t.Fatalf("ImageFsInfo: %v", err)
+		}
+		if fss[0].Timestamp.After(start) {
+			return
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	t.Fatalf("containerd's image fs usage not refreshed within %v", limit)
+}
