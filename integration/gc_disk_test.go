@@ -324,3 +324,84 @@ func waitFsUsedFresh(t *testing.T, cl interface {
 	}
 	t.Fatalf("containerd's image fs usage not refreshed within %v", limit)
 }
+
+// TestGCKeepsTheRuntimesSandboxImage: containerd 1.6 does not report its sandbox image pinned; with no
+// --pinned-images, gc --all-unused keeps it (read from CRI Status verbose info) while a pod's sandbox runs
+// it, and removes the other unused images.
+func TestGCKeepsTheRuntimesSandboxImage(t *testing.T) {
+	const node = "sandbox-lab"
+	ctx := t.Context()
+	reg := lab.StartRegistry(t, lab.RegistryOptions{})
+	bb, err := lab.BusyboxPath()
+	if err != nil {
+		t.Fatal(err)
+	}
+	pause, err := lab.Push(ctx, reg.Host(), "lab/pause:1", 0, lab.WithBusybox(bb))
+	if err != nil {
+		t.Fatal(err)
+	}
+	app, err := lab.Push(ctx, reg.Host(), "lab/app:1", gcMiB, lab.WithBusybox(bb))
+	if err != nil {
+		t.Fatal(err)
+	}
+	spare, err := lab.Push(ctx, reg.Host(), "lab/spare:1", gcMiB)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := lab.StartContainerd(t, lab.Options{SandboxImage: pause.Ref, TmpfsSize: "96m"})
+	cl := c.Client()
+	for _, ref := range []string{pause.Ref, app.Ref, spare.Ref} {
+		if _, err := cl.PullImage(ctx, ref, nil, nil, nil); err != nil {
+			t.Fatalf("pull %s: %v", ref, err)
+		}
+	}
+	if got, err := cl.SandboxImage(ctx); err != nil || got != pause.Ref {
+		t.Fatalf("SandboxImage = %q, %v; want %q", got, err, pause.Ref)
+	}
+	lab.RunPod(t, c, "app", app.Ref)
+	images, err := cl.ListImages(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantWhy := gc.WhySandboxImage
+	for _, im := range images {
+		if im.ID == pause.ID && im.Pinned {
+			t.Logf("containerd reports the sandbox image pinned: the runtime exemption is not what keeps it here")
+			wantWhy = gc.WhyPinned
+		}
+	}
+
+	_, b := bustest.Start(t)
+	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	det, err := detector.New(detector.Config{Node: node, Period: time.Hour, Logger: log}, cl, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	gcStartWorker(t, "detector", det.Run)
+	g, err := gc.New(gc.Config{Node: node, Policy: gc.Policy{HighThresholdPercent: 85, LowThresholdPercent: 80},
+		Period: time.Hour, Registerer: prometheus.NewRegistry(), Logger: log}, gc.Deps{Runtime: cl, Bus: b})
+	if err != nil {
+		t.Fatal(err)
+	}
+	gcStartWorker(t, "gc", g.Run)
+	zero := events.Duration{}
+	var res events.GCResult
+	gcRequest(t, b, events.CommandSubject(node, events.VerbGC), events.GCRequest{AllUnused: true, MinAge: &zero}, &res)
+	whys := map[string]string{}
+	for _, s := range res.Skipped {
+		whys[s.ID] = s.Why
+	}
+	removed := map[string]bool{}
+	for _, r := range res.Succeeded() {
+		removed[r.ID] = true
+	}
+	if whys[pause.ID] != wantWhy {
+		t.Errorf("sandbox image kept as %q, want %q", whys[pause.ID], wantWhy)
+	}
+	if removed[pause.ID] || removed[app.ID] || !removed[spare.ID] {
+		t.Errorf("removed %v: want lab/spare:1 only (pause is the sandbox image, app in use)", removed)
+	}
+	if res.CapacityBytes <= 0 || res.AmountToFree != spare.Size {
+		t.Errorf("all-unused result: capacity %d, eligible %d; want the image fs capacity and %d", res.CapacityBytes, res.AmountToFree, spare.Size)
+	}
+}

@@ -46,6 +46,8 @@ type collector struct {
 	now          func() time.Time
 	removed      *prometheus.CounterVec
 	metrics      *metrics
+	// sandboxImage returns the runtime's sandbox image (nil: a runtime that cannot tell).
+	sandboxImage func(ctx context.Context) (string, error)
 	log          *slog.Logger
 }
 
@@ -113,7 +115,7 @@ func (c *collector) garbageCollect(ctx context.Context, p *pass, beganGC time.Ti
 	if err != nil {
 		return err
 	}
-	cands, skipped := evictionOrder(recs, c.pinned)
+	cands, skipped := c.order(ctx, recs)
 	p.res.Skipped = append(p.res.Skipped, skipped...)
 
 	before := p.res.FreedBytes
@@ -163,6 +165,33 @@ func (c *collector) garbageCollect(ctx context.Context, p *pass, beganGC time.Ti
 		return joinErrors(ageErr, errors.New(msg))
 	}
 	return ageErr
+}
+
+// order is evictionOrder with the runtime's sandbox (pause) image kept as well: containerd 1.6 does not
+// report it pinned, and every pod sandbox runs it, so it is in use whenever a pod runs (the kubelet used to
+// exempt its configured --pod-infra-container-image the same way).
+func (c *collector) order(ctx context.Context, recs map[string]events.ImageRecord) ([]candidate, []events.GCSkipped) {
+	cands, skipped := evictionOrder(recs, c.pinned)
+	if c.sandboxImage == nil {
+		return cands, skipped
+	}
+	ref, err := c.sandboxImage(ctx)
+	if err != nil || ref == "" {
+		if err != nil {
+			c.log.Debug("runtime sandbox image unknown", "err", err)
+		}
+		return cands, skipped
+	}
+	m, _ := newRefMatcher([]string{ref}, false)
+	kept := cands[:0]
+	for _, cd := range cands {
+		if m.match(cd.ImageRecord) {
+			skipped = append(skipped, events.GCSkipped{ID: cd.ID, Why: WhySandboxImage})
+			continue
+		}
+		kept = append(kept, cd)
+	}
+	return kept, skipped
 }
 
 // newMeter sets up the space pass's measure (see meter).
@@ -232,7 +261,7 @@ func (c *collector) deleteUnusedImages(ctx context.Context, p *pass) error {
 	if err != nil {
 		return err
 	}
-	cands, skipped := evictionOrder(recs, c.pinned)
+	cands, skipped := c.order(ctx, recs)
 	p.res.Skipped = append(p.res.Skipped, skipped...)
 	// What is reported: the image filesystem and the eligible bytes (the kubelet passes MaxInt64 as the
 	// amount to free, and it still does here: every eligible image goes).

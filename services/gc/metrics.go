@@ -196,7 +196,7 @@ func (m *metrics) observe(allUnused bool, trigger string, res events.GCResult, e
 			m.skipped.WithLabelValues("in_use").Inc()
 		case WhyTooYoung:
 			m.skipped.WithLabelValues("min_age").Inc()
-		case WhyPinned, WhyPinnedByPolicy:
+		case WhyPinned, WhyPinnedByPolicy, WhySandboxImage:
 			m.skipped.WithLabelValues("pinned").Inc()
 		case WhyNotNeeded:
 		default:

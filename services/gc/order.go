@@ -16,6 +16,7 @@ const (
 	WhyTooYoung       = "too young"              // first detected less than MinAge ago
 	WhyInUseAtRemoval = "in use at removal time" // the re-check just before removal found it in use
 	WhyNotNeeded      = "not needed"             // enough was freed before reaching it, or usage is below the high threshold
+	WhySandboxImage   = "sandbox image"          // the runtime's pod sandbox (pause) image (CRI Status verbose info)
 )
 
 // Removal reasons (events.GCRemoved.Reason, events.ImageRemoved.Reason).

@@ -89,6 +89,11 @@ func New(cfg Config, deps Deps) (*Service, error) {
 		rt: deps.Runtime, records: deps.Records, bus: deps.Bus, inUseTimeout: cfg.InUseTimeout,
 		statfs: deps.Statfs, now: deps.Now, removed: counter, metrics: m, log: log,
 	}
+	if sb, ok := deps.Runtime.(interface {
+		SandboxImage(ctx context.Context) (string, error)
+	}); ok {
+		s.c.sandboxImage = sb.SandboxImage
+	}
 	return s, nil
 }
 
