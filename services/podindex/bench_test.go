@@ -178,12 +178,12 @@ func BenchmarkEndToEnd(b *testing.B) {
 				if err := <-done; err != nil {
 					b.Fatal(err)
 				}
-				kv, err := bb.Stream(context.Background(), "KV_"+SnapshotBucket)
+				kv, err := bb.Stream(context.Background(), "KV_"+snapshotBucket)
 				if err != nil {
 					b.Fatal(err)
 				}
 				kvWrites = float64(kv.LastSeq)
-				if p, m := s.State().Index.Len(); n%(3*benchPods) == 0 && p+m != 0 {
+				if p, m := s.State().Index.size(); n%(3*benchPods) == 0 && p+m != 0 {
 					b.Fatalf("%d pods left after whole add/update/delete rounds", p+m)
 				}
 
@@ -296,7 +296,7 @@ func benchmarkApply(b *testing.B, prepared bool) {
 			if seq%50000 == 0 {
 				// As the periodic flush does: take the changes and encode their records (the writer encodes
 				// them outside the lock Apply takes, but the work is counted here all the same).
-				d, err := s.TakeDirty()
+				d, err := s.takeDirty()
 				if err != nil {
 					b.Fatal(err)
 				}
@@ -309,7 +309,7 @@ func benchmarkApply(b *testing.B, prepared bool) {
 		}
 	}
 	cycle()
-	if p, m := s.Index.Len(); p+m != 0 || len(s.Refs.Refs()) != 0 || transitions == 0 {
+	if p, m := s.Index.size(); p+m != 0 || len(s.Refs.Refs()) != 0 || transitions == 0 {
 		b.Fatalf("a whole cycle left %d pods and %d referenced objects (%d transitions)", p+m, len(s.Refs.Refs()), transitions)
 	}
 	runtime.GC()

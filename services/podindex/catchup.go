@@ -34,28 +34,28 @@ func (s *Service) countCaughtUp(pending uint64) {
 func (s *Service) markCaughtUp() {
 	s.readyOnce.Do(func() {
 		s.caughtUp.Store(true)
-		pods, mirrors := s.state.Index.Len()
+		pods, mirrors := s.state.Index.size()
 		s.log.Info("pod index caught up", "pods", pods, "mirror_pods", mirrors, "applied_seq", s.state.Applied())
 		close(s.ready)
 	})
 }
 
-// CatchingUpText is the error the queries answer until the index has applied the events its stream held
+// catchingUpText is the error the queries answer until the index has applied the events its stream held
 // when it started: a state without them could say a pod is absent (so its images unused) when it is not.
-const CatchingUpText = "the pod index is catching up with its events"
+const catchingUpText = "the pod index is catching up with its events"
 
 // errCatchingUp is the queries' answer before the index caught up.
 func (s *Service) errCatchingUp() error {
 	if s.caughtUp.Load() {
 		return nil
 	}
-	return fmt.Errorf("%s (applied up to stream sequence %d, %d events to go)", CatchingUpText,
+	return fmt.Errorf("%s (applied up to stream sequence %d, %d events to go)", catchingUpText,
 		s.state.Applied(), max(s.catchUpLeft.Load(), 0))
 }
 
 // IsCatchingUp reports whether err is a query's answer from a pod index that has not caught up yet.
 func IsCatchingUp(err error) bool {
-	return errors.Is(err, bus.ErrRemote) && strings.Contains(err.Error(), CatchingUpText)
+	return errors.Is(err, bus.ErrRemote) && strings.Contains(err.Error(), catchingUpText)
 }
 
 // catchUpBacklog is the backlog (events after the last applied one) over which the index is catching up.

@@ -33,9 +33,9 @@ const (
 	ReasonTooLarge   = events.PodRejectTooLarge
 )
 
-// RejectReason is the reason label of a decode error ("other" for an error that is not an
+// rejectReason is the reason label of a decode error ("other" for an error that is not an
 // *events.PodDecodeError).
-func RejectReason(err error) string { return events.PodRejectReason(err) }
+func rejectReason(err error) string { return events.PodRejectReason(err) }
 
 // DecodePodEvent decodes a pod event with the contract's one decoder (events.DecodePodEvent), then works out
 // what Apply needs of the pod alone, off the applier's path. Every error is an *events.PodDecodeError.
@@ -58,11 +58,11 @@ func PodEventMsg(node, action string, pod *v1.Pod, id string, at time.Time) (bus
 	if err != nil {
 		return bus.RawMsg{}, err
 	}
-	return PodEventRaw(node, action, body, id, at), nil
+	return podEventRaw(node, action, body, id, at), nil
 }
 
-// PodEventRaw is PodEventMsg with the pod already encoded.
-func PodEventRaw(node, action string, body []byte, id string, at time.Time) bus.RawMsg {
+// podEventRaw is PodEventMsg with the pod already encoded.
+func podEventRaw(node, action string, body []byte, id string, at time.Time) bus.RawMsg {
 	if id == "" {
 		id = events.NewID()
 	}

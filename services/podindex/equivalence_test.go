@@ -134,19 +134,19 @@ func TestModelEquivalence(t *testing.T) {
 					compareDirty(t, fmt.Sprint("event ", i), s, m, g.r.IntN(3) == 0)
 				case 1:
 					seq += 3 // a rejected event
-					s.Skip(seq)
-					m.Skip(seq)
+					s.skip(seq)
+					m.skip(seq)
 				}
 			}
 		})
 	}
 }
 
-// TestIndexModelEquivalence drives the in-process Index API (AddPod, UpdatePod, RemovePod, SetPods).
+// TestIndexModelEquivalence drives the in-process Index API (addPod, updatePod, removePod, setPods).
 func TestIndexModelEquivalence(t *testing.T) {
 	for seed := range uint64(40) {
 		g := randomPods{rand.New(rand.NewPCG(seed, 11))}
-		ix, mx := NewIndex(), newMIndex()
+		ix, mx := newIndex(), newMIndex()
 		for i := range 400 {
 			switch k := g.r.IntN(20); {
 			case k == 0:
@@ -154,20 +154,20 @@ func TestIndexModelEquivalence(t *testing.T) {
 				for j := range pods {
 					pods[j] = g.pod()
 				}
-				ix.SetPods(pods)
-				mx.SetPods(pods)
+				ix.setPods(pods)
+				mx.setPods(pods)
 			case k < 6:
 				p := g.pod()
-				ix.RemovePod(p)
-				mx.RemovePod(p)
+				ix.removePod(p)
+				mx.removePod(p)
 			case k < 13:
 				p := g.pod()
-				ix.AddPod(p)
-				mx.AddPod(p)
+				ix.addPod(p)
+				mx.addPod(p)
 			default:
 				p := g.pod()
-				ix.UpdatePod(p)
-				mx.UpdatePod(p)
+				ix.updatePod(p)
+				mx.updatePod(p)
 			}
 			compareIndexes(t, fmt.Sprintf("seed %d op %d", seed, i), ix, mx)
 		}
@@ -186,22 +186,22 @@ func compareIndexes(t *testing.T, at string, ix *Index, mx *mIndex) {
 		t.Helper()
 		t.Fatalf("%s: %s\n got %s\nwant %s", at, what, describe(got), describe(want))
 	}
-	if gp, gm := ix.Len(); true {
-		wp, wm := mx.Len()
+	if gp, gm := ix.size(); true {
+		wp, wm := mx.size()
 		if gp != wp || gm != wm {
 			fail("Len", []int{gp, gm}, []int{wp, wm})
 		}
 	}
-	if got, want := uidsOf(ix.GetPods()), uidsOf(mx.GetPods()); !reflect.DeepEqual(got, want) {
-		fail("GetPods", got, want)
+	if got, want := uidsOf(ix.getPods()), uidsOf(mx.getPods()); !reflect.DeepEqual(got, want) {
+		fail("getPods", got, want)
 	}
 	gp, gm, go_ := ix.GetPodsAndMirrorPods()
 	wp, wm, wo := mx.GetPodsAndMirrorPods()
 	if !reflect.DeepEqual(uidsOf(gp), uidsOf(wp)) || !reflect.DeepEqual(uidsOf(gm), uidsOf(wm)) || !reflect.DeepEqual(go_, wo) {
 		fail("GetPodsAndMirrorPods", []any{gp, gm, go_}, []any{wp, wm, wo})
 	}
-	if got, want := ix.GetStaticPodToMirrorPodMap(), mx.GetStaticPodToMirrorPodMap(); !reflect.DeepEqual(got, want) {
-		fail("GetStaticPodToMirrorPodMap", got, want)
+	if got, want := ix.getStaticPodToMirrorPodMap(), mx.getStaticPodToMirrorPodMap(); !reflect.DeepEqual(got, want) {
+		fail("getStaticPodToMirrorPodMap", got, want)
 	}
 	gpm, gmp := ix.GetUIDTranslations()
 	wpm, wmp := mx.GetUIDTranslations()
@@ -209,52 +209,52 @@ func compareIndexes(t *testing.T, at string, ix *Index, mx *mIndex) {
 		fail("GetUIDTranslations", []any{gpm, gmp}, []any{wpm, wmp})
 	}
 	for _, uid := range append(eqUIDs, "", "unknown") {
-		g1, g2 := ix.GetPodByUID(uid)
-		w1, w2 := mx.GetPodByUID(uid)
+		g1, g2 := ix.getPodByUID(uid)
+		w1, w2 := mx.getPodByUID(uid)
 		if g1 != w1 || g2 != w2 {
-			fail("GetPodByUID "+string(uid), g1, w1)
+			fail("getPodByUID "+string(uid), g1, w1)
 		}
-		g1, g2 = ix.GetMirrorPodByUID(uid)
-		w1, w2 = mx.GetMirrorPodByUID(uid)
+		g1, g2 = ix.getMirrorPodByUID(uid)
+		w1, w2 = mx.getMirrorPodByUID(uid)
 		if g1 != w1 || g2 != w2 {
-			fail("GetMirrorPodByUID "+string(uid), g1, w1)
+			fail("getMirrorPodByUID "+string(uid), g1, w1)
 		}
-		if g, w := ix.TranslatePodUID(uid), mx.TranslatePodUID(uid); g != w {
-			fail("TranslatePodUID "+string(uid), g, w)
+		if g, w := ix.translatePodUID(uid), mx.translatePodUID(uid); g != w {
+			fail("translatePodUID "+string(uid), g, w)
 		}
 	}
 	for _, ns := range eqNamespaces {
 		for _, name := range eqNames {
-			g1, g2 := ix.GetPodByName(ns, name)
-			w1, w2 := mx.GetPodByName(ns, name)
+			g1, g2 := ix.getPodByName(ns, name)
+			w1, w2 := mx.getPodByName(ns, name)
 			if g1 != w1 || g2 != w2 {
-				fail("GetPodByName "+ns+"/"+name, g1, w1)
+				fail("getPodByName "+ns+"/"+name, g1, w1)
 			}
-			fn := BuildPodFullName(name, ns)
+			fn := buildPodFullName(name, ns)
 			g1, g2 = ix.GetPodByFullName(fn)
 			w1, w2 = mx.GetPodByFullName(fn)
 			if g1 != w1 || g2 != w2 {
 				fail("GetPodByFullName "+fn, g1, w1)
 			}
 			probe := &v1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}}
-			g1, g2 = ix.GetMirrorPodByPod(probe)
-			w1, w2 = mx.GetMirrorPodByPod(probe)
+			g1, g2 = ix.getMirrorPodByPod(probe)
+			w1, w2 = mx.getMirrorPodByPod(probe)
 			if g1 != w1 || g2 != w2 {
-				fail("GetMirrorPodByPod "+fn, g1, w1)
+				fail("getMirrorPodByPod "+fn, g1, w1)
 			}
-			g1, g2 = ix.GetPodByMirrorPod(probe)
-			w1, w2 = mx.GetPodByMirrorPod(probe)
+			g1, g2 = ix.getPodByMirrorPod(probe)
+			w1, w2 = mx.getPodByMirrorPod(probe)
 			if g1 != w1 || g2 != w2 {
-				fail("GetPodByMirrorPod "+fn, g1, w1)
+				fail("getPodByMirrorPod "+fn, g1, w1)
 			}
 			for _, mirror := range []bool{false, true} {
 				if mirror {
 					probe.Annotations = map[string]string{ConfigMirrorAnnotationKey: "h1"}
 				}
-				a, b, c := ix.GetPodAndMirrorPod(probe)
-				x, y, z := mx.GetPodAndMirrorPod(probe)
+				a, b, c := ix.getPodAndMirrorPod(probe)
+				x, y, z := mx.getPodAndMirrorPod(probe)
 				if a != x || b != y || c != z {
-					fail("GetPodAndMirrorPod "+fn, []any{a, b, c}, []any{x, y, z})
+					fail("getPodAndMirrorPod "+fn, []any{a, b, c}, []any{x, y, z})
 				}
 			}
 		}
@@ -278,8 +278,8 @@ func compareStates(t *testing.T, at string, s *State, m *mState) {
 		for _, name := range eqNames {
 			for _, uid := range eqUIDs {
 				p := &v1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, UID: uid}}
-				if g, w := s.Refs.IsPodRegistered(p), m.Refs.IsPodRegistered(p); g != w {
-					t.Fatalf("%s: IsPodRegistered(%s/%s %s) = %v, want %v", at, ns, name, uid, g, w)
+				if g, w := s.Refs.isPodRegistered(p), m.Refs.isPodRegistered(p); g != w {
+					t.Fatalf("%s: isPodRegistered(%s/%s %s) = %v, want %v", at, ns, name, uid, g, w)
 				}
 			}
 		}
@@ -295,18 +295,18 @@ func compareStates(t *testing.T, at string, s *State, m *mState) {
 // compareDirty takes the snapshot deltas of both; with fail, both writes "fail" and are marked dirty again.
 func compareDirty(t *testing.T, at string, s *State, m *mState, fail bool) {
 	t.Helper()
-	gd, err := s.TakeDirty()
+	gd, err := s.takeDirty()
 	if err != nil {
 		t.Fatal(err)
 	}
-	wd, err := m.TakeDirty()
+	wd, err := m.takeDirty()
 	if err != nil {
 		t.Fatal(err)
 	}
 	gputs := map[types.UID][]byte{}
 	for _, r := range gd.Puts {
 		if _, dup := gputs[r.UID]; dup {
-			t.Fatalf("%s: TakeDirty put %s twice", at, r.UID)
+			t.Fatalf("%s: takeDirty put %s twice", at, r.UID)
 		}
 		b, err := r.Encode()
 		if err != nil {
@@ -318,12 +318,12 @@ func compareDirty(t *testing.T, at string, s *State, m *mState, fail bool) {
 	slices.Sort(gdel)
 	slices.Sort(wdel)
 	if len(gputs)+len(wd.Puts) > 0 && !reflect.DeepEqual(gputs, wd.Puts) || !slices.Equal(gdel, wdel) || gd.Applied != wd.Applied {
-		t.Fatalf("%s: TakeDirty\n got puts %d %s deletes %v applied %d\nwant puts %d %s deletes %v applied %d", at,
+		t.Fatalf("%s: takeDirty\n got puts %d %s deletes %v applied %d\nwant puts %d %s deletes %v applied %d", at,
 			len(gputs), dirtyKeys(gputs), gdel, gd.Applied, len(wd.Puts), dirtyKeys(wd.Puts), wdel, wd.Applied)
 	}
 	if fail {
-		s.Redirty(gd)
-		m.Redirty(wd)
+		s.redirty(gd)
+		m.redirty(wd)
 	}
 }
 
@@ -336,8 +336,8 @@ func dirtyKeys(m map[types.UID][]byte) []string {
 	return out
 }
 
-// TestAppendRefNamesMatchesVisitors checks the one-pass name extraction against VisitPodSecretNames and
-// VisitPodConfigmapNames (the kubelet's walk) on random pods whose volumes set any mix of sources, several
+// TestAppendRefNamesMatchesVisitors checks the one-pass name extraction against visitPodSecretNames and
+// visitPodConfigmapNames (the kubelet's walk) on random pods whose volumes set any mix of sources, several
 // at once included (the visitors' switches then pick the first).
 func TestAppendRefNamesMatchesVisitors(t *testing.T) {
 	r := rand.New(rand.NewPCG(3, 5))
@@ -450,8 +450,8 @@ func TestAppendRefNamesMatchesVisitors(t *testing.T) {
 			pod.Spec.Volumes = append(pod.Spec.Volumes, v1.Volume{VolumeSource: src})
 		}
 		var wantS, wantC []string
-		VisitPodSecretNames(pod, func(n string) bool { wantS = addName(wantS, n); return true })
-		VisitPodConfigmapNames(pod, func(n string) bool { wantC = addName(wantC, n); return true })
+		visitPodSecretNames(pod, func(n string) bool { wantS = addName(wantS, n); return true })
+		visitPodConfigmapNames(pod, func(n string) bool { wantC = addName(wantC, n); return true })
 		gotS, gotC := appendRefNames(nil, nil, pod)
 		if !slices.Equal(gotS, wantS) || !slices.Equal(gotC, wantC) {
 			t.Fatalf("pod %d: appendRefNames = %q, %q; the visitors give %q, %q", i, gotS, gotC, wantS, wantC)

@@ -76,7 +76,7 @@ func (p snapshotPolicy) due(backlog uint64, since int, elapsed time.Duration, fo
 var errNotConnected = errors.New("not connected to nats")
 
 // Flush confirms the queued registration events, then writes the changed pods and the applied sequence.
-func (s *Service) Flush(ctx context.Context) error { return s.flush(ctx, true) }
+func (s *Service) flushSnapshot(ctx context.Context) error { return s.flush(ctx, true) }
 
 // flush confirms the queued registration events and, when write is set, writes the snapshot.
 func (s *Service) flush(ctx context.Context, write bool) error {
@@ -88,10 +88,10 @@ func (s *Service) flush(ctx context.Context, write bool) error {
 		return fmt.Errorf("flush pod index of %s: %w", s.cfg.Node, errNotConnected)
 	}
 	s.mu.Lock()
-	var d Dirty
+	var d snapshotDelta
 	var err error
 	if write {
-		d, err = s.state.TakeDirty()
+		d, err = s.state.takeDirty()
 		s.since, s.writeNow = 0, false
 	}
 	pending := s.pending
@@ -106,7 +106,7 @@ func (s *Service) flush(ctx context.Context, write bool) error {
 		s.writeNow = s.writeNow || write
 		s.mu.Unlock()
 		if write {
-			s.state.Redirty(d)
+			s.state.redirty(d)
 		}
 	}
 	for i, pe := range pending {
@@ -124,7 +124,7 @@ func (s *Service) flush(ctx context.Context, write bool) error {
 	if !write || len(d.Puts)+len(d.Deletes) == 0 && d.Applied == s.flushedSeq() {
 		return nil
 	}
-	if err := s.store.Write(ctx, d); err != nil {
+	if err := s.store.write(ctx, d); err != nil {
 		restore()
 		return err
 	}

@@ -93,7 +93,7 @@ type snapshotWrites struct {
 // test ends.
 func watchSnapshot(t *testing.T, b *bus.Bus) *snapshotWrites {
 	t.Helper()
-	sub, err := b.SubscribeSync(t.Context(), "$KV."+SnapshotBucket+"."+events.NodeToken(testNode)+".>")
+	sub, err := b.SubscribeSync(t.Context(), "$KV."+snapshotBucket+"."+events.NodeToken(testNode)+".>")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -183,7 +183,7 @@ func TestConfirmOnlyFlush(t *testing.T) {
 		t.Fatalf("a confirm-only flush wrote %d pod records and applied sequences %v", pods, applied)
 	}
 
-	if err := s.Flush(t.Context()); err != nil {
+	if err := s.flushSnapshot(t.Context()); err != nil {
 		t.Fatal(err)
 	}
 	waitFor(t, "the snapshot written", func() bool {
@@ -317,7 +317,7 @@ func TestCatchUpSurvivesEventsRemovedBeforeDelivery(t *testing.T) {
 	if applied := s.State().Applied(); applied >= last {
 		t.Fatalf("applied every event (%d of %d) before the purge: the test did not remove any before delivery", applied, last)
 	}
-	if _, err := s.HandleInUse(t.Context(), nil); err != nil {
+	if _, err := s.handleInUse(t.Context(), nil); err != nil {
 		t.Fatal(err)
 	}
 }

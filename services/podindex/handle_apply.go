@@ -151,7 +151,7 @@ func (s *Service) resolve(req events.PodApplyRequest, pods []*v1.Pod, now time.T
 		}
 		var found *v1.Pod
 		if mirror {
-			found, _ = s.state.Index.GetMirrorPodByPod(p)
+			found, _ = s.state.Index.getMirrorPodByPod(p)
 		} else {
 			found, _ = s.state.Index.GetPodByFullName(PodFullName(p))
 		}

@@ -69,7 +69,7 @@ func TestApplyDecidesAddedOrUpdatedAtomically(t *testing.T) {
 	if added != 1 || len(uids) != 1 {
 		t.Fatalf("%d concurrent applies: %d added, UIDs %v; want 1 added and one UID", n, added, uids)
 	}
-	if pods, mirrors := s.State().Index.Len(); pods != 1 || mirrors != 0 {
+	if pods, mirrors := s.State().Index.size(); pods != 1 || mirrors != 0 {
 		t.Fatalf("index holds %d pods, %d mirror pods", pods, mirrors)
 	}
 
@@ -80,7 +80,7 @@ func TestApplyDecidesAddedOrUpdatedAtomically(t *testing.T) {
 		rep.Results[1].Action != events.ActionUpdated || rep.Results[0].UID != rep.Results[1].UID {
 		t.Fatalf("a pod twice in one request: %+v, %v", rep, err)
 	}
-	if got, ok := s.State().Index.GetPodByName("prod", "job"); !ok || got.Spec.Containers[0].Image != "busybox:2" {
+	if got, ok := s.State().Index.getPodByName("prod", "job"); !ok || got.Spec.Containers[0].Image != "busybox:2" {
 		t.Fatalf("after the request the index has %v", got)
 	}
 	jobUID := rep.Results[0].UID
@@ -90,7 +90,7 @@ func TestApplyDecidesAddedOrUpdatedAtomically(t *testing.T) {
 	if err != nil || len(rep.Results) != 1 || rep.Results[0].Action != events.ActionDeleted || rep.Results[0].UID != jobUID {
 		t.Fatalf("delete by name: %+v, %v", rep, err)
 	}
-	if _, ok := s.State().Index.GetPodByName("prod", "job"); ok {
+	if _, ok := s.State().Index.getPodByName("prod", "job"); ok {
 		t.Fatal("prod/job still indexed after its delete was acknowledged with wait")
 	}
 	if _, err := podApply(t, b, events.PodApplyRequest{Op: events.PodDelete, ByName: true}, named); err == nil ||
@@ -131,7 +131,7 @@ func TestApplyRefusesInvalidPods(t *testing.T) {
 			if !errors.Is(err, bus.ErrRemote) || !strings.Contains(err.Error(), tc.want) {
 				t.Fatalf("got %v, want a refusal with %q", err, tc.want)
 			}
-			if _, ok := s.State().Index.GetPodByName("prod", "ok"); ok || s.State().Applied() != before {
+			if _, ok := s.State().Index.getPodByName("prod", "ok"); ok || s.State().Applied() != before {
 				t.Fatal("a refused request stored a pod")
 			}
 		})

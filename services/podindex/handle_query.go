@@ -14,8 +14,8 @@ import (
 	"github.com/imagefleet/imagefleet/events"
 )
 
-// HandlePods answers imagefleet.qry.<node>.pods (events.PodsQuery -> events.PodsReply).
-func (s *Service) HandlePods(_ context.Context, data []byte) (any, error) {
+// handlePods answers imagefleet.qry.<node>.pods (events.PodsQuery -> events.PodsReply).
+func (s *Service) handlePods(_ context.Context, data []byte) (any, error) {
 	var q events.PodsQuery
 	if err := events.DecodeStrict(data, &q); err != nil {
 		return nil, err
@@ -23,11 +23,11 @@ func (s *Service) HandlePods(_ context.Context, data []byte) (any, error) {
 	if err := s.errCatchingUp(); err != nil {
 		return nil, err
 	}
-	return s.state.Pods(s.cfg.Node, q)
+	return s.state.listPods(s.cfg.Node, q)
 }
 
-// HandleRefs answers imagefleet.qry.<node>.refs with every registered secret and configmap.
-func (s *Service) HandleRefs(_ context.Context, data []byte) (any, error) {
+// handleRefs answers imagefleet.qry.<node>.refs with every registered secret and configmap.
+func (s *Service) handleRefs(_ context.Context, data []byte) (any, error) {
 	var q struct{}
 	if err := events.DecodeStrict(data, &q); err != nil {
 		return nil, err
@@ -39,8 +39,8 @@ func (s *Service) HandleRefs(_ context.Context, data []byte) (any, error) {
 	return events.RefsReply{Node: s.cfg.Node, Refs: s.state.Refs.Refs(), AppliedSeq: applied}, nil
 }
 
-// HandleInUse answers imagefleet.qry.<node>.inuse with the images named by the node's non-terminal pods.
-func (s *Service) HandleInUse(_ context.Context, data []byte) (any, error) {
+// handleInUse answers imagefleet.qry.<node>.inuse with the images named by the node's non-terminal pods.
+func (s *Service) handleInUse(_ context.Context, data []byte) (any, error) {
 	var q struct{}
 	if err := events.DecodeStrict(data, &q); err != nil {
 		return nil, err
@@ -52,7 +52,7 @@ func (s *Service) HandleInUse(_ context.Context, data []byte) (any, error) {
 }
 
 // Pods answers a pods query on the state.
-func (s *State) Pods(node string, q events.PodsQuery) (events.PodsReply, error) {
+func (s *State) listPods(node string, q events.PodsQuery) (events.PodsReply, error) {
 	rep := events.PodsReply{Node: node, AppliedSeq: s.Applied(), Pods: []json.RawMessage{}, MirrorPods: []json.RawMessage{},
 		OrphanedMirrorPods: []string{}}
 	ix := s.Index
@@ -64,20 +64,20 @@ func (s *State) Pods(node string, q events.PodsQuery) (events.PodsReply, error) 
 	var pods, mpods []*v1.Pod
 	switch {
 	case q.UID != "":
-		uid := ix.TranslatePodUID(types.UID(q.UID))
-		if p, ok := ix.GetPodByUID(uid); ok {
+		uid := ix.translatePodUID(types.UID(q.UID))
+		if p, ok := ix.getPodByUID(uid); ok {
 			pods = append(pods, p)
-			if m, ok := ix.GetMirrorPodByPod(p); ok {
+			if m, ok := ix.getMirrorPodByPod(p); ok {
 				mpods = append(mpods, m)
 			}
-		} else if m, ok := ix.GetMirrorPodByUID(uid); ok { // an orphaned mirror pod
+		} else if m, ok := ix.getMirrorPodByUID(uid); ok { // an orphaned mirror pod
 			mpods = append(mpods, m)
 		}
 	case q.Name != "":
-		if p, ok := ix.GetPodByName(q.Namespace, q.Name); ok {
+		if p, ok := ix.getPodByName(q.Namespace, q.Name); ok {
 			pods = append(pods, p)
 		}
-		if m, ok := ix.GetMirrorPodByPod(&v1.Pod{ObjectMeta: metaOf(q.Namespace, q.Name)}); ok {
+		if m, ok := ix.getMirrorPodByPod(&v1.Pod{ObjectMeta: metaOf(q.Namespace, q.Name)}); ok {
 			mpods = append(mpods, m)
 		}
 	case q.Orphaned:
@@ -111,7 +111,7 @@ func (s *State) Pods(node string, q events.PodsQuery) (events.PodsReply, error) 
 		rep.OrphanedMirrorPods = orphans
 	}
 	for _, m := range mpods {
-		if p, ok := ix.GetPodByMirrorPod(m); ok && !IsMirrorPodOf(m, p) {
+		if p, ok := ix.getPodByMirrorPod(m); ok && !isMirrorPodOf(m, p) {
 			rep.StaleMirrorPods = append(rep.StaleMirrorPods, string(m.UID))
 		}
 	}

@@ -36,14 +36,14 @@ func IsStaticPod(pod *v1.Pod) bool {
 }
 
 // PodFullName is the kubelet's full name of a pod: name + "_" + namespace.
-func PodFullName(pod *v1.Pod) string { return BuildPodFullName(pod.Name, pod.Namespace) }
+func PodFullName(pod *v1.Pod) string { return buildPodFullName(pod.Name, pod.Namespace) }
 
-// BuildPodFullName is name + "_" + namespace.
-func BuildPodFullName(name, namespace string) string { return name + "_" + namespace }
+// buildPodFullName is name + "_" + namespace.
+func buildPodFullName(name, namespace string) string { return name + "_" + namespace }
 
-// IsMirrorPodOf reports whether mirrorPod is the mirror of pod: same name and namespace, and the mirror's
+// isMirrorPodOf reports whether mirrorPod is the mirror of pod: same name and namespace, and the mirror's
 // config.mirror annotation equals the pod's config.hash annotation.
-func IsMirrorPodOf(mirrorPod, pod *v1.Pod) bool {
+func isMirrorPodOf(mirrorPod, pod *v1.Pod) bool {
 	if pod.Name != mirrorPod.Name || pod.Namespace != mirrorPod.Namespace {
 		return false
 	}
@@ -94,7 +94,7 @@ type entry struct {
 // Index is safe for concurrent use.
 type Index struct {
 	mu sync.RWMutex
-	// next orders upserts made in process (AddPod without a stream sequence).
+	// next orders upserts made in process (addPod without a stream sequence).
 	next             uint64
 	pods             map[types.UID]*entry
 	mirrors          map[types.UID]*entry
@@ -102,8 +102,8 @@ type Index struct {
 	mirrorByFullName map[string]*entry
 }
 
-// NewIndex returns an empty index.
-func NewIndex() *Index {
+// newIndex returns an empty index.
+func newIndex() *Index {
 	ix := &Index{}
 	ix.reset()
 	return ix
@@ -116,8 +116,8 @@ func (ix *Index) reset() {
 	ix.mirrorByFullName = make(map[string]*entry)
 }
 
-// SetPods replaces every pod with pods, as if each were added in order.
-func (ix *Index) SetPods(pods []*v1.Pod) {
+// setPods replaces every pod with pods, as if each were added in order.
+func (ix *Index) setPods(pods []*v1.Pod) {
 	ix.mu.Lock()
 	defer ix.mu.Unlock()
 	ix.reset()
@@ -127,11 +127,11 @@ func (ix *Index) SetPods(pods []*v1.Pod) {
 	}
 }
 
-// AddPod adds or updates pod (AddPod and UpdatePod are the same upsert, as in the kubelet).
-func (ix *Index) AddPod(pod *v1.Pod) { ix.UpdatePod(pod) }
+// addPod adds or updates pod (addPod and updatePod are the same upsert, as in the kubelet).
+func (ix *Index) addPod(pod *v1.Pod) { ix.updatePod(pod) }
 
-// UpdatePod adds or updates pod.
-func (ix *Index) UpdatePod(pod *v1.Pod) {
+// updatePod adds or updates pod.
+func (ix *Index) updatePod(pod *v1.Pod) {
 	ix.mu.Lock()
 	defer ix.mu.Unlock()
 	ix.next++
@@ -192,8 +192,8 @@ func (ix *Index) upsertNamed(pod *v1.Pod, raw []byte, order uint64, mirror bool,
 	return prev, e, false
 }
 
-// RemovePod removes the pod with pod's UID (mirror or not); an unknown pod is a no-op.
-func (ix *Index) RemovePod(pod *v1.Pod) { ix.remove(pod.UID) }
+// removePod removes the pod with pod's UID (mirror or not); an unknown pod is a no-op.
+func (ix *Index) removePod(pod *v1.Pod) { ix.remove(pod.UID) }
 
 func (ix *Index) remove(uid types.UID) *v1.Pod {
 	ix.mu.Lock()
@@ -258,8 +258,8 @@ func (ix *Index) mirrorByFullNameLocked(fn string) (*v1.Pod, bool) {
 	return nil, false
 }
 
-// GetPods returns the non-mirror pods.
-func (ix *Index) GetPods() []*v1.Pod {
+// getPods returns the non-mirror pods.
+func (ix *Index) getPods() []*v1.Pod {
 	ix.mu.RLock()
 	defer ix.mu.RUnlock()
 	return entriesToPods(ix.pods)
@@ -274,7 +274,7 @@ func entriesToPods(m map[types.UID]*entry) []*v1.Pod {
 }
 
 // Len is the number of non-mirror and mirror pods.
-func (ix *Index) Len() (pods, mirrors int) {
+func (ix *Index) size() (pods, mirrors int) {
 	ix.mu.RLock()
 	defer ix.mu.RUnlock()
 	return len(ix.pods), len(ix.mirrors)
@@ -296,8 +296,8 @@ func (ix *Index) GetPodsAndMirrorPods() (pods, mirrorPods []*v1.Pod, orphanedMir
 	return pods, mirrorPods, orphanedMirrorPodFullNames
 }
 
-// GetStaticPodToMirrorPodMap maps every static pod to its mirror pod (nil when it has none).
-func (ix *Index) GetStaticPodToMirrorPodMap() map[*v1.Pod]*v1.Pod {
+// getStaticPodToMirrorPodMap maps every static pod to its mirror pod (nil when it has none).
+func (ix *Index) getStaticPodToMirrorPodMap() map[*v1.Pod]*v1.Pod {
 	ix.mu.RLock()
 	defer ix.mu.RUnlock()
 	out := make(map[*v1.Pod]*v1.Pod)
@@ -310,8 +310,8 @@ func (ix *Index) GetStaticPodToMirrorPodMap() map[*v1.Pod]*v1.Pod {
 	return out
 }
 
-// GetPodByUID returns the non-mirror pod with uid.
-func (ix *Index) GetPodByUID(uid types.UID) (*v1.Pod, bool) {
+// getPodByUID returns the non-mirror pod with uid.
+func (ix *Index) getPodByUID(uid types.UID) (*v1.Pod, bool) {
 	ix.mu.RLock()
 	defer ix.mu.RUnlock()
 	if e, ok := ix.pods[uid]; ok {
@@ -320,8 +320,8 @@ func (ix *Index) GetPodByUID(uid types.UID) (*v1.Pod, bool) {
 	return nil, false
 }
 
-// GetMirrorPodByUID returns the mirror pod with uid.
-func (ix *Index) GetMirrorPodByUID(uid types.UID) (*v1.Pod, bool) {
+// getMirrorPodByUID returns the mirror pod with uid.
+func (ix *Index) getMirrorPodByUID(uid types.UID) (*v1.Pod, bool) {
 	ix.mu.RLock()
 	defer ix.mu.RUnlock()
 	if e, ok := ix.mirrors[uid]; ok {
@@ -330,9 +330,9 @@ func (ix *Index) GetMirrorPodByUID(uid types.UID) (*v1.Pod, bool) {
 	return nil, false
 }
 
-// GetPodByName returns the non-mirror pod namespace/name.
-func (ix *Index) GetPodByName(namespace, name string) (*v1.Pod, bool) {
-	return ix.GetPodByFullName(BuildPodFullName(name, namespace))
+// getPodByName returns the non-mirror pod namespace/name.
+func (ix *Index) getPodByName(namespace, name string) (*v1.Pod, bool) {
+	return ix.GetPodByFullName(buildPodFullName(name, namespace))
 }
 
 // GetPodByFullName returns the non-mirror pod with the full name.
@@ -342,23 +342,23 @@ func (ix *Index) GetPodByFullName(fullName string) (*v1.Pod, bool) {
 	return ix.podByFullNameLocked(fullName)
 }
 
-// GetMirrorPodByPod returns the mirror pod with pod's full name.
-func (ix *Index) GetMirrorPodByPod(pod *v1.Pod) (*v1.Pod, bool) {
+// getMirrorPodByPod returns the mirror pod with pod's full name.
+func (ix *Index) getMirrorPodByPod(pod *v1.Pod) (*v1.Pod, bool) {
 	ix.mu.RLock()
 	defer ix.mu.RUnlock()
 	return ix.mirrorByFullNameLocked(PodFullName(pod))
 }
 
-// GetPodByMirrorPod returns the non-mirror pod with mirrorPod's full name.
-func (ix *Index) GetPodByMirrorPod(mirrorPod *v1.Pod) (*v1.Pod, bool) {
+// getPodByMirrorPod returns the non-mirror pod with mirrorPod's full name.
+func (ix *Index) getPodByMirrorPod(mirrorPod *v1.Pod) (*v1.Pod, bool) {
 	ix.mu.RLock()
 	defer ix.mu.RUnlock()
 	return ix.podByFullNameLocked(PodFullName(mirrorPod))
 }
 
-// GetPodAndMirrorPod returns the complement of a pod: for a mirror pod, the pod with its full name (and
+// getPodAndMirrorPod returns the complement of a pod: for a mirror pod, the pod with its full name (and
 // wasMirror true); for another pod, the mirror pod with its full name.
-func (ix *Index) GetPodAndMirrorPod(aPod *v1.Pod) (pod, mirrorPod *v1.Pod, wasMirror bool) {
+func (ix *Index) getPodAndMirrorPod(aPod *v1.Pod) (pod, mirrorPod *v1.Pod, wasMirror bool) {
 	ix.mu.RLock()
 	defer ix.mu.RUnlock()
 	fn := PodFullName(aPod)
@@ -370,8 +370,8 @@ func (ix *Index) GetPodAndMirrorPod(aPod *v1.Pod) (pod, mirrorPod *v1.Pod, wasMi
 	return aPod, m, false
 }
 
-// TranslatePodUID returns the UID of the static pod of a mirror pod UID, else uid itself ("" stays "").
-func (ix *Index) TranslatePodUID(uid types.UID) types.UID {
+// translatePodUID returns the UID of the static pod of a mirror pod UID, else uid itself ("" stays "").
+func (ix *Index) translatePodUID(uid types.UID) types.UID {
 	if uid == "" {
 		return uid
 	}

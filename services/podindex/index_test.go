@@ -64,40 +64,40 @@ func TestAddOrUpdatePod(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			ix := NewIndex()
+			ix := newIndex()
 			verify := func(want *v1.Pod) {
 				t.Helper()
 				fullName := PodFullName(want)
 				if tc.isMirror {
-					got, ok := ix.GetMirrorPodByUID(want.UID)
+					got, ok := ix.getMirrorPodByUID(want.UID)
 					if !ok || got != want {
 						t.Fatalf("mirror pod by UID = %v, %v; want the same object", got, ok)
 					}
 					if got, ok := ix.mirrorByFullNameLocked(fullName); !ok || got != want {
 						t.Fatalf("mirror pod by full name = %v, %v", got, ok)
 					}
-					if _, ok := ix.GetPodByUID(want.UID); ok {
+					if _, ok := ix.getPodByUID(want.UID); ok {
 						t.Fatal("a mirror pod is in the non-mirror pods")
 					}
 					return
 				}
-				if got, ok := ix.GetPodByUID(want.UID); !ok || got != want {
+				if got, ok := ix.getPodByUID(want.UID); !ok || got != want {
 					t.Fatalf("pod by UID = %v, %v; want the same object", got, ok)
 				}
 				if got, ok := ix.GetPodByFullName(fullName); !ok || got != want {
 					t.Fatalf("pod by full name = %v, %v", got, ok)
 				}
-				if _, ok := ix.GetMirrorPodByUID(want.UID); ok {
+				if _, ok := ix.getMirrorPodByUID(want.UID); ok {
 					t.Fatal("a non-mirror pod is in the mirror pods")
 				}
 			}
 			pod := tc.pod.DeepCopy()
-			ix.AddPod(pod)
+			ix.addPod(pod)
 			verify(pod)
 
 			updated := pod.DeepCopy()
 			updated.Annotations["testLabel"] = "updated"
-			ix.UpdatePod(updated)
+			ix.updatePod(updated)
 			verify(updated)
 		})
 	}
@@ -114,7 +114,7 @@ func TestGetSetPods(t *testing.T) {
 		wantPod        *v1.Pod
 		isMirror       bool
 		expectPods     []*v1.Pod
-		expectedGetPod *v1.Pod // what GetPodByMirrorPod / the lookups return
+		expectedGetPod *v1.Pod // what getPodByMirrorPod / the lookups return
 		wantMirror     *v1.Pod
 		wantHasMirror  bool
 	}{
@@ -136,43 +136,43 @@ func TestGetSetPods(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			ix := NewIndex()
-			ix.SetPods(tc.podList)
-			if got := byName(ix.GetPods()); !reflect.DeepEqual(got, byName(tc.expectPods)) {
-				t.Fatalf("GetPods = %v, want %v", names(got), names(tc.expectPods))
+			ix := newIndex()
+			ix.setPods(tc.podList)
+			if got := byName(ix.getPods()); !reflect.DeepEqual(got, byName(tc.expectPods)) {
+				t.Fatalf("getPods = %v, want %v", names(got), names(tc.expectPods))
 			}
-			if got := ix.TranslatePodUID(tc.wantPod.UID); got != tc.wantUID {
-				t.Errorf("TranslatePodUID(%s) = %q, want %q", tc.wantPod.UID, got, tc.wantUID)
+			if got := ix.translatePodUID(tc.wantPod.UID); got != tc.wantUID {
+				t.Errorf("translatePodUID(%s) = %q, want %q", tc.wantPod.UID, got, tc.wantUID)
 			}
 			fullName := PodFullName(tc.wantPod)
 			if p, ok := ix.GetPodByFullName(fullName); !ok || p != tc.expectedGetPod {
 				t.Errorf("GetPodByFullName(%s) = %v, %v", fullName, name(p), ok)
 			}
-			if p, ok := ix.GetPodByName(tc.wantPod.Namespace, tc.wantPod.Name); !ok || p != tc.expectedGetPod {
-				t.Errorf("GetPodByName = %v, %v", name(p), ok)
+			if p, ok := ix.getPodByName(tc.wantPod.Namespace, tc.wantPod.Name); !ok || p != tc.expectedGetPod {
+				t.Errorf("getPodByName = %v, %v", name(p), ok)
 			}
-			if p, ok := ix.GetPodByUID(tc.wantUID); !ok || p != tc.expectedGetPod {
-				t.Errorf("GetPodByUID(%s) = %v, %v", tc.wantUID, name(p), ok)
+			if p, ok := ix.getPodByUID(tc.wantUID); !ok || p != tc.expectedGetPod {
+				t.Errorf("getPodByUID(%s) = %v, %v", tc.wantUID, name(p), ok)
 			}
 			podToMirror, mirrorToPod := ix.GetUIDTranslations()
 			if !reflect.DeepEqual(podToMirror, wantPodToMirror) || !reflect.DeepEqual(mirrorToPod, wantMirrorToPod) {
 				t.Errorf("GetUIDTranslations = %v, %v", podToMirror, mirrorToPod)
 			}
-			m, ok := ix.GetMirrorPodByPod(tc.wantPod)
+			m, ok := ix.getMirrorPodByPod(tc.wantPod)
 			if ok != tc.wantHasMirror || m != tc.wantMirror {
-				t.Errorf("GetMirrorPodByPod = %v, %v; want %v, %v", name(m), ok, name(tc.wantMirror), tc.wantHasMirror)
+				t.Errorf("getMirrorPodByPod = %v, %v; want %v, %v", name(m), ok, name(tc.wantMirror), tc.wantHasMirror)
 			}
-			pod, mirror, wasMirror := ix.GetPodAndMirrorPod(tc.wantPod)
+			pod, mirror, wasMirror := ix.getPodAndMirrorPod(tc.wantPod)
 			if pod != tc.expectedGetPod || mirror != tc.wantMirror || wasMirror != tc.isMirror {
-				t.Errorf("GetPodAndMirrorPod = %v, %v, %v", name(pod), name(mirror), wasMirror)
+				t.Errorf("getPodAndMirrorPod = %v, %v, %v", name(pod), name(mirror), wasMirror)
 			}
-			// As the kubelet's test: IsMirrorPodOf(wantPod, mirrorPod) is true only for the mirror pod itself.
-			if got := IsMirrorPodOf(tc.wantPod, mirrorPod); got != tc.isMirror {
-				t.Errorf("IsMirrorPodOf(%s, mirror) = %v, want %v", tc.wantPod.UID, got, tc.isMirror)
+			// As the kubelet's test: isMirrorPodOf(wantPod, mirrorPod) is true only for the mirror pod itself.
+			if got := isMirrorPodOf(tc.wantPod, mirrorPod); got != tc.isMirror {
+				t.Errorf("isMirrorPodOf(%s, mirror) = %v, want %v", tc.wantPod.UID, got, tc.isMirror)
 			}
 			if tc.isMirror {
-				if p, ok := ix.GetPodByMirrorPod(tc.wantPod); !ok || p != tc.expectedGetPod {
-					t.Errorf("GetPodByMirrorPod = %v, %v; want the static pod", name(p), ok)
+				if p, ok := ix.getPodByMirrorPod(tc.wantPod); !ok || p != tc.expectedGetPod {
+					t.Errorf("getPodByMirrorPod = %v, %v; want the static pod", name(p), ok)
 				}
 			}
 		})
@@ -194,12 +194,12 @@ func TestRemovePods(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			ix := NewIndex()
-			ix.SetPods([]*v1.Pod{mirrorPod, staticPod, normalPod})
-			ix.RemovePod(tc.remove)
+			ix := newIndex()
+			ix.setPods([]*v1.Pod{mirrorPod, staticPod, normalPod})
+			ix.removePod(tc.remove)
 			pods, mirrors, orphans := ix.GetPodsAndMirrorPods()
-			if !reflect.DeepEqual(byName(ix.GetPods()), byName(pods)) {
-				t.Fatal("GetPods differs from the pods of GetPodsAndMirrorPods")
+			if !reflect.DeepEqual(byName(ix.getPods()), byName(pods)) {
+				t.Fatal("getPods differs from the pods of GetPodsAndMirrorPods")
 			}
 			if !reflect.DeepEqual(byName(pods), byName(tc.wantPods)) {
 				t.Errorf("pods = %v, want %v", names(pods), names(tc.wantPods))
@@ -216,9 +216,9 @@ func TestRemovePods(t *testing.T) {
 
 func TestGetStaticPodToMirrorPodMap(t *testing.T) {
 	mirrorPod, staticPod, normalPod := fixtures()
-	ix := NewIndex()
-	ix.SetPods([]*v1.Pod{mirrorPod, staticPod, normalPod})
-	m := ix.GetStaticPodToMirrorPodMap()
+	ix := newIndex()
+	ix.setPods([]*v1.Pod{mirrorPod, staticPod, normalPod})
+	m := ix.getStaticPodToMirrorPodMap()
 	if len(m) != 1 {
 		t.Fatalf("map has %d entries, want 1", len(m))
 	}
@@ -236,24 +236,24 @@ func TestTranslationIndependentOfOrder(t *testing.T) {
 		{mirrorPod, staticPod, normalPod}, {staticPod, mirrorPod, normalPod}, {normalPod, mirrorPod, staticPod},
 	}
 	for i, order := range orders {
-		ix := NewIndex()
+		ix := newIndex()
 		for _, p := range order {
-			ix.AddPod(p)
+			ix.addPod(p)
 		}
-		if got := ix.TranslatePodUID(mirrorPodUID); got != staticPodUID {
-			t.Errorf("order %d: TranslatePodUID(mirror) = %q", i, got)
+		if got := ix.translatePodUID(mirrorPodUID); got != staticPodUID {
+			t.Errorf("order %d: translatePodUID(mirror) = %q", i, got)
 		}
-		ix.RemovePod(staticPod)
-		if got := ix.TranslatePodUID(mirrorPodUID); got != mirrorPodUID {
-			t.Errorf("order %d: after removing the static pod, TranslatePodUID(mirror) = %q, want the mirror's own UID", i, got)
+		ix.removePod(staticPod)
+		if got := ix.translatePodUID(mirrorPodUID); got != mirrorPodUID {
+			t.Errorf("order %d: after removing the static pod, translatePodUID(mirror) = %q, want the mirror's own UID", i, got)
 		}
 		p2m, m2p := ix.GetUIDTranslations()
 		if len(p2m) != 0 || len(m2p) != 0 {
 			t.Errorf("order %d: translations after static pod removal = %v, %v; want none", i, p2m, m2p)
 		}
-		ix.AddPod(staticPod)
-		if got := ix.TranslatePodUID(mirrorPodUID); got != staticPodUID {
-			t.Errorf("order %d: after re-adding, TranslatePodUID(mirror) = %q", i, got)
+		ix.addPod(staticPod)
+		if got := ix.translatePodUID(mirrorPodUID); got != staticPodUID {
+			t.Errorf("order %d: after re-adding, translatePodUID(mirror) = %q", i, got)
 		}
 	}
 }
@@ -263,17 +263,17 @@ func TestTranslationIndependentOfOrder(t *testing.T) {
 func TestSameFullNameTwoUIDs(t *testing.T) {
 	old := &v1.Pod{ObjectMeta: metav1.ObjectMeta{UID: "old", Name: "web", Namespace: "ns"}}
 	cur := &v1.Pod{ObjectMeta: metav1.ObjectMeta{UID: "new", Name: "web", Namespace: "ns"}}
-	ix := NewIndex()
-	ix.AddPod(old)
-	ix.AddPod(cur)
-	if p, _ := ix.GetPodByName("ns", "web"); p != cur {
+	ix := newIndex()
+	ix.addPod(old)
+	ix.addPod(cur)
+	if p, _ := ix.getPodByName("ns", "web"); p != cur {
 		t.Fatalf("by name = %v, want the newest", name(p))
 	}
-	ix.RemovePod(old)
-	if p, ok := ix.GetPodByName("ns", "web"); !ok || p != cur {
+	ix.removePod(old)
+	if p, ok := ix.getPodByName("ns", "web"); !ok || p != cur {
 		t.Fatalf("after removing the old pod, by name = %v, %v; want the new one", name(p), ok)
 	}
-	if n, _ := ix.Len(); n != 1 {
+	if n, _ := ix.size(); n != 1 {
 		t.Fatalf("len = %d", n)
 	}
 }

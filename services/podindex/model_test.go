@@ -3,7 +3,7 @@ package podindex
 // This file is the reference model of TestModelEquivalence and TestIndexModelEquivalence: the pod index,
 // the registration and the snapshot deltas written as plainly as they can be, a list of pods and a list of
 // registrations scanned from start to end for every answer, sharing no code with the implementation but the
-// kubelet's reference visitors (VisitPodSecretNames, VisitPodConfigmapNames, checked against the kubelet's
+// kubelet's reference visitors (visitPodSecretNames, visitPodConfigmapNames, checked against the kubelet's
 // fixtures in refs_test.go) and the result types. It is slow on purpose: a bug in the implementation's maps,
 // chains, pointers or caches cannot hide in it.
 
@@ -53,16 +53,16 @@ type mIndex struct {
 
 func newMIndex() *mIndex { return &mIndex{} }
 
-func (ix *mIndex) SetPods(pods []*v1.Pod) {
+func (ix *mIndex) setPods(pods []*v1.Pod) {
 	ix.list = nil
 	for _, p := range pods {
-		ix.AddPod(p)
+		ix.addPod(p)
 	}
 }
 
-func (ix *mIndex) AddPod(pod *v1.Pod) { ix.UpdatePod(pod) }
+func (ix *mIndex) addPod(pod *v1.Pod) { ix.updatePod(pod) }
 
-func (ix *mIndex) UpdatePod(pod *v1.Pod) {
+func (ix *mIndex) updatePod(pod *v1.Pod) {
 	ix.next++
 	ix.upsert(pod, nil, ix.next)
 }
@@ -86,7 +86,7 @@ func (ix *mIndex) remove(uid types.UID) *v1.Pod {
 	return nil
 }
 
-func (ix *mIndex) RemovePod(pod *v1.Pod) { ix.remove(pod.UID) }
+func (ix *mIndex) removePod(pod *v1.Pod) { ix.remove(pod.UID) }
 
 // find returns the pods (mirror: the mirror pods) for which match holds.
 func (ix *mIndex) find(mirror bool, match func(p *v1.Pod) bool) []mPod {
@@ -131,9 +131,9 @@ func pods(list []mPod) []*v1.Pod {
 
 func all(*v1.Pod) bool { return true }
 
-func (ix *mIndex) Len() (int, int) { return len(ix.find(false, all)), len(ix.find(true, all)) }
+func (ix *mIndex) size() (int, int) { return len(ix.find(false, all)), len(ix.find(true, all)) }
 
-func (ix *mIndex) GetPods() []*v1.Pod { return pods(ix.find(false, all)) }
+func (ix *mIndex) getPods() []*v1.Pod { return pods(ix.find(false, all)) }
 
 func (ix *mIndex) GetPodsAndMirrorPods() ([]*v1.Pod, []*v1.Pod, []string) {
 	var orphans []string
@@ -146,7 +146,7 @@ func (ix *mIndex) GetPodsAndMirrorPods() ([]*v1.Pod, []*v1.Pod, []string) {
 	return pods(ix.find(false, all)), pods(ix.find(true, all)), orphans
 }
 
-func (ix *mIndex) GetStaticPodToMirrorPodMap() map[*v1.Pod]*v1.Pod {
+func (ix *mIndex) getStaticPodToMirrorPodMap() map[*v1.Pod]*v1.Pod {
 	out := map[*v1.Pod]*v1.Pod{}
 	for _, e := range ix.find(false, mIsStatic) {
 		out[e.pod], _ = ix.byFullName(true, mFullName(e.pod))
@@ -154,20 +154,20 @@ func (ix *mIndex) GetStaticPodToMirrorPodMap() map[*v1.Pod]*v1.Pod {
 	return out
 }
 
-func (ix *mIndex) GetPodByUID(uid types.UID) (*v1.Pod, bool)       { return ix.byUID(false, uid) }
-func (ix *mIndex) GetMirrorPodByUID(uid types.UID) (*v1.Pod, bool) { return ix.byUID(true, uid) }
-func (ix *mIndex) GetPodByName(ns, name string) (*v1.Pod, bool) {
+func (ix *mIndex) getPodByUID(uid types.UID) (*v1.Pod, bool)       { return ix.byUID(false, uid) }
+func (ix *mIndex) getMirrorPodByUID(uid types.UID) (*v1.Pod, bool) { return ix.byUID(true, uid) }
+func (ix *mIndex) getPodByName(ns, name string) (*v1.Pod, bool) {
 	return ix.byFullName(false, name+"_"+ns)
 }
 func (ix *mIndex) GetPodByFullName(fn string) (*v1.Pod, bool) { return ix.byFullName(false, fn) }
-func (ix *mIndex) GetMirrorPodByPod(p *v1.Pod) (*v1.Pod, bool) {
+func (ix *mIndex) getMirrorPodByPod(p *v1.Pod) (*v1.Pod, bool) {
 	return ix.byFullName(true, mFullName(p))
 }
-func (ix *mIndex) GetPodByMirrorPod(m *v1.Pod) (*v1.Pod, bool) {
+func (ix *mIndex) getPodByMirrorPod(m *v1.Pod) (*v1.Pod, bool) {
 	return ix.byFullName(false, mFullName(m))
 }
 
-func (ix *mIndex) GetPodAndMirrorPod(p *v1.Pod) (*v1.Pod, *v1.Pod, bool) {
+func (ix *mIndex) getPodAndMirrorPod(p *v1.Pod) (*v1.Pod, *v1.Pod, bool) {
 	if mIsMirror(p) {
 		pod, _ := ix.byFullName(false, mFullName(p))
 		return pod, p, true
@@ -189,7 +189,7 @@ func (ix *mIndex) translate(uid types.UID) (types.UID, bool) {
 	return p.UID, true
 }
 
-func (ix *mIndex) TranslatePodUID(uid types.UID) types.UID {
+func (ix *mIndex) translatePodUID(uid types.UID) types.UID {
 	if static, ok := ix.translate(uid); ok {
 		return static
 	}
@@ -239,8 +239,8 @@ func mNames(p *v1.Pod) map[string][]string {
 			return true
 		}
 	}
-	VisitPodSecretNames(p, add(events.KindSecret))
-	VisitPodConfigmapNames(p, add(events.KindConfigMap))
+	visitPodSecretNames(p, add(events.KindSecret))
+	visitPodConfigmapNames(p, add(events.KindConfigMap))
 	return out
 }
 
@@ -263,7 +263,7 @@ func (r *mRegistry) lookup(key podRefKey) *mReg {
 	return nil
 }
 
-func (r *mRegistry) IsPodRegistered(p *v1.Pod) bool { return r.lookup(mKey(p)) != nil }
+func (r *mRegistry) isPodRegistered(p *v1.Pod) bool { return r.lookup(mKey(p)) != nil }
 
 // register: per kind, the names the pod's registered version lacked are added (in visit order; a count
 // going 0 -> 1 is a transition), then the names it no longer references are dropped (1 -> 0, in the
@@ -341,7 +341,7 @@ type mState struct {
 	Index   *mIndex
 	Refs    *mRegistry
 	applied uint64
-	dirty   map[types.UID]bool // changed since the last TakeDirty: true present, false deleted
+	dirty   map[types.UID]bool // changed since the last takeDirty: true present, false deleted
 }
 
 func newMState() *mState {
@@ -374,11 +374,11 @@ func (s *mState) Apply(seq uint64, ev PodEvent) []Transition {
 		}
 		s.dirty[pod.UID] = true
 	}
-	s.Skip(seq)
+	s.skip(seq)
 	return out
 }
 
-func (s *mState) Skip(seq uint64) { s.applied = max(s.applied, seq) }
+func (s *mState) skip(seq uint64) { s.applied = max(s.applied, seq) }
 
 func (s *mState) Applied() uint64 { return s.applied }
 
@@ -420,7 +420,7 @@ type mDirty struct {
 	Applied uint64
 }
 
-func (s *mState) TakeDirty() (mDirty, error) {
+func (s *mState) takeDirty() (mDirty, error) {
 	d := mDirty{Puts: map[types.UID][]byte{}, Applied: s.applied}
 	for uid, present := range s.dirty {
 		var e *mPod
@@ -446,8 +446,8 @@ func (s *mState) TakeDirty() (mDirty, error) {
 	return d, nil
 }
 
-// Redirty marks d's pods dirty again unless a newer change did.
-func (s *mState) Redirty(d mDirty) {
+// redirty marks d's pods dirty again unless a newer change did.
+func (s *mState) redirty(d mDirty) {
 	for uid := range d.Puts {
 		if _, ok := s.dirty[uid]; !ok {
 			s.dirty[uid] = true

@@ -10,13 +10,13 @@ import (
 	"github.com/imagefleet/imagefleet/events"
 )
 
-// VisitPodSecretNames calls visitor with every secret name pod references, in the kubelet's order
-// (k8s.io/kubernetes/pkg/api/v1/pod.VisitPodSecretNames): image pull secrets; then for init, regular and
+// visitPodSecretNames calls visitor with every secret name pod references, in the kubelet's order
+// (k8s.io/kubernetes/pkg/api/v1/pod.visitPodSecretNames): image pull secrets; then for init, regular and
 // ephemeral containers envFrom[].secretRef and env[].valueFrom.secretKeyRef; then volumes (azureFile,
 // cephfs, cinder, flexVolume, projected secret sources, rbd, secret, scaleIO, iscsi, storageos, csi
 // nodePublishSecretRef). Empty names are skipped; visiting stops when visitor returns false.
 // Transitive references (PVC -> PV -> secret) are not visited.
-func VisitPodSecretNames(pod *v1.Pod, visitor func(name string) bool) bool {
+func visitPodSecretNames(pod *v1.Pod, visitor func(name string) bool) bool {
 	visit := skipEmptyNames(visitor)
 	for _, ref := range pod.Spec.ImagePullSecrets {
 		if !visit(ref.Name) {
@@ -91,10 +91,10 @@ func VisitPodSecretNames(pod *v1.Pod, visitor func(name string) bool) bool {
 	return true
 }
 
-// VisitPodConfigmapNames calls visitor with every configmap name pod references, in the kubelet's order:
+// visitPodConfigmapNames calls visitor with every configmap name pod references, in the kubelet's order:
 // for init, regular and ephemeral containers envFrom[].configMapRef and env[].valueFrom.configMapKeyRef;
 // then volumes (projected configMap sources, configMap). Empty names are skipped.
-func VisitPodConfigmapNames(pod *v1.Pod, visitor func(name string) bool) bool {
+func visitPodConfigmapNames(pod *v1.Pod, visitor func(name string) bool) bool {
 	visit := skipEmptyNames(visitor)
 	// As the kubelet, a false from the container visit stops the containers but not the volumes.
 	visitContainers(&pod.Spec, func(c *v1.Container) bool {
@@ -190,7 +190,7 @@ type registration struct {
 }
 
 // appendRefNames appends the secret and configmap names pod references to secrets and configMaps,
-// de-duplicated, each in the order of VisitPodSecretNames and VisitPodConfigmapNames. It is the visitors
+// de-duplicated, each in the order of visitPodSecretNames and visitPodConfigmapNames. It is the visitors
 // without their callbacks, in one pass over the pod: it runs for every applied event.
 // TestAppendRefNamesMatchesVisitors keeps it in step with them.
 func appendRefNames(secrets, configMaps []string, pod *v1.Pod) ([]string, []string) {
@@ -354,8 +354,8 @@ type Registry struct {
 	secretNames, configMapNames []string
 }
 
-// NewRegistry returns an empty registry.
-func NewRegistry() *Registry {
+// newRegistry returns an empty registry.
+func newRegistry() *Registry {
 	return &Registry{pods: make(map[types.UID]*registration), objs: make(map[objKey]*objRef)}
 }
 
@@ -373,13 +373,13 @@ func (r *Registry) lookup(key podRefKey) *registration {
 	return nil
 }
 
-// RegisterPod registers pod's references and returns the objects whose count went 0 -> 1 or 1 -> 0.
-func (r *Registry) RegisterPod(pod *v1.Pod) []Transition {
+// registerPod registers pod's references and returns the objects whose count went 0 -> 1 or 1 -> 0.
+func (r *Registry) registerPod(pod *v1.Pod) []Transition {
 	out, _ := r.register(pod, nil)
 	return out
 }
 
-// register is RegisterPod given the registration this pod had last time (nil, or one since unregistered or
+// register is registerPod given the registration this pod had last time (nil, or one since unregistered or
 // of another key: it is looked up). It returns the pod's registration, for the next time.
 func (r *Registry) register(pod *v1.Pod, last *registration) ([]Transition, *registration) {
 	r.mu.Lock()
@@ -431,8 +431,8 @@ func (r *Registry) registerLocked(key podRefKey, secrets, configMaps []string, l
 	return out, reg
 }
 
-// UnregisterPod drops the references of the registered pod with pod's key; an unknown pod is a no-op.
-func (r *Registry) UnregisterPod(pod *v1.Pod) []Transition {
+// unregisterPod drops the references of the registered pod with pod's key; an unknown pod is a no-op.
+func (r *Registry) unregisterPod(pod *v1.Pod) []Transition {
 	return r.unregisterKey(refKey(pod))
 }
 
@@ -527,12 +527,12 @@ func (r *Registry) Count(kind, namespace, name string) int {
 
 // Registered reports whether the object is registered (the kubelet's GetObject would not answer
 // "object ... not registered").
-func (r *Registry) Registered(kind, namespace, name string) bool {
+func (r *Registry) isRegistered(kind, namespace, name string) bool {
 	return r.Count(kind, namespace, name) > 0
 }
 
-// IsPodRegistered reports whether pod's key is registered.
-func (r *Registry) IsPodRegistered(pod *v1.Pod) bool {
+// isPodRegistered reports whether pod's key is registered.
+func (r *Registry) isPodRegistered(pod *v1.Pod) bool {
 	r.mu.RLock()
 	defer r.mu.RUnlock()
 	return r.lookup(refKey(pod)) != nil

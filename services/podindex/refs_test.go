@@ -45,19 +45,19 @@ func podWithSecretsAndUID(ns, podName, podUID string, toAttach secretsToAttach) 
 	return pod
 }
 
-// manager is what the kubelet's tests drive: RegisterPod and UnregisterPod, and a secret's reference count.
-// Two implementations run every test: the Registry itself, and a State fed pod events (RegisterPod is a
-// pod.updated event, UnregisterPod a pod.deleted event).
+// manager is what the kubelet's tests drive: registerPod and unregisterPod, and a secret's reference count.
+// Two implementations run every test: the Registry itself, and a State fed pod events (registerPod is a
+// pod.updated event, unregisterPod a pod.deleted event).
 type manager interface {
-	RegisterPod(pod *v1.Pod)
-	UnregisterPod(pod *v1.Pod)
+	registerPod(pod *v1.Pod)
+	unregisterPod(pod *v1.Pod)
 	refs(ns, name string) int
 }
 
 type registryManager struct{ r *Registry }
 
-func (m registryManager) RegisterPod(pod *v1.Pod)   { m.r.RegisterPod(pod) }
-func (m registryManager) UnregisterPod(pod *v1.Pod) { m.r.UnregisterPod(pod) }
+func (m registryManager) registerPod(pod *v1.Pod)   { m.r.registerPod(pod) }
+func (m registryManager) unregisterPod(pod *v1.Pod) { m.r.unregisterPod(pod) }
 func (m registryManager) refs(ns, name string) int  { return m.r.Count(events.KindSecret, ns, name) }
 
 type stateManager struct {
@@ -69,13 +69,13 @@ func (m stateManager) apply(action string, pod *v1.Pod) {
 	*m.seq++
 	m.s.Apply(*m.seq, PodEvent{Action: action, Pod: pod.DeepCopy()})
 }
-func (m stateManager) RegisterPod(pod *v1.Pod)   { m.apply(events.ActionUpdated, pod) }
-func (m stateManager) UnregisterPod(pod *v1.Pod) { m.apply(events.ActionDeleted, pod) }
+func (m stateManager) registerPod(pod *v1.Pod)   { m.apply(events.ActionUpdated, pod) }
+func (m stateManager) unregisterPod(pod *v1.Pod) { m.apply(events.ActionDeleted, pod) }
 func (m stateManager) refs(ns, name string) int  { return m.s.Refs.Count(events.KindSecret, ns, name) }
 
 func managers() map[string]func() manager {
 	return map[string]func() manager{
-		"registry":   func() manager { return registryManager{NewRegistry()} },
+		"registry":   func() manager { return registryManager{newRegistry()} },
 		"pod events": func() manager { var seq uint64; return stateManager{s: NewState(), seq: &seq} },
 	}
 }
@@ -101,9 +101,9 @@ func TestRegisterIdempotence(t *testing.T) {
 			for _, st := range steps {
 				pod := podWithSecrets("ns1", st.pod, s1)
 				if st.register {
-					m.RegisterPod(pod)
+					m.registerPod(pod)
 				} else {
-					m.UnregisterPod(pod)
+					m.unregisterPod(pod)
 				}
 				if got := m.refs("ns1", "s1"); got != st.want {
 					t.Fatalf("%s: refs(s1) = %d, want %d", st.name, got, st.want)
@@ -125,8 +125,8 @@ func TestCacheRefcounts(t *testing.T) {
 					{envVarNames: []string{"s3"}},
 				},
 			}
-			m.RegisterPod(podWithSecrets("ns1", "name1", s1))
-			m.RegisterPod(podWithSecrets("ns1", "name2", s1))
+			m.registerPod(podWithSecrets("ns1", "name1", s1))
+			m.registerPod(podWithSecrets("ns1", "name2", s1))
 			s2 := secretsToAttach{
 				imagePullSecretNames: []string{"s2"},
 				containerEnvSecrets: []envSecrets{
@@ -134,10 +134,10 @@ func TestCacheRefcounts(t *testing.T) {
 					{envVarNames: []string{"s5"}, envFromNames: []string{"s50"}},
 				},
 			}
-			m.RegisterPod(podWithSecrets("ns1", "name2", s2))
-			m.RegisterPod(podWithSecrets("ns1", "name3", s2))
-			m.RegisterPod(podWithSecrets("ns1", "name4", s2))
-			m.UnregisterPod(podWithSecrets("ns1", "name3", s2))
+			m.registerPod(podWithSecrets("ns1", "name2", s2))
+			m.registerPod(podWithSecrets("ns1", "name3", s2))
+			m.registerPod(podWithSecrets("ns1", "name4", s2))
+			m.unregisterPod(podWithSecrets("ns1", "name3", s2))
 			s3 := secretsToAttach{
 				imagePullSecretNames: []string{"s1"},
 				containerEnvSecrets: []envSecrets{
@@ -145,22 +145,22 @@ func TestCacheRefcounts(t *testing.T) {
 					{envVarNames: []string{"s5"}},
 				},
 			}
-			m.RegisterPod(podWithSecrets("ns1", "name5", s3))
-			m.RegisterPod(podWithSecrets("ns1", "name6", s3))
+			m.registerPod(podWithSecrets("ns1", "name5", s3))
+			m.registerPod(podWithSecrets("ns1", "name6", s3))
 			s4 := secretsToAttach{
 				imagePullSecretNames: []string{"s3"},
 				containerEnvSecrets:  []envSecrets{{envVarNames: []string{"s6"}}, {envFromNames: []string{"s60"}}},
 			}
-			m.RegisterPod(podWithSecrets("ns1", "name7", s4))
-			m.UnregisterPod(podWithSecrets("ns1", "name7", s4))
+			m.registerPod(podWithSecrets("ns1", "name7", s4))
+			m.unregisterPod(podWithSecrets("ns1", "name7", s4))
 			// Add + Update + Remove.
-			m.RegisterPod(podWithSecrets("ns1", "other-name", s1))
-			m.RegisterPod(podWithSecrets("ns1", "other-name", s2))
-			m.UnregisterPod(podWithSecrets("ns1", "other-name", s2))
+			m.registerPod(podWithSecrets("ns1", "other-name", s1))
+			m.registerPod(podWithSecrets("ns1", "other-name", s2))
+			m.unregisterPod(podWithSecrets("ns1", "other-name", s2))
 			// No-op update.
 			s5 := secretsToAttach{containerEnvSecrets: []envSecrets{{envVarNames: []string{"s7"}}, {envFromNames: []string{"s70"}}}}
-			m.RegisterPod(podWithSecrets("ns1", "noop-pod", s5))
-			m.RegisterPod(podWithSecrets("ns1", "noop-pod", s5))
+			m.registerPod(podWithSecrets("ns1", "noop-pod", s5))
+			m.registerPod(podWithSecrets("ns1", "noop-pod", s5))
 
 			want := []struct {
 				name string
@@ -185,13 +185,13 @@ func TestCacheRefcounts(t *testing.T) {
 				}
 			}
 			check("precondition", 0, 0)
-			m.RegisterPod(podWithSecretsAndUID("nsinterleaved", "pod", "poduid1", secret1))
+			m.registerPod(podWithSecretsAndUID("nsinterleaved", "pod", "poduid1", secret1))
 			check("register poduid1", 1, 0)
-			m.RegisterPod(podWithSecretsAndUID("nsinterleaved", "pod", "poduid2", secret2))
+			m.registerPod(podWithSecretsAndUID("nsinterleaved", "pod", "poduid2", secret2))
 			check("register poduid2", 1, 1)
-			m.UnregisterPod(podWithSecretsAndUID("nsinterleaved", "pod", "poduid1", secretsToAttach{}))
+			m.unregisterPod(podWithSecretsAndUID("nsinterleaved", "pod", "poduid1", secretsToAttach{}))
 			check("unregister poduid1", 0, 1)
-			m.UnregisterPod(podWithSecretsAndUID("nsinterleaved", "pod", "poduid2", secretsToAttach{}))
+			m.unregisterPod(podWithSecretsAndUID("nsinterleaved", "pod", "poduid2", secretsToAttach{}))
 			check("unregister poduid2", 0, 0)
 		})
 	}
@@ -201,7 +201,7 @@ func TestCacheRefcounts(t *testing.T) {
 // the names a registration adds (AddReference invalidates them), which here are the added references, and a
 // count going 0 -> 1 is a registered transition.
 func TestCacheInvalidation(t *testing.T) {
-	r := NewRegistry()
+	r := newRegistry()
 	first := secretsToAttach{
 		imagePullSecretNames: []string{"s1"},
 		containerEnvSecrets:  []envSecrets{{envVarNames: []string{"s1"}, envFromNames: []string{"s10"}}, {envVarNames: []string{"s2"}}},
@@ -244,7 +244,7 @@ func TestCacheInvalidation(t *testing.T) {
 			[]tr{{"s10", true}}, map[string]int{"s1": 2, "s10": 1, "s2": 2, "s20": 1, "s3": 1}},
 	}
 	for _, st := range steps {
-		ts := r.RegisterPod(st.pod)
+		ts := r.registerPod(st.pod)
 		if !reflect.DeepEqual(got(ts), st.wantTrans) {
 			t.Errorf("%s: transitions %v, want %v", st.name, got(ts), st.wantTrans)
 		}
@@ -262,19 +262,19 @@ func TestCacheBasedSecretManager(t *testing.T) {
 				imagePullSecretNames: []string{"s1"},
 				containerEnvSecrets:  []envSecrets{{envVarNames: []string{"s1"}}, {envVarNames: []string{"s2"}}, {envFromNames: []string{"s20"}}},
 			}
-			m.RegisterPod(podWithSecrets("ns1", "name1", s1))
+			m.registerPod(podWithSecrets("ns1", "name1", s1))
 			s2 := secretsToAttach{
 				imagePullSecretNames: []string{"s1"},
 				containerEnvSecrets:  []envSecrets{{envVarNames: []string{"s3"}}, {envVarNames: []string{"s4"}}, {envFromNames: []string{"s40"}}},
 			}
-			m.RegisterPod(podWithSecrets("ns1", "name1", s2))
-			m.RegisterPod(podWithSecrets("ns2", "name2", s2))
+			m.registerPod(podWithSecrets("ns1", "name1", s2))
+			m.registerPod(podWithSecrets("ns2", "name2", s2))
 			s3 := secretsToAttach{
 				imagePullSecretNames: []string{"s5"},
 				containerEnvSecrets:  []envSecrets{{envVarNames: []string{"s6"}}, {envFromNames: []string{"s60"}}},
 			}
-			m.RegisterPod(podWithSecrets("ns3", "name", s3))
-			m.UnregisterPod(podWithSecrets("ns3", "name", s3))
+			m.registerPod(podWithSecrets("ns3", "name", s3))
+			m.unregisterPod(podWithSecrets("ns3", "name", s3))
 
 			existing := map[string]bool{"s1": true, "s3": true, "s4": true, "s40": true}
 			for _, ns := range []string{"ns1", "ns2", "ns3"} {
@@ -332,8 +332,8 @@ func TestReferenceSites(t *testing.T) {
 		},
 	}}
 	var secrets, cms []string
-	VisitPodSecretNames(pod, func(n string) bool { secrets = append(secrets, n); return true })
-	VisitPodConfigmapNames(pod, func(n string) bool { cms = append(cms, n); return true })
+	visitPodSecretNames(pod, func(n string) bool { secrets = append(secrets, n); return true })
+	visitPodConfigmapNames(pod, func(n string) bool { cms = append(cms, n); return true })
 	wantSecrets := []string{"pull", "init-envfrom-secret", "init-env-secret", "main-envfrom-secret", "main-env-secret",
 		"eph-envfrom-secret", "eph-env-secret", "azure", "cephfs", "cinder", "flex", "projected-secret", "rbd",
 		"secret-vol", "scaleio", "iscsi", "storageos", "csi"}
@@ -345,8 +345,8 @@ func TestReferenceSites(t *testing.T) {
 	if !reflect.DeepEqual(cms, wantCMs) {
 		t.Errorf("configmaps %v\nwant       %v", cms, wantCMs)
 	}
-	r := NewRegistry()
-	ts := r.RegisterPod(pod)
+	r := newRegistry()
+	ts := r.registerPod(pod)
 	if len(ts) != len(wantSecrets)+len(wantCMs) {
 		t.Errorf("registering gave %d transitions, want %d", len(ts), len(wantSecrets)+len(wantCMs))
 	}
@@ -385,7 +385,7 @@ func TestTerminalAndDeletedPodsUnregister(t *testing.T) {
 		if got := s.InUseImages(); !reflect.DeepEqual(got, st.wantInUse) {
 			t.Errorf("%s: in use = %v, want %v", st.name, got, st.wantInUse)
 		}
-		if _, ok := s.Index.GetPodByUID(p.UID); ok != st.wantPod {
+		if _, ok := s.Index.getPodByUID(p.UID); ok != st.wantPod {
 			t.Errorf("%s: indexed = %v, want %v", st.name, ok, st.wantPod)
 		}
 	}

@@ -15,8 +15,8 @@ import (
 	"github.com/imagefleet/imagefleet/events"
 )
 
-// Consumer is the pod index's name in dead letters (imagefleet.dlq.IMAGEFLEET_EVENTS.pod-index-<node>).
-const Consumer = events.PodIndexQueue
+// dlqConsumer is the pod index's name in dead letters (imagefleet.dlq.IMAGEFLEET_EVENTS.pod-index-<node>).
+const dlqConsumer = events.PodIndexQueue
 
 // Service is the pod index of one node.
 //
@@ -55,7 +55,7 @@ type Service struct {
 	flushNow chan struct{}
 	ready    chan struct{}
 	// caughtUp is set once the index applied every event its stream held when it started (catchUpLeft
-	// counts them down); until then the queries answer CatchingUpText, not a state missing those events.
+	// counts them down); until then the queries answer catchingUpText, not a state missing those events.
 	caughtUp    atomic.Bool
 	catchUpLeft atomic.Int64
 	readyOnce   sync.Once
@@ -107,14 +107,14 @@ func (s *Service) Run(ctx context.Context) error {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if err := s.bus.ServeConcurrent(rctx, events.QuerySubject(s.cfg.Node, what), Consumer, 4, h); err != nil {
+			if err := s.bus.ServeConcurrent(rctx, events.QuerySubject(s.cfg.Node, what), dlqConsumer, 4, h); err != nil {
 				errs <- err
 			}
 		}()
 	}
-	serve(events.QryPods, s.HandlePods)
-	serve(events.QryRefs, s.HandleRefs)
-	serve(events.QryInUse, s.HandleInUse)
+	serve(events.QryPods, s.handlePods)
+	serve(events.QryRefs, s.handleRefs)
+	serve(events.QryInUse, s.handleInUse)
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
@@ -128,14 +128,14 @@ func (s *Service) Run(ctx context.Context) error {
 		return err
 	}
 	s.store = store
-	records, applied, err := store.Load(ctx)
+	records, applied, err := store.load(ctx)
 	if err != nil {
 		return err
 	}
-	if err := s.state.Load(records, applied); err != nil {
+	if err := s.state.load(records, applied); err != nil {
 		return fmt.Errorf("load pod index of %s: %w", s.cfg.Node, err)
 	}
-	pods, mirrors := s.state.Index.Len()
+	pods, mirrors := s.state.Index.size()
 	s.log.Info("pod index loaded", "pods", pods, "mirror_pods", mirrors, "applied_seq", applied)
 	s.mu.Lock()
 	s.lastWrite = time.Now()
@@ -152,7 +152,7 @@ func (s *Service) Run(ctx context.Context) error {
 	wg.Wait()
 	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 	defer cancel()
-	if ferr := s.Flush(fctx); ferr != nil {
+	if ferr := s.flushSnapshot(fctx); ferr != nil {
 		s.log.Warn("final pod index flush failed", "err", ferr)
 	}
 	return err

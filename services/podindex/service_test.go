@@ -259,7 +259,7 @@ func TestServiceIndexesQueriesAndRestarts(t *testing.T) {
 	s2, stop2 := startService(t, b, Config{Node: testNode, FlushInterval: 50 * time.Millisecond})
 	defer stop2()
 	waitFor(t, "delete applied after restart", func() bool {
-		_, ok := s2.State().Index.GetPodByUID("uid-web")
+		_, ok := s2.State().Index.getPodByUID("uid-web")
 		return !ok
 	})
 	after := snapshot(t, s2.State())
@@ -300,7 +300,7 @@ func TestMalformedEventsAreDeadLettered(t *testing.T) {
 	good := testPod("ns", "ok", "uid-ok", nil, nil, "img:1")
 	last := publish(t, b, testNode, events.ActionAdded, good)
 	waitFor(t, "the good event after the bad ones", func() bool { return s.State().Applied() >= last })
-	if _, ok := s.State().Index.GetPodByUID("uid-ok"); !ok {
+	if _, ok := s.State().Index.getPodByUID("uid-ok"); !ok {
 		t.Fatal("the worker did not keep going after bad input")
 	}
 	dl, err := b.DeadLetters(ctx, "")
@@ -348,8 +348,8 @@ func FuzzDecodePodEvent(f *testing.F) {
 		}
 		ev, err := DecodePodEvent("imagefleet.evt.n.pod."+action, h, body)
 		if err != nil {
-			if !errors.Is(err, events.ErrMalformed) || RejectReason(err) == "other" {
-				t.Fatalf("error %v is not a classified DecodeError", err)
+			if !errors.Is(err, events.ErrMalformed) || rejectReason(err) == "other" {
+				t.Fatalf("error %v is not a classified decodeError", err)
 			}
 			return
 		}
@@ -360,7 +360,7 @@ func FuzzDecodePodEvent(f *testing.F) {
 		s := NewState()
 		s.Apply(1, PodEvent{Action: events.ActionAdded, Pod: ev.Pod, Raw: ev.Raw})
 		s.Apply(2, PodEvent{Action: events.ActionDeleted, Pod: ev.Pod})
-		if p, m := s.Index.Len(); p+m != 0 || len(s.Refs.Refs()) != 0 {
+		if p, m := s.Index.size(); p+m != 0 || len(s.Refs.Refs()) != 0 {
 			t.Fatalf("add then delete left %d pods, %d mirrors, refs %v", p, m, s.Refs.Refs())
 		}
 	})
@@ -469,7 +469,7 @@ func TestPodsListingPages(t *testing.T) {
 	var got []string
 	pages := 0
 	for q := (events.PodsQuery{}); ; pages++ {
-		rep, err := st.Pods(testNode, q)
+		rep, err := st.listPods(testNode, q)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -494,19 +494,19 @@ func TestPodsListingPages(t *testing.T) {
 	}
 
 	// Limit, and a page after a token, across the pods-to-mirrors boundary.
-	rep, err := st.Pods(testNode, events.PodsQuery{Limit: 298})
+	rep, err := st.listPods(testNode, events.PodsQuery{Limit: 298})
 	if err != nil || len(rep.Pods) > 298 {
 		t.Fatalf("limit 298: %d pods, %v", len(rep.Pods), err)
 	}
 	for len(got) > 0 && rep.Truncated && len(rep.Pods) < 298 { // the byte bound cut it: go on to 298
-		more, err := st.Pods(testNode, events.PodsQuery{After: rep.Next, Limit: 298 - len(rep.Pods)})
+		more, err := st.listPods(testNode, events.PodsQuery{After: rep.Next, Limit: 298 - len(rep.Pods)})
 		if err != nil {
 			t.Fatal(err)
 		}
 		rep.Pods, rep.Next, rep.Truncated = append(rep.Pods, more.Pods...), more.Next, more.Truncated
 	}
 	after298 := rep.Next
-	rep, err = st.Pods(testNode, events.PodsQuery{After: after298, Limit: 3})
+	rep, err = st.listPods(testNode, events.PodsQuery{After: after298, Limit: 3})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -518,7 +518,7 @@ func TestPodsListingPages(t *testing.T) {
 	st.Apply(seq, PodEvent{Action: events.ActionDeleted, Pod: testPod("ns", "p-297", "uid-297", nil, nil, "img:1")})
 	seq++
 	st.Apply(seq, PodEvent{Action: events.ActionAdded, Pod: testPod("aa", "first", "uid-first", nil, nil, "img:1")})
-	rep, err = st.Pods(testNode, events.PodsQuery{After: after298, Limit: 1})
+	rep, err = st.listPods(testNode, events.PodsQuery{After: after298, Limit: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -526,14 +526,14 @@ func TestPodsListingPages(t *testing.T) {
 		t.Fatalf("after the 298th once the listing changed before it: %v, want [p-298]", g)
 	}
 
-	rep, err = st.Pods(testNode, events.PodsQuery{Source: FileSource})
+	rep, err = st.listPods(testNode, events.PodsQuery{Source: FileSource})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if g := names(rep); !slices.Equal(g, []string{"p-000", "p-100", "p-200"}) || rep.Truncated {
 		t.Fatalf("source file: %v truncated %v", g, rep.Truncated)
 	}
-	if _, err := st.Pods(testNode, events.PodsQuery{After: "bm90IGEgdG9rZW4"}); err == nil || !errors.Is(err, events.ErrMalformed) {
+	if _, err := st.listPods(testNode, events.PodsQuery{After: "bm90IGEgdG9rZW4"}); err == nil || !errors.Is(err, events.ErrMalformed) {
 		t.Fatalf("a bad token: %v", err)
 	}
 	for _, bad := range []events.PodsQuery{{Limit: -1}, {UID: "u", After: "x"}, {Namespace: "ns", Name: "a", Source: "file"}, {Orphaned: true, Source: "file"}} {
@@ -561,9 +561,9 @@ func TestQueriesWaitForCatchUp(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for name, h := range map[string]bus.Handler{"pods": s.HandlePods, "refs": s.HandleRefs, "inuse": s.HandleInUse} {
-		if _, err := h(t.Context(), nil); err == nil || !strings.Contains(err.Error(), CatchingUpText) {
-			t.Fatalf("%s before catching up: %v, want %q", name, err, CatchingUpText)
+	for name, h := range map[string]bus.Handler{"pods": s.handlePods, "refs": s.handleRefs, "inuse": s.handleInUse} {
+		if _, err := h(t.Context(), nil); err == nil || !strings.Contains(err.Error(), catchingUpText) {
+			t.Fatalf("%s before catching up: %v, want %q", name, err, catchingUpText)
 		}
 	}
 	_, stop := runService(s)

@@ -25,17 +25,17 @@ type State struct {
 	// mu serialises Apply and guards applied, dirty, deleted and the entries' dirty flags.
 	mu      sync.Mutex
 	applied uint64
-	// dirty are the entries upserted since the last TakeDirty (each once: entry.dirty), some since removed.
+	// dirty are the entries upserted since the last takeDirty (each once: entry.dirty), some since removed.
 	// Updates of an entry already dirty cost nothing more.
 	dirty []*entry
-	// deleted are the UIDs deleted since the last TakeDirty (repeats possible); a UID indexed again since
+	// deleted are the UIDs deleted since the last takeDirty (repeats possible); a UID indexed again since
 	// is stored instead.
 	deleted []types.UID
 }
 
 // NewState returns an empty state.
 func NewState() *State {
-	return &State{Index: NewIndex(), Refs: NewRegistry()}
+	return &State{Index: newIndex(), Refs: newRegistry()}
 }
 
 // markDirty queues e for the next snapshot write.
@@ -46,17 +46,17 @@ func (s *State) markDirty(e *entry) {
 	}
 }
 
-// IsTerminal reports whether pod is in a terminal phase (Succeeded or Failed): the kubelet unregisters it
+// isTerminal reports whether pod is in a terminal phase (Succeeded or Failed): the kubelet unregisters it
 // (SyncTerminatedPod) and image GC no longer needs its images.
-func IsTerminal(pod *v1.Pod) bool {
+func isTerminal(pod *v1.Pod) bool {
 	return pod.Status.Phase == v1.PodSucceeded || pod.Status.Phase == v1.PodFailed
 }
 
 // Apply applies one pod event with stream sequence seq and returns the objects whose reference count went
 // 0 -> 1 or 1 -> 0, in order.
 //
-//   - added and updated upsert the pod (the kubelet's AddPod == UpdatePod). A non-mirror pod in a non-terminal
-//     phase is registered (RegisterPod: only added and dropped names change counts); a terminal one is
+//   - added and updated upsert the pod (the kubelet's addPod == updatePod). A non-mirror pod in a non-terminal
+//     phase is registered (registerPod: only added and dropped names change counts); a terminal one is
 //     unregistered. Mirror pods are indexed, never registered (the kubelet registers the static pod it syncs,
 //     not its mirror).
 //   - deleted removes the pod with that UID and unregisters it; an unknown pod is a no-op.
@@ -71,10 +71,10 @@ func (s *State) Apply(seq uint64, ev PodEvent) []Transition {
 	case events.ActionDeleted:
 		removed := s.Index.remove(pod.UID)
 		if removed != nil {
-			out = append(out, s.Refs.UnregisterPod(removed)...)
+			out = append(out, s.Refs.unregisterPod(removed)...)
 		}
 		if removed == nil || refKey(removed) != refKey(pod) {
-			out = append(out, s.Refs.UnregisterPod(pod)...)
+			out = append(out, s.Refs.unregisterPod(pod)...)
 		}
 		s.deleted = append(s.deleted, pod.UID)
 	default:
@@ -87,7 +87,7 @@ func (s *State) Apply(seq uint64, ev PodEvent) []Transition {
 			prev, e = s.Index.upsert(pod, ev.Raw, seq)
 		}
 		if prev != nil && !inPlace && refKey(prev) != refKey(pod) {
-			out = append(out, s.Refs.UnregisterPod(prev)...)
+			out = append(out, s.Refs.unregisterPod(prev)...)
 		}
 		if ev.prep.done {
 			out = append(out, s.registerPrepared(e, &ev.prep)...)
@@ -103,18 +103,18 @@ func (s *State) Apply(seq uint64, ev PodEvent) []Transition {
 }
 
 func (s *State) register(pod *v1.Pod) []Transition {
-	if IsMirrorPod(pod) || IsTerminal(pod) {
-		return s.Refs.UnregisterPod(pod)
+	if IsMirrorPod(pod) || isTerminal(pod) {
+		return s.Refs.unregisterPod(pod)
 	}
-	return s.Refs.RegisterPod(pod)
+	return s.Refs.registerPod(pod)
 }
 
 // registerEntry is register for the pod of e, which keeps the pod's registration so that the next update
 // of the pod does not look it up again.
 func (s *State) registerEntry(e *entry) []Transition {
-	if IsMirrorPod(e.pod) || IsTerminal(e.pod) {
+	if IsMirrorPod(e.pod) || isTerminal(e.pod) {
 		e.reg = nil
-		return s.Refs.UnregisterPod(e.pod)
+		return s.Refs.unregisterPod(e.pod)
 	}
 	var out []Transition
 	out, e.reg = s.Refs.register(e.pod, e.reg)
@@ -125,7 +125,7 @@ func (s *State) registerEntry(e *entry) []Transition {
 func (s *State) registerPrepared(e *entry, prep *prepared) []Transition {
 	if prep.mirror || prep.terminal {
 		e.reg = nil
-		return s.Refs.UnregisterPod(e.pod)
+		return s.Refs.unregisterPod(e.pod)
 	}
 	var out []Transition
 	out, e.reg = s.Refs.registerNames(refKey(e.pod), prep.names[:prep.secrets], prep.names[prep.secrets:], e.reg)
@@ -148,7 +148,7 @@ type prepared struct {
 
 // set works out p for pod.
 func (p *prepared) set(pod *v1.Pod) {
-	p.done, p.mirror, p.terminal, p.fullName = true, IsMirrorPod(pod), IsTerminal(pod), PodFullName(pod)
+	p.done, p.mirror, p.terminal, p.fullName = true, IsMirrorPod(pod), isTerminal(pod), PodFullName(pod)
 	if p.mirror || p.terminal {
 		return
 	}
@@ -160,7 +160,7 @@ func (p *prepared) set(pod *v1.Pod) {
 }
 
 // Skip records that seq was handled without changing the state (a rejected event).
-func (s *State) Skip(seq uint64) {
+func (s *State) skip(seq uint64) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if seq > s.applied {
@@ -185,7 +185,7 @@ func (s *State) InUseImages() []string {
 		}
 	}
 	s.Index.each(func(e *entry, _ bool) {
-		if IsTerminal(e.pod) {
+		if isTerminal(e.pod) {
 			return
 		}
 		spec := &e.pod.Spec
@@ -218,8 +218,8 @@ type record struct {
 	Pod   json.RawMessage `json:"pod"`
 }
 
-// PodRecord is one pod to write to the snapshot.
-type PodRecord struct {
+// podRecord is one pod to write to the snapshot.
+type podRecord struct {
 	UID   types.UID
 	Order uint64 // the stream sequence of its last upsert
 	// Raw is the pod's JSON as received; when nil (a pod added in process), Pod is encoded.
@@ -228,7 +228,7 @@ type PodRecord struct {
 }
 
 // Encode is the record as the snapshot stores it: {"order":<Order>,"pod":<the pod's JSON>}.
-func (r PodRecord) Encode() ([]byte, error) {
+func (r podRecord) Encode() ([]byte, error) {
 	raw := r.Raw
 	if raw == nil {
 		var err error
@@ -244,26 +244,26 @@ func (r PodRecord) Encode() ([]byte, error) {
 	return append(buf, '}'), nil
 }
 
-// Dirty is what changed since the last TakeDirty: pods to store (one record per UID) and UIDs to delete,
+// snapshotDelta is what changed since the last takeDirty: pods to store (one record per UID) and UIDs to delete,
 // as of the stream sequence Applied.
-type Dirty struct {
-	Puts    []PodRecord
+type snapshotDelta struct {
+	Puts    []podRecord
 	Deletes []types.UID
 	Applied uint64
 }
 
-// TakeDirty returns the changes since the last call and clears them. It only collects them: encoding the
+// takeDirty returns the changes since the last call and clears them. It only collects them: encoding the
 // records is left to the writer (Store.Write), outside the lock that Apply waits for.
-func (s *State) TakeDirty() (Dirty, error) {
+func (s *State) takeDirty() (snapshotDelta, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	d := Dirty{Puts: make([]PodRecord, 0, len(s.dirty)), Applied: s.applied}
+	d := snapshotDelta{Puts: make([]podRecord, 0, len(s.dirty)), Applied: s.applied}
 	for _, e := range s.dirty {
 		e.dirty = false
 		if e.removed {
 			continue // a later upsert of its UID is another entry; deleted lists a deletion
 		}
-		d.Puts = append(d.Puts, PodRecord{UID: e.pod.UID, Order: e.order, Raw: e.raw, Pod: e.pod})
+		d.Puts = append(d.Puts, podRecord{UID: e.pod.UID, Order: e.order, Raw: e.raw, Pod: e.pod})
 	}
 	if len(s.deleted) > 0 {
 		seen := make(map[types.UID]struct{}, len(s.deleted))
@@ -284,8 +284,8 @@ func (s *State) TakeDirty() (Dirty, error) {
 	return d, nil
 }
 
-// Redirty marks the changes of d dirty again (their write failed), unless newer changes replaced them.
-func (s *State) Redirty(d Dirty) {
+// redirty marks the changes of d dirty again (their write failed), unless newer changes replaced them.
+func (s *State) redirty(d snapshotDelta) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for _, r := range d.Puts {
@@ -302,9 +302,9 @@ func (s *State) Redirty(d Dirty) {
 	}
 }
 
-// Load rebuilds the state from snapshot records (as TakeDirty encodes them) and the sequence they were
+// Load rebuilds the state from snapshot records (as takeDirty encodes them) and the sequence they were
 // taken at; pods are re-applied in the order of their upserts.
-func (s *State) Load(records [][]byte, applied uint64) error {
+func (s *State) load(records [][]byte, applied uint64) error {
 	type loaded struct {
 		order uint64
 		pod   *v1.Pod

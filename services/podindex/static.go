@@ -120,7 +120,7 @@ func (s *StaticSource) Run(ctx context.Context) error {
 	}
 	watch()
 	sync := func() {
-		if err := s.Sync(ctx); err != nil && ctx.Err() == nil {
+		if err := s.syncManifests(ctx); err != nil && ctx.Err() == nil {
 			s.log.Warn("unable to read config path", "path", s.cfg.ManifestPath, "err", err)
 		}
 	}
@@ -206,7 +206,7 @@ func (s *StaticSource) resume(ctx context.Context) {
 }
 
 // Sync reads the manifests once and publishes the differences with the pods published before.
-func (s *StaticSource) Sync(ctx context.Context) error {
+func (s *StaticSource) syncManifests(ctx context.Context) error {
 	pods, readErr := s.read()
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -243,7 +243,7 @@ func (s *StaticSource) Sync(ctx context.Context) error {
 			continue
 		}
 		gone = append(gone, uid)
-		msgs = append(msgs, PodEventRaw(s.cfg.Node, events.ActionDeleted, body, "", now))
+		msgs = append(msgs, podEventRaw(s.cfg.Node, events.ActionDeleted, body, "", now))
 	}
 	if len(msgs) > 0 {
 		if _, err := s.pub.PublishMsgs(ctx, msgs); err != nil {
@@ -292,7 +292,7 @@ func (s *StaticSource) read() ([]*v1.Pod, error) {
 		if err != nil || !fi.Mode().IsRegular() {
 			continue
 		}
-		p, err := ReadManifest(f, s.cfg.Node)
+		p, err := readManifest(f, s.cfg.Node)
 		if err != nil {
 			s.log.Warn("could not process manifest file", "path", f, "err", err)
 			continue
@@ -307,10 +307,10 @@ func (s *StaticSource) read() ([]*v1.Pod, error) {
 	return pods, nil
 }
 
-// ReadManifest reads one static pod manifest (YAML or JSON) and applies the kubelet's file-source defaults:
+// readManifest reads one static pod manifest (YAML or JSON) and applies the kubelet's file-source defaults:
 // a UID when the manifest has none, the name suffixed with "-<node>", namespace "default", spec.nodeName,
 // config.hash = UID, config.source = file, the NoExecute toleration of static pods, and phase Pending.
-func ReadManifest(path, node string) (*v1.Pod, error) {
+func readManifest(path, node string) (*v1.Pod, error) {
 	f, err := os.Open(path)
 	if err != nil {
 		return nil, err
@@ -323,16 +323,16 @@ func ReadManifest(path, node string) (*v1.Pod, error) {
 	if len(data) > maxManifestBytes {
 		return nil, fmt.Errorf("%s: manifest is over %d bytes", path, maxManifestBytes)
 	}
-	return DecodeManifest(data, path, node)
+	return decodeManifest(data, path, node)
 }
 
-// maxManifestErrorBytes bounds the parser's part of a DecodeManifest error: the reason is logged for every bad
+// maxManifestErrorBytes bounds the parser's part of a decodeManifest error: the reason is logged for every bad
 // file at every resync, and a parser error can quote the input.
 const maxManifestErrorBytes = 512
 
-// DecodeManifest decodes a static pod manifest read from path (see ReadManifest). Every error starts with
+// decodeManifest decodes a static pod manifest read from path (see readManifest). Every error starts with
 // path and says what is wrong.
-func DecodeManifest(data []byte, path, node string) (*v1.Pod, error) {
+func decodeManifest(data []byte, path, node string) (*v1.Pod, error) {
 	js, err := yaml.YAMLToJSON(data)
 	if err != nil {
 		return nil, fmt.Errorf("%s: couldn't parse as pod(%s), please check config file", path, truncate(err.Error()))
@@ -355,7 +355,7 @@ func DecodeManifest(data []byte, path, node string) (*v1.Pod, error) {
 		return nil, fmt.Errorf("%s: invalid pod: spec.containers: Required value", path)
 	}
 	if pod.UID == "" {
-		pod.UID = StaticPodUID(pod, path, node)
+		pod.UID = staticUID(pod, path, node)
 	}
 	pod.Name = pod.Name + "-" + strings.ToLower(node)
 	if pod.Namespace == "" {
@@ -390,12 +390,12 @@ func truncateTo(s string, n int) string {
 	return s[:cut] + "..."
 }
 
-// StaticPodUID is the kubelet's UID of a static pod read from a file: FNV-128a over the dump of the pod as
+// staticUID is the kubelet's UID of a static pod read from a file: FNV-128a over the dump of the pod as
 // decoded (k8s.io/kubernetes/pkg/util/hash.DeepHashObject), then "host:<node>" and "file:<path>", as hex.
 // The kubelet dumps its internal API type after scheme defaulting, which imagefleet does not have, so the
 // values differ from a real kubelet's, but they have the same properties: stable for an unchanged manifest
 // on the same node and path, and new whenever the manifest changes.
-func StaticPodUID(pod *v1.Pod, path, node string) types.UID {
+func staticUID(pod *v1.Pod, path, node string) types.UID {
 	h := fnv.New128a()
 	fmt.Fprintf(h, "%v", dump.ForHash(pod))
 	fmt.Fprintf(h, "host:%s", node)

@@ -84,7 +84,7 @@ func TestStaticSourceSync(t *testing.T) {
 		t.Fatal(err)
 	}
 	ctx := t.Context()
-	if err := src.Sync(ctx); err != nil {
+	if err := src.syncManifests(ctx); err != nil {
 		t.Fatal(err)
 	}
 	evs := pub.take(t)
@@ -114,7 +114,7 @@ func TestStaticSourceSync(t *testing.T) {
 
 	// Nothing changed: nothing published, even later.
 	now = now.Add(time.Minute)
-	if err := src.Sync(ctx); err != nil {
+	if err := src.syncManifests(ctx); err != nil {
 		t.Fatal(err)
 	}
 	if evs := pub.take(t); len(evs) != 0 {
@@ -123,7 +123,7 @@ func TestStaticSourceSync(t *testing.T) {
 
 	// A changed manifest is a new pod (its UID is its hash): the old one is deleted.
 	write("etcd.yaml", etcdYAML+"    args: [\"--debug\"]\n")
-	if err := src.Sync(ctx); err != nil {
+	if err := src.syncManifests(ctx); err != nil {
 		t.Fatal(err)
 	}
 	evs = pub.take(t)
@@ -134,13 +134,13 @@ func TestStaticSourceSync(t *testing.T) {
 
 	// A manifest with its own UID changes in place: updated, with the first seen time kept.
 	write("fixed.yaml", "apiVersion: v1\nkind: Pod\nmetadata: {name: fixed, uid: fixed-uid}\nspec: {containers: [{name: c, image: a:1}]}\n")
-	if err := src.Sync(ctx); err != nil {
+	if err := src.syncManifests(ctx); err != nil {
 		t.Fatal(err)
 	}
 	first := pub.take(t)
 	now = now.Add(time.Minute)
 	write("fixed.yaml", "apiVersion: v1\nkind: Pod\nmetadata: {name: fixed, uid: fixed-uid}\nspec: {containers: [{name: c, image: a:2}]}\n")
-	if err := src.Sync(ctx); err != nil {
+	if err := src.syncManifests(ctx); err != nil {
 		t.Fatal(err)
 	}
 	evs = pub.take(t)
@@ -153,7 +153,7 @@ func TestStaticSourceSync(t *testing.T) {
 	if err := os.Remove(filepath.Join(dir, "sched.json")); err != nil {
 		t.Fatal(err)
 	}
-	if err := src.Sync(ctx); err != nil {
+	if err := src.syncManifests(ctx); err != nil {
 		t.Fatal(err)
 	}
 	if evs := pub.take(t); len(evs) != 1 || evs[0].Action != events.ActionDeleted || evs[0].Pod.UID != sched.UID {
@@ -162,7 +162,7 @@ func TestStaticSourceSync(t *testing.T) {
 	if err := os.RemoveAll(dir); err != nil {
 		t.Fatal(err)
 	}
-	if err := src.Sync(ctx); err == nil {
+	if err := src.syncManifests(ctx); err == nil {
 		t.Fatal("a missing path is not reported")
 	}
 	if evs := pub.take(t); len(evs) != 2 {
@@ -171,13 +171,13 @@ func TestStaticSourceSync(t *testing.T) {
 }
 
 func TestStaticPodUIDIsStable(t *testing.T) {
-	a, err := DecodeManifest([]byte(etcdYAML), "/etc/kubernetes/manifests/etcd.yaml", "node-a")
+	a, err := decodeManifest([]byte(etcdYAML), "/etc/kubernetes/manifests/etcd.yaml", "node-a")
 	if err != nil {
 		t.Fatal(err)
 	}
-	b, _ := DecodeManifest([]byte(etcdYAML), "/etc/kubernetes/manifests/etcd.yaml", "node-a")
-	c, _ := DecodeManifest([]byte(etcdYAML), "/etc/kubernetes/manifests/etcd.yaml", "node-b")
-	d, _ := DecodeManifest([]byte(etcdYAML), "/etc/kubernetes/manifests/etcd2.yaml", "node-a")
+	b, _ := decodeManifest([]byte(etcdYAML), "/etc/kubernetes/manifests/etcd.yaml", "node-a")
+	c, _ := decodeManifest([]byte(etcdYAML), "/etc/kubernetes/manifests/etcd.yaml", "node-b")
+	d, _ := decodeManifest([]byte(etcdYAML), "/etc/kubernetes/manifests/etcd2.yaml", "node-a")
 	if a.UID != b.UID || a.UID == c.UID || a.UID == d.UID {
 		t.Fatalf("uids: same %s %s, other node %s, other path %s", a.UID, b.UID, c.UID, d.UID)
 	}
@@ -200,7 +200,7 @@ func TestStaticPodUIDIsStable(t *testing.T) {
 		{"kind: Pod\nmetadata: {name: x}\nspec: {initContainers: [{name: c, image: 'i '}], containers: [{name: c, image: ' '}]}",
 			`f: invalid pod: [spec.initContainers[0].name: Duplicate value: "c" spec.containers[0].image: Invalid value: " ": must not have leading or trailing whitespace spec.initContainers[0].image: Invalid value: "i ": must not have leading or trailing whitespace]`},
 	} {
-		if _, err := DecodeManifest([]byte(bad.manifest), "f", "n"); err == nil || err.Error() != bad.err {
+		if _, err := decodeManifest([]byte(bad.manifest), "f", "n"); err == nil || err.Error() != bad.err {
 			t.Errorf("%q: error %v, want %s", bad.manifest, err, bad.err)
 		}
 	}
@@ -234,7 +234,7 @@ func TestStaticSourceRunWatchesAndStops(t *testing.T) {
 	}
 }
 
-// FuzzDecodeManifest feeds DecodeManifest any bytes as a manifest: it must not panic; an error must name the
+// FuzzDecodeManifest feeds decodeManifest any bytes as a manifest: it must not panic; an error must name the
 // file and say what is wrong in a bounded message (it is logged for every bad file at every resync); and a
 // pod it accepts must carry the kubelet's file-source defaults, get the same UID again, and be accepted by
 // the pod index's own decoder once published.
@@ -270,7 +270,7 @@ func FuzzDecodeManifest(f *testing.F) {
 			node = "node-a" // the source only runs with a valid node name
 		}
 		const path = "/etc/kubernetes/manifests/fuzz.yaml"
-		pod, err := DecodeManifest(data, path, node)
+		pod, err := decodeManifest(data, path, node)
 		if err != nil {
 			msg := err.Error()
 			if !strings.HasPrefix(msg, path+": ") || len(msg) <= len(path)+2 {
@@ -295,7 +295,7 @@ func FuzzDecodeManifest(f *testing.F) {
 		if !tolerated {
 			t.Fatalf("accepted pod lacks the NoExecute toleration: %+v", pod.Spec.Tolerations)
 		}
-		again, err := DecodeManifest(data, path, node)
+		again, err := decodeManifest(data, path, node)
 		if err != nil || again.UID != pod.UID {
 			t.Fatalf("decoding again gave uid %q, err %v; first %q", again.UID, err, pod.UID)
 		}
@@ -338,15 +338,15 @@ func TestStaticSourceResumesOnABusyNode(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := first.Sync(t.Context()); err != nil {
+	if err := first.syncManifests(t.Context()); err != nil {
 		t.Fatal(err)
 	}
 	etcdName := "etcd-" + testNode
 	waitFor(t, "the static pods applied", func() bool {
-		_, ok := s.State().Index.GetPodByName("kube-system", etcdName)
+		_, ok := s.State().Index.getPodByName("kube-system", etcdName)
 		return ok && s.State().Applied() > last
 	})
-	if rep, err := s.state.Pods(testNode, events.PodsQuery{}); err != nil || !rep.Truncated {
+	if rep, err := s.state.listPods(testNode, events.PodsQuery{}); err != nil || !rep.Truncated {
 		t.Fatalf("the whole listing fits one page (truncated %v, err %v): the test needs more pods", rep.Truncated, err)
 	}
 
@@ -362,14 +362,14 @@ func TestStaticSourceResumesOnABusyNode(t *testing.T) {
 		t.Fatal(err)
 	}
 	second.resume(t.Context())
-	if err := second.Sync(t.Context()); err != nil {
+	if err := second.syncManifests(t.Context()); err != nil {
 		t.Fatal(err)
 	}
 	waitFor(t, "the removed manifest's pod deleted", func() bool {
-		_, ok := s.State().Index.GetPodByName("kube-system", etcdName)
+		_, ok := s.State().Index.getPodByName("kube-system", etcdName)
 		return !ok
 	})
-	if _, ok := s.State().Index.GetPodByName("default", "sched-"+testNode); !ok {
+	if _, ok := s.State().Index.getPodByName("default", "sched-"+testNode); !ok {
 		t.Fatal("the static pod still in the manifests was deleted")
 	}
 }

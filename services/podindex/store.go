@@ -13,12 +13,12 @@ import (
 	"github.com/imagefleet/imagefleet/events"
 )
 
-// SnapshotBucket is the KV bucket of pod index snapshots. Keys of a node start with its subject token, so a
+// snapshotBucket is the KV bucket of pod index snapshots. Keys of a node start with its subject token, so a
 // per-node permission on $KV.imagefleet-pods.<node>.> reaches only that node's index:
 //
 //	<node>.applied      the stream sequence (IMAGEFLEET_EVENTS) of the last pod event the snapshot reflects
 //	<node>.pod.<uid>    one pod: {"order": <sequence of its last upsert>, "pod": <core/v1 Pod>}
-const SnapshotBucket = events.PodsBucket
+const snapshotBucket = events.PodsBucket
 
 // Store is the durable snapshot of one node's pod index.
 type Store struct {
@@ -28,7 +28,7 @@ type Store struct {
 
 // OpenStore opens (creating if needed) the snapshot bucket for node.
 func OpenStore(ctx context.Context, b *bus.Bus, node string) (*Store, error) {
-	kv, err := b.KV(ctx, bus.KVConfig{Bucket: SnapshotBucket, Description: "pod index snapshots per node"})
+	kv, err := b.KV(ctx, bus.KVConfig{Bucket: snapshotBucket, Description: "pod index snapshots per node"})
 	if err != nil {
 		return nil, err
 	}
@@ -44,7 +44,7 @@ func (s *Store) podKey(uid types.UID) string {
 // Load reads the snapshot: the pod records and the sequence they reflect (0 and none for a new node).
 // The applied sequence is read first: pods written after it are at least as new, which replaying the events
 // after it tolerates (see Service).
-func (s *Store) Load(ctx context.Context) (records [][]byte, applied uint64, err error) {
+func (s *Store) load(ctx context.Context) (records [][]byte, applied uint64, err error) {
 	v, _, err := s.kv.Get(ctx, s.appliedKey())
 	switch {
 	case errors.Is(err, bus.ErrKeyNotFound):
@@ -67,7 +67,7 @@ func (s *Store) Load(ctx context.Context) (records [][]byte, applied uint64, err
 }
 
 // Write stores d: the changed pods first, then the applied sequence.
-func (s *Store) Write(ctx context.Context, d Dirty) error {
+func (s *Store) write(ctx context.Context, d snapshotDelta) error {
 	puts := make(map[string][]byte, len(d.Puts))
 	for _, r := range d.Puts {
 		b, err := r.Encode()

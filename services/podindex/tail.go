@@ -177,9 +177,9 @@ func (s *Service) handleDecoded(d decoded) error {
 	s.backlog.Store(d.m.Pending)
 	var err error
 	if d.err != nil {
-		err = s.Reject(d.m, d.err)
+		err = s.rejectEvent(d.m, d.err)
 	} else {
-		err = s.Apply(d.m.Seq, d.ev)
+		err = s.applyEvent(d.m.Seq, d.ev)
 	}
 	if err == nil {
 		s.countCaughtUp(d.m.Pending)

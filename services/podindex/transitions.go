@@ -15,15 +15,15 @@ import (
 )
 
 // Reject dead-letters a malformed event with its reason, counts it and moves past it.
-func (s *Service) Reject(m bus.StreamMsg, reason error) error {
+func (s *Service) rejectEvent(m bus.StreamMsg, reason error) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	if err := s.bus.DeadLetterMsg(ctx, events.EventsStream, events.PodIndexDeadLetters(s.cfg.Node), m, reason); err != nil {
 		return err
 	}
-	eventsRejected.WithLabelValues(s.cfg.Node, RejectReason(reason)).Inc()
+	eventsRejected.WithLabelValues(s.cfg.Node, rejectReason(reason)).Inc()
 	s.log.Warn("pod event rejected", "subject", m.Subject, "stream_seq", m.Seq, "err", reason)
-	s.state.Skip(m.Seq)
+	s.state.skip(m.Seq)
 	s.mu.Lock()
 	s.writeNow = true // the snapshot moves past it, so a restart does not dead-letter it again
 	s.mu.Unlock()
@@ -32,7 +32,7 @@ func (s *Service) Reject(m bus.StreamMsg, reason error) error {
 }
 
 // Apply applies one decoded event with stream sequence seq and publishes its registration events.
-func (s *Service) Apply(seq uint64, ev PodEvent) error {
+func (s *Service) applyEvent(seq uint64, ev PodEvent) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	trans := s.state.Apply(seq, ev)

@@ -66,7 +66,7 @@ func ValidatePod(pod *v1.Pod) error {
 }
 
 // validateStaticPod is the part of the kubelet's validation of a file-source pod (ValidatePodCreate, after
-// the defaults of DecodeManifest) that decides most manifests, in its order and with its field-error texts:
+// the defaults of decodeManifest) that decides most manifests, in its order and with its field-error texts:
 // the pod's name and namespace; each volume's type (exactly one source: only "none" is checked), name and
 // uniqueness; each regular, then init container's name, image, pull policy and uniqueness (an init container's name is a duplicate
 // when a regular container or an earlier init container has it); then images with leading or trailing
