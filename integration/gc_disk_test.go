@@ -34,7 +34,12 @@ type diskLab struct {
 	high, low int
 }
 
-func startDiskLab(t *testing.T, node, tmpfs string, high, low int) *diskLab {
+func startDiskLab(t testing.TB, node, tmpfs string, high, low int) *diskLab {
+	return startDiskLabWith(t, node, tmpfs, high, low, true)
+}
+
+// startDiskLabWith starts the lab, with the puller or without (pulls straight over CRI: no pull events).
+func startDiskLabWith(t testing.TB, node, tmpfs string, high, low int, withPuller bool) *diskLab {
 	t.Helper()
 	ctx := t.Context()
 	l := &diskLab{node: node, high: high, low: low}
@@ -77,6 +82,9 @@ func startDiskLab(t *testing.T, node, tmpfs string, high, low int) *diskLab {
 		t.Fatal(err)
 	}
 	gcStartWorker(t, "gc", g.Run)
+	if !withPuller {
+		return l
+	}
 	p, err := puller.New(puller.Config{Node: node, ImageGCHighThresholdPercent: high, Registerer: prometheus.NewRegistry(), Logger: log}, cl, l.b)
 	if err != nil {
 		t.Fatal(err)
@@ -140,7 +148,7 @@ func (l *diskLab) records(t *testing.T) map[string]bool {
 }
 
 // passes returns the finished GC passes that were not dry runs, in order.
-func (l *diskLab) passes(t *testing.T) []events.GCResult {
+func (l *diskLab) passes(t testing.TB) []events.GCResult {
 	t.Helper()
 	var out []events.GCResult
 	err := l.b.ReadStream(t.Context(), events.EventsStream, events.EventSubject(l.node, events.EntityGC, events.ActionFinished), 0,

@@ -28,7 +28,7 @@ type gcWorker struct {
 	done   chan error
 }
 
-func gcStartWorker(t *testing.T, name string, run func(context.Context) error) *gcWorker {
+func gcStartWorker(t testing.TB, name string, run func(context.Context) error) *gcWorker {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	w := &gcWorker{cancel: cancel, done: make(chan error, 1)}
@@ -37,7 +37,7 @@ func gcStartWorker(t *testing.T, name string, run func(context.Context) error) *
 	return w
 }
 
-func (w *gcWorker) stop(t *testing.T, name string) {
+func (w *gcWorker) stop(t testing.TB, name string) {
 	t.Helper()
 	if w.cancel == nil {
 		return
@@ -55,7 +55,7 @@ func (w *gcWorker) stop(t *testing.T, name string) {
 }
 
 // gcRequest sends a request, retrying while nobody serves the subject yet.
-func gcRequest(t *testing.T, b *bus.Bus, subject string, req, resp any) {
+func gcRequest(t testing.TB, b *bus.Bus, subject string, req, resp any) {
 	t.Helper()
 	deadline := time.Now().Add(30 * time.Second)
 	for {
@@ -72,7 +72,7 @@ func gcRequest(t *testing.T, b *bus.Bus, subject string, req, resp any) {
 	}
 }
 
-func gcUsage(t *testing.T, mountpoint string) (capacity, available int64, percent int) {
+func gcUsage(t testing.TB, mountpoint string) (capacity, available int64, percent int) {
 	t.Helper()
 	capacity, available, err := cri.Statfs(mountpoint)
 	if err != nil {
