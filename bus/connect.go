@@ -200,3 +200,22 @@ func (b *Bus) Connected() bool { return b.nc.IsConnected() }
 
 // Flush waits until the server has processed everything sent so far.
 func (b *Bus) Flush(ctx context.Context) error { return b.nc.FlushWithContext(ctx) }
+
+// ServerName is the name of the server this connection is on now ("" when disconnected).
+func (b *Bus) ServerName() string {
+	if b.nc == nil || !b.nc.IsConnected() {
+		return ""
+	}
+	return b.nc.ConnectedServerName()
+}
+
+// Stats are the messages and bytes this connection sent and received.
+type Stats struct {
+	InMsgs, OutMsgs, InBytes, OutBytes uint64
+}
+
+// Stats returns the connection's traffic counters.
+func (b *Bus) Stats() Stats {
+	s := b.nc.Stats()
+	return Stats{InMsgs: s.InMsgs, OutMsgs: s.OutMsgs, InBytes: s.InBytes, OutBytes: s.OutBytes}
+}

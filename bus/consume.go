@@ -340,28 +340,31 @@ func (b *Bus) deadLetter(ctx context.Context, cfg ConsumerConfig, m *Msg, reason
 	deadLetters.WithLabelValues(cfg.Durable).Inc()
 }
 
-// DeadLetter is one message kept in the dead-letter stream.
-type DeadLetter struct {
-	Seq        uint64    `json:"seq"`
-	Consumer   string    `json:"consumer"`
-	Subject    string    `json:"subject"`
-	Reason     string    `json:"reason"`
-	Deliveries string    `json:"deliveries"`
-	Time       time.Time `json:"time"`
-	Data       []byte    `json:"data"`
+// ConsumerState is what tests and operators want to see of a durable consumer.
+type ConsumerState struct {
+	// NumPending: stored, not yet delivered. NumAckPending: delivered, not yet acked (in flight).
+	NumPending, NumAckPending, NumRedelivered int
+	MaxAckPending                             int
+	// NumWaiting is how many pull requests of its subscribers the server holds (0 while nobody pulls).
+	NumWaiting int
+	// Leader is the server leading the consumer in a cluster ("" on a single server).
+	Leader string
 }
 
-// DeadLetters lists dead letters (filter "" for all) in stream order.
-func (b *Bus) DeadLetters(ctx context.Context, filter string) ([]DeadLetter, error) {
-	subj := events.DeadLetterPrefix + ".>"
-	if filter != "" {
-		subj = filter
+// Consumer reports the state of a durable consumer.
+func (b *Bus) Consumer(ctx context.Context, stream, durable string) (ConsumerState, error) {
+	c, err := b.js.Consumer(ctx, stream, durable)
+	if err != nil {
+		return ConsumerState{}, fmt.Errorf("consumer %s on %s: %w", durable, stream, err)
 	}
-	var out []DeadLetter
-	err := b.ReadStream(ctx, events.DeadLetterStream, subj, 0, func(m StreamMsg) bool {
-		out = append(out, DeadLetter{Seq: m.Seq, Consumer: m.Subject, Subject: m.Header.Get(HeaderDLQSubject),
-			Reason: m.Header.Get(HeaderDLQReason), Deliveries: m.Header.Get(HeaderDLQDeliveries), Time: m.Time, Data: m.Data})
-		return true
-	})
-	return out, err
+	info, err := c.Info(ctx)
+	if err != nil {
+		return ConsumerState{}, fmt.Errorf("consumer %s on %s info: %w", durable, stream, err)
+	}
+	return ConsumerState{NumPending: int(info.NumPending), NumAckPending: info.NumAckPending,
+		NumRedelivered: info.NumRedelivered, MaxAckPending: info.Config.MaxAckPending, NumWaiting: info.NumWaiting,
+		Leader: leader(info.Cluster)}, nil
 }
+
+// IsConsumerNotFound reports whether err says the consumer does not exist.
+func IsConsumerNotFound(err error) bool { return errors.Is(err, jetstream.ErrConsumerNotFound) }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -77,4 +78,48 @@ func (b *Bus) ReplayDeadLetter(ctx context.Context, seq uint64, remove bool) (Re
 		}
 	}
 	return out, nil
+}
+
+// DeadLetterMsg keeps m (read from stream by consumer) in the dead-letter stream with reason, exactly as a
+// terminated message of Consume: consumers that track their own position (Tail) use it for poison messages.
+// The dead letter's Nats-Msg-Id is <stream>-<seq>, so a replay dead-letters a message once.
+func (b *Bus) DeadLetterMsg(ctx context.Context, stream, consumer string, m StreamMsg, reason error) error {
+	dm := nats.NewMsg(events.DeadLetterPrefix + "." + stream + "." + consumer)
+	dm.Data = m.Data
+	dm.Header.Set(HeaderDLQSubject, m.Subject)
+	dm.Header.Set(HeaderDLQReason, truncate(reason.Error(), 1024))
+	dm.Header.Set(HeaderDLQDeliveries, "1")
+	dm.Header.Set(HeaderDLQStreamSeq, strconv.FormatUint(m.Seq, 10))
+	dm.Header.Set(HeaderDLQStream, stream)
+	dm.Header.Set(jetstream.MsgIDHeader, stream+"-"+strconv.FormatUint(m.Seq, 10))
+	if _, err := b.js.PublishMsg(ctx, dm); err != nil {
+		return fmt.Errorf("dead letter %s seq %d: %w", m.Subject, m.Seq, err)
+	}
+	return nil
+}
+
+// DeadLetter is one message kept in the dead-letter stream.
+type DeadLetter struct {
+	Seq        uint64    `json:"seq"`
+	Consumer   string    `json:"consumer"`
+	Subject    string    `json:"subject"`
+	Reason     string    `json:"reason"`
+	Deliveries string    `json:"deliveries"`
+	Time       time.Time `json:"time"`
+	Data       []byte    `json:"data"`
+}
+
+// DeadLetters lists dead letters (filter "" for all) in stream order.
+func (b *Bus) DeadLetters(ctx context.Context, filter string) ([]DeadLetter, error) {
+	subj := events.DeadLetterPrefix + ".>"
+	if filter != "" {
+		subj = filter
+	}
+	var out []DeadLetter
+	err := b.ReadStream(ctx, events.DeadLetterStream, subj, 0, func(m StreamMsg) bool {
+		out = append(out, DeadLetter{Seq: m.Seq, Consumer: m.Subject, Subject: m.Header.Get(HeaderDLQSubject),
+			Reason: m.Header.Get(HeaderDLQReason), Deliveries: m.Header.Get(HeaderDLQDeliveries), Time: m.Time, Data: m.Data})
+		return true
+	})
+	return out, err
 }

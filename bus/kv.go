@@ -241,3 +241,57 @@ func (k *KV) Watch(ctx context.Context, filter string, fn func(e Entry, initialD
 		}
 	}
 }
+
+// ErrConflict is returned by KV.Create when the key exists, by KV.Update when the key changed since the
+// given revision, and wrapped by nothing else.
+var ErrConflict = errors.New("conflict")
+
+func isWrongLastSeq(err error) bool {
+	var apiErr *jetstream.APIError
+	if !errors.As(err, &apiErr) {
+		return false
+	}
+	return apiErr.ErrorCode == jetstream.JSErrCodeStreamWrongLastSequence ||
+		apiErr.ErrorCode == jetstream.JSErrCodeStreamWrongLastSequenceConstant
+}
+
+// Create stores value under key only if the key does not exist (or was deleted); otherwise it returns an
+// error wrapping ErrConflict.
+func (k *KV) Create(ctx context.Context, key string, value []byte) (uint64, error) {
+	rev, err := k.kv.Create(ctx, key, value)
+	if err != nil {
+		if errors.Is(err, jetstream.ErrKeyExists) || isWrongLastSeq(err) {
+			return 0, fmt.Errorf("kv create %s/%s: %w", k.kv.Bucket(), key, ErrConflict)
+		}
+		return 0, fmt.Errorf("kv create %s/%s: %w", k.kv.Bucket(), key, err)
+	}
+	return rev, nil
+}
+
+// Update stores value under key only if the key's latest revision is rev (compare and set); otherwise it
+// returns an error wrapping ErrConflict.
+func (k *KV) Update(ctx context.Context, key string, value []byte, rev uint64) (uint64, error) {
+	nrev, err := k.kv.Update(ctx, key, value, rev)
+	if err != nil {
+		if errors.Is(err, jetstream.ErrKeyExists) || errors.Is(err, jetstream.ErrKeyRevisionMismatch) || isWrongLastSeq(err) {
+			return 0, fmt.Errorf("kv update %s/%s: %w", k.kv.Bucket(), key, ErrConflict)
+		}
+		return 0, fmt.Errorf("kv update %s/%s: %w", k.kv.Bucket(), key, err)
+	}
+	return nrev, nil
+}
+
+// ErrBucketNotFound is returned by KVExisting when the bucket does not exist.
+var ErrBucketNotFound = errors.New("bucket not found")
+
+// KVExisting opens a bucket without creating or changing it (a reader must not reset the writer's TTL).
+func (b *Bus) KVExisting(ctx context.Context, bucket string) (*KV, error) {
+	kv, err := b.js.KeyValue(ctx, bucket)
+	if err != nil {
+		if errors.Is(err, jetstream.ErrBucketNotFound) {
+			return nil, fmt.Errorf("key-value bucket %s: %w", bucket, ErrBucketNotFound)
+		}
+		return nil, fmt.Errorf("key-value bucket %s: %w", bucket, err)
+	}
+	return &KV{b: b, kv: kv}, nil
+}

@@ -1,12 +1,7 @@
 package bus
 
 import (
-	"context"
-	"errors"
-	"time"
-
 	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/imagefleet/imagefleet/events"
@@ -157,77 +152,4 @@ func subjectOf(m *nats.Msg) string {
 func (b *Bus) onReconnect() {
 	natsReconnects.Inc()
 	b.journalOnReconnect()
-}
-
-// PullQueueCollector exports, for each node, the depth of its pull work queue and the pull tokens in use,
-// read from the node's durable pull consumer on the pull stream at every scrape:
-//
-//	imagefleet_pull_queue_depth{node}      pull commands waiting (the consumer's NumPending)
-//	imagefleet_pull_tokens_in_use{node}    pulls in flight (NumAckPending)
-//	imagefleet_pull_tokens{node}           the node's token limit (MaxAckPending)
-//
-// A node whose consumer does not exist yet is left out of the scrape.
-type PullQueueCollector struct {
-	b        *Bus
-	nodes    []string
-	consumer func(node string) string
-	timeout  time.Duration
-
-	depth, inUse, tokens *prometheus.Desc
-}
-
-// NewPullQueueCollector reads the pull consumer named consumer(node) for each node (for example
-// "puller-" + events.NodeToken(node)).
-func NewPullQueueCollector(b *Bus, nodes []string, consumer func(node string) string) *PullQueueCollector {
-	return &PullQueueCollector{
-		b: b, nodes: nodes, consumer: consumer, timeout: 2 * time.Second,
-		depth:  prometheus.NewDesc("imagefleet_pull_queue_depth", "Pull commands waiting in the node's work queue.", []string{"node"}, nil),
-		inUse:  prometheus.NewDesc("imagefleet_pull_tokens_in_use", "Pulls in flight on the node (unacked pull commands).", []string{"node"}, nil),
-		tokens: prometheus.NewDesc("imagefleet_pull_tokens", "The node's pull token limit (the consumer's MaxAckPending).", []string{"node"}, nil),
-	}
-}
-
-// Describe implements prometheus.Collector.
-func (c *PullQueueCollector) Describe(ch chan<- *prometheus.Desc) {
-	ch <- c.depth
-	ch <- c.inUse
-	ch <- c.tokens
-}
-
-// Collect implements prometheus.Collector.
-func (c *PullQueueCollector) Collect(ch chan<- prometheus.Metric) {
-	ctx, cancel := context.WithTimeout(context.Background(), c.timeout)
-	defer cancel()
-	for _, node := range c.nodes {
-		q, err := c.b.PullQueue(ctx, c.consumer(node))
-		if err != nil {
-			continue
-		}
-		ch <- prometheus.MustNewConstMetric(c.depth, prometheus.GaugeValue, float64(q.Pending), node)
-		ch <- prometheus.MustNewConstMetric(c.inUse, prometheus.GaugeValue, float64(q.AckPending), node)
-		ch <- prometheus.MustNewConstMetric(c.tokens, prometheus.GaugeValue, float64(q.MaxAckPending), node)
-	}
-}
-
-// QueueState is the state of a durable consumer on the pull stream.
-type QueueState struct {
-	Pending       uint64
-	AckPending    int
-	MaxAckPending int
-}
-
-// ErrNoConsumer means the durable consumer does not exist.
-var ErrNoConsumer = errors.New("no such consumer")
-
-// PullQueue reads the state of the durable consumer on the pull stream.
-func (b *Bus) PullQueue(ctx context.Context, consumer string) (QueueState, error) {
-	cons, err := b.js.Consumer(ctx, events.PullStream, consumer)
-	if err != nil {
-		if errors.Is(err, jetstream.ErrConsumerNotFound) {
-			return QueueState{}, ErrNoConsumer
-		}
-		return QueueState{}, err
-	}
-	info := cons.CachedInfo()
-	return QueueState{Pending: info.NumPending, AckPending: info.NumAckPending, MaxAckPending: info.Config.MaxAckPending}, nil
 }

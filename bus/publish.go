@@ -3,7 +3,9 @@ package bus
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -111,7 +113,7 @@ func (b *Bus) PublishCommand(ctx context.Context, subject, msgID string, body an
 	}
 	ack, err := b.js.PublishMsg(ctx, m)
 	if err != nil {
-		return 0, fmt.Errorf("publish command to %s: %w", subject, b.explainPermission(subject, err))
+		return 0, fmt.Errorf("publish command to %s: %w", subject, b.explainPermission(subject, mapJetStream(err)))
 	}
 	return ack.Sequence, nil
 }
@@ -122,4 +124,154 @@ func (b *Bus) PublishRaw(subject string, data []byte) error {
 		return fmt.Errorf("publish to %s: %w", subject, err)
 	}
 	return nil
+}
+
+// RawMsg is a message whose body is not an events.Event: pod events carry a plain core/v1 Pod and their
+// envelope in CloudEvents binary-mode headers. MsgID, when set, becomes Nats-Msg-Id (a retried publish is
+// stored once).
+type RawMsg struct {
+	Subject string
+	MsgID   string
+	Header  map[string]string
+	Data    []byte
+}
+
+// natsMsg builds the message with its header values in one allocation (Header.Set makes one per value).
+func (r RawMsg) natsMsg() *nats.Msg {
+	n := len(r.Header) + 1
+	h := make(nats.Header, n)
+	vals := make([]string, 0, n)
+	set := func(k, v string) {
+		vals = append(vals, v)
+		h[k] = vals[len(vals)-1 : len(vals) : len(vals)]
+	}
+	for k, v := range r.Header {
+		set(k, v)
+	}
+	if r.MsgID != "" {
+		set(jetstream.MsgIDHeader, r.MsgID)
+	}
+	return &nats.Msg{Subject: r.Subject, Header: h, Data: r.Data}
+}
+
+// publishWindow bounds the acks PublishMsgs leaves outstanding (the client stalls past 4000).
+const publishWindow = 1024
+
+// PublishMsgs stores msgs in their stream (asynchronously, pipelined, at most publishWindow acks
+// outstanding) and waits for every ack. It returns the highest stream sequence acknowledged (a duplicate's
+// ack carries the original's sequence).
+func (b *Bus) PublishMsgs(ctx context.Context, msgs []RawMsg) (uint64, error) {
+	futures := make([]jetstream.PubAckFuture, 0, min(len(msgs), publishWindow))
+	var last uint64
+	wait := func(f jetstream.PubAckFuture) error {
+		select {
+		case ack := <-f.Ok():
+			last = max(last, ack.Sequence)
+			return nil
+		case err := <-f.Err():
+			return fmt.Errorf("publish %s: %w", f.Msg().Subject, err)
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	for i, r := range msgs {
+		if i >= publishWindow {
+			if err := wait(futures[i%publishWindow]); err != nil {
+				return last, err
+			}
+		}
+		f, err := b.publishAsyncRetry(ctx, r.natsMsg())
+		if err != nil {
+			return last, fmt.Errorf("publish to %s: %w", r.Subject, err)
+		}
+		if i < publishWindow {
+			futures = append(futures, f)
+		} else {
+			futures[i%publishWindow] = f
+		}
+	}
+	// The last len(futures) publishes, oldest first.
+	n := len(futures)
+	for k := range n {
+		idx := k
+		if len(msgs) > publishWindow {
+			idx = (len(msgs) + k) % publishWindow
+		}
+		if err := wait(futures[idx]); err != nil {
+			return last, err
+		}
+	}
+	return last, nil
+}
+
+// publishAsyncRetry publishes asynchronously; when the connection's async window is full (other publishers
+// share it), it waits for the window to drain instead of failing.
+func (b *Bus) publishAsyncRetry(ctx context.Context, m *nats.Msg) (jetstream.PubAckFuture, error) {
+	for {
+		f, err := b.js.PublishMsgAsync(m)
+		if !errors.Is(err, jetstream.ErrTooManyStalledMsgs) {
+			return f, err
+		}
+		select {
+		case <-b.js.PublishAsyncComplete():
+		case <-time.After(50 * time.Millisecond):
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
+}
+
+// Pending is a set of asynchronous publishes whose acks have not been awaited yet.
+type Pending struct {
+	futures []jetstream.PubAckFuture
+}
+
+// PublishAsync starts publishing events to the events stream without waiting for the acks; Wait waits.
+func (b *Bus) PublishAsync(evs []events.Event) (*Pending, error) {
+	p := &Pending{futures: make([]jetstream.PubAckFuture, 0, len(evs))}
+	for _, ev := range evs {
+		m, err := EventMsg(ev)
+		if err != nil {
+			return p, err
+		}
+		f, err := b.js.PublishMsgAsync(m)
+		if err != nil {
+			return p, fmt.Errorf("publish %s %s: %w", ev.Type, ev.ID, err)
+		}
+		p.futures = append(p.futures, f)
+	}
+	return p, nil
+}
+
+// Wait waits for every ack; the first error is returned.
+func (p *Pending) Wait(ctx context.Context) error {
+	if p == nil {
+		return nil
+	}
+	return waitAcks(ctx, p.futures)
+}
+
+// PublishFirst stores msg in its stream only if its subject holds no message yet (the server checks it:
+// Nats-Expected-Last-Subject-Sequence 0). It returns true when msg was stored, or when a retry of the same
+// msg (same MsgID, within the stream's duplicate window) finds it stored; false when another message holds
+// the subject. Two writers racing for one subject: exactly one gets true.
+func (b *Bus) PublishFirst(ctx context.Context, msg RawMsg) (bool, error) {
+	m := msg.natsMsg()
+	m.Header.Set(jetstream.ExpectedLastSubjSeqHeader, "0")
+	if _, err := b.js.PublishMsg(ctx, m); err != nil {
+		if isWrongLastSeq(err) {
+			return false, nil
+		}
+		return false, fmt.Errorf("publish first to %s: %w", msg.Subject, err)
+	}
+	return true, nil
+}
+
+// PublishStored stores msg in its stream and waits for the ack (one message; see PublishMsgs for many).
+func (b *Bus) PublishStored(ctx context.Context, msg RawMsg) (uint64, error) {
+	ack, err := b.js.PublishMsg(ctx, msg.natsMsg())
+	if err != nil {
+		return 0, fmt.Errorf("publish to %s: %w", msg.Subject, err)
+	}
+	return ack.Sequence, nil
 }

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"time"
 
 	"github.com/nats-io/nats.go"
 
@@ -156,3 +157,35 @@ func (b *Bus) Subscribe(ctx context.Context, subject string, fn func(subject str
 	<-ctx.Done()
 	return sub.Unsubscribe()
 }
+
+// Subscription is a synchronous core NATS subscription: it is registered at the server when Subscribe
+// returns, so a request published afterwards cannot race its answer.
+type Subscription struct{ sub *nats.Subscription }
+
+// SubscribeSync subscribes to subject (no queue group) and flushes, so the server knows the interest before
+// the caller publishes anything.
+func (b *Bus) SubscribeSync(ctx context.Context, subject string) (*Subscription, error) {
+	sub, err := b.nc.SubscribeSync(subject)
+	if err != nil {
+		return nil, fmt.Errorf("subscribe %s: %w", subject, err)
+	}
+	fctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if err := b.nc.FlushWithContext(fctx); err != nil {
+		_ = sub.Unsubscribe()
+		return nil, fmt.Errorf("subscribe %s: flush: %w", subject, err)
+	}
+	return &Subscription{sub: sub}, nil
+}
+
+// Next waits for the next message until ctx ends.
+func (s *Subscription) Next(ctx context.Context) (subject string, data []byte, err error) {
+	m, err := s.sub.NextMsgWithContext(ctx)
+	if err != nil {
+		return "", nil, err
+	}
+	return m.Subject, m.Data, nil
+}
+
+// Close unsubscribes.
+func (s *Subscription) Close() { _ = s.sub.Unsubscribe() }

@@ -211,3 +211,40 @@ func leader(c *jetstream.ClusterInfo) string {
 	}
 	return c.Leader
 }
+
+// StreamNames lists every stream of the account (KV buckets are streams named KV_<bucket>).
+func (b *Bus) StreamNames(ctx context.Context) ([]string, error) {
+	var out []string
+	l := b.js.StreamNames(ctx)
+	for n := range l.Name() {
+		out = append(out, n)
+	}
+	if err := l.Err(); err != nil {
+		return out, fmt.Errorf("list streams: %w", err)
+	}
+	return out, nil
+}
+
+// SetStreamReplicas changes only the replica count of a stream (or of a bucket's KV_<bucket> stream),
+// keeping the rest of its configuration: how an operator moves workers' R1 state onto every server of a
+// cluster. It returns the replica count the stream had.
+func (b *Bus) SetStreamReplicas(ctx context.Context, stream string, replicas int) (int, error) {
+	s, err := b.js.Stream(ctx, stream)
+	if err != nil {
+		return 0, fmt.Errorf("stream %s: %w", stream, err)
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("stream %s info: %w", stream, err)
+	}
+	cfg := info.Config
+	old := cfg.Replicas
+	if old == replicas {
+		return old, nil
+	}
+	cfg.Replicas = replicas
+	if _, err := b.js.UpdateStream(ctx, cfg); err != nil {
+		return old, fmt.Errorf("set replicas of %s to %d: %w", stream, replicas, err)
+	}
+	return old, nil
+}

@@ -29,7 +29,7 @@ const (
 
 	// MaxPullRequestsPerNode is the most pull requests of one node the work queue holds at once, in flight
 	// or waiting: the kubelet's serial puller (one pull plus maxImagePullRequests = 10 queued). The stream
-	// enforces it per subject and answers the 12th publish with an error at once (see bus.ErrPullQueueFull).
+	// enforces it per subject and answers the 12th publish with an error at once (see puller.ErrPullQueueFull).
 	MaxPullRequestsPerNode = 1 + 10
 )
 

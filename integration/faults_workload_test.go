@@ -18,6 +18,7 @@ import (
 	"github.com/imagefleet/imagefleet/integration/lab"
 	"github.com/imagefleet/imagefleet/services/cri"
 	"github.com/imagefleet/imagefleet/services/podindex"
+	"github.com/imagefleet/imagefleet/services/puller"
 )
 
 // The client side of the fault test: what a kubelet-like user does while parts die. Every operation is
@@ -208,7 +209,7 @@ func (w *faultWorkload) waitApplied(seq uint64, limit time.Duration) error {
 // publishPull queues a pull request until JetStream acknowledges it (a full queue is retried too).
 func (w *faultWorkload) publishPull(req events.PullRequest) error {
 	err := w.retry("queue pull request", 3*time.Minute, func(ctx context.Context) error {
-		_, err := w.b.PublishPull(ctx, events.CommandSubject(w.node, events.VerbPull), req.ID, req)
+		_, err := puller.Enqueue(ctx, w.b, w.node, req)
 		return err
 	})
 	if err != nil {

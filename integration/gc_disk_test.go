@@ -101,7 +101,7 @@ func (l *diskLab) pull(t *testing.T, sub *bus.Subscription, ref string) events.P
 		Pod: &events.PodRef{Namespace: "default", Name: "fill", UID: "uid-fill"}}
 	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
 	defer cancel()
-	if _, err := l.b.PublishPull(ctx, events.CommandSubject(l.node, events.VerbPull), id, req); err != nil {
+	if _, err := puller.Enqueue(ctx, l.b, l.node, req); err != nil {
 		t.Fatalf("publish pull: %v", err)
 	}
 	rctx, rcancel := context.WithTimeout(t.Context(), 2*time.Minute)

@@ -99,7 +99,7 @@ func pullPublish(t testing.TB, b *bus.Bus, req events.PullRequest) {
 	}
 	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
 	defer cancel()
-	if _, err := b.PublishPull(ctx, events.CommandSubject(pullNode, events.VerbPull), req.ID, req); err != nil {
+	if _, err := puller.Enqueue(ctx, b, pullNode, req); err != nil {
 		t.Fatalf("publish pull %s: %v", req.ID, err)
 	}
 }

@@ -419,7 +419,7 @@ func TestSecurityNoSecretLeaks(t *testing.T) {
 		{ID: "both", Image: registry + "/private/app:v5", Pod: pod, Secrets: []string{"bad", "good"}},
 	}
 	for _, r := range reqs {
-		if _, err := b.PublishPull(ctx, events.CommandSubject(node, events.VerbPull), r.ID, r); err != nil {
+		if _, err := puller.Enqueue(ctx, b, node, r); err != nil {
 			t.Fatal(err)
 		}
 	}

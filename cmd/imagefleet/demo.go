@@ -16,6 +16,7 @@ import (
 	"github.com/imagefleet/imagefleet/events"
 	"github.com/imagefleet/imagefleet/services/cri"
 	"github.com/imagefleet/imagefleet/services/cri/hollow"
+	"github.com/imagefleet/imagefleet/services/puller"
 )
 
 type demoFlags struct {
@@ -259,7 +260,7 @@ func demoPull(ctx context.Context, b *bus.Bus, node, image, policy string) (even
 	}
 	defer sub.Close()
 	req := events.PullRequest{ID: events.NewID(), Image: image, Policy: policy, Enqueued: time.Now()}
-	if _, err := b.PublishPull(ctx, events.CommandSubject(node, events.VerbPull), req.ID, req); err != nil {
+	if _, err := puller.Enqueue(ctx, b, node, req); err != nil {
 		return events.PullResult{}, "", err
 	}
 	for {

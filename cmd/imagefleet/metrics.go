@@ -12,7 +12,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/imagefleet/imagefleet/bus"
-	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/services/puller"
 )
 
 // buildMetrics builds the metrics server of --metrics-addr (an idle worker when it is empty).
@@ -33,7 +33,7 @@ type metricsServer struct {
 }
 
 func newMetricsServer(addr string, b *bus.Bus, node string, reg prometheus.Registerer, g prometheus.Gatherer) (*metricsServer, error) {
-	col := bus.NewPullQueueCollector(b, []string{node}, events.PullerDurable)
+	col := puller.NewQueueCollector(b, []string{node})
 	if err := reg.Register(col); err != nil {
 		return nil, fmt.Errorf("register pull queue metrics: %w", err)
 	}

@@ -11,6 +11,7 @@ import (
 
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/services/puller"
 )
 
 // pullOutput is what `pull -o json` prints: the result (imageRef; error and message on failure) with the
@@ -87,9 +88,9 @@ func (cl *cli) runPull(ctx context.Context, cmd *cobra.Command, b *bus.Bus, node
 		defer sub.Close()
 	}
 	pctx, cancel := cl.contextTimeout(ctx)
-	_, err := b.PublishPull(pctx, events.CommandSubject(node, events.VerbPull), req.ID, req)
+	_, err := puller.Enqueue(pctx, b, node, req)
 	cancel()
-	if errors.Is(err, bus.ErrPullQueueFull) {
+	if errors.Is(err, puller.ErrPullQueueFull) {
 		return fmt.Errorf("pull queue of node %s is full (%d requests in flight or waiting): try again later", node, events.MaxPullRequestsPerNode)
 	}
 	if err != nil {

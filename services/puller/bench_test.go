@@ -86,11 +86,11 @@ func runRequests(b *testing.B, bb *bus.Bus, sub *bus.Subscription, prefix string
 		// The result is published before the request is acked, so a request whose result came may still
 		// hold its place in the queue for a moment: a full queue is retried, as a client would.
 		for {
-			_, err := bb.PublishPull(ctx, events.CommandSubject(testNode, events.VerbPull), id, req)
+			_, err := Enqueue(ctx, bb, testNode, req)
 			if err == nil {
 				break
 			}
-			if !errors.Is(err, bus.ErrPullQueueFull) {
+			if !errors.Is(err, ErrPullQueueFull) {
 				b.Fatal(err)
 			}
 			time.Sleep(time.Millisecond)

@@ -10,7 +10,6 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 
-	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
 )
 
@@ -75,11 +74,11 @@ func (s *Service) handlePodAdded(ctx context.Context, subject string, header map
 	}
 	pod := ev.Pod
 	for _, req := range PodPullRequests(pod, s.m.cfg.now()) {
-		_, err := s.bus.PublishPull(ctx, events.CommandSubject(s.cfg.Node, events.VerbPull), req.ID, req)
+		_, err := Enqueue(ctx, s.bus, s.cfg.Node, req)
 		switch {
 		case err == nil:
 			s.m.cfg.log.Debug("pull enqueued for an added pod", "pod", pod.Namespace+"/"+pod.Name, "image", req.Image, "request", req.ID)
-		case errors.Is(err, bus.ErrPullQueueFull):
+		case errors.Is(err, ErrPullQueueFull):
 			s.m.cfg.log.Warn("pull queue full; pull for an added pod not enqueued", "pod", pod.Namespace+"/"+pod.Name, "image", req.Image)
 		default:
 			s.m.cfg.log.Warn("enqueue pull for an added pod", "pod", pod.Namespace+"/"+pod.Name, "image", req.Image,

@@ -132,7 +132,7 @@ func publishPull(t *testing.T, b *bus.Bus, req events.PullRequest) error {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
 	defer cancel()
-	_, err := b.PublishPull(ctx, events.CommandSubject(testNode, events.VerbPull), req.ID, req)
+	_, err := Enqueue(ctx, b, testNode, req)
 	return err
 }
 
@@ -221,7 +221,7 @@ func TestSerialQueueFull(t *testing.T) {
 	waitFor(t, "the first pull", func() bool { return rt.inFlight.Load() == 1 })
 	start := time.Now()
 	err := publishPull(t, b, events.PullRequest{ID: "r-over", Image: "img-over", Policy: events.PullAlways})
-	if !errors.Is(err, bus.ErrPullQueueFull) {
+	if !errors.Is(err, ErrPullQueueFull) {
 		t.Fatalf("12th request: %v, want ErrPullQueueFull", err)
 	}
 	if d := time.Since(start); d > 2*time.Second {

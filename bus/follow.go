@@ -10,42 +10,6 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 )
 
-// StreamMsg is a message read from a stream.
-type StreamMsg struct {
-	Subject string
-	Seq     uint64
-	Time    time.Time
-	Header  nats.Header
-	Data    []byte
-	// Pending is, for a message read by Tail, how many messages matching its filter followed it in the
-	// stream when it was delivered (the reader's backlog then); 0 elsewhere.
-	Pending uint64
-}
-
-// ReadStream reads the stored messages of stream matching filter from startSeq (0: the first) and calls fn
-// for each until fn returns false or the end of the stream (as of the call) is reached.
-func (b *Bus) ReadStream(ctx context.Context, stream, filter string, startSeq uint64, fn func(StreamMsg) bool) error {
-	var info *jetstream.StreamInfo
-	err := b.retryTransientFor(ctx, "stream "+stream, kvRetryFor, func(actx context.Context) error {
-		s, err := b.js.Stream(actx, stream)
-		if err != nil {
-			return fmt.Errorf("stream %s: %w", stream, err)
-		}
-		info, err = s.Info(actx)
-		if err != nil {
-			return fmt.Errorf("stream %s info: %w", stream, err)
-		}
-		return nil
-	})
-	if err != nil {
-		return err
-	}
-	if info.State.Msgs == 0 {
-		return nil
-	}
-	return b.follow(ctx, stream, filter, startSeq, info.State.LastSeq, fn)
-}
-
 // Follow delivers stored then new messages of stream matching filter from startSeq (0: the first; use
 // DeliverNew semantics with startSeq = ^uint64(0)) until fn returns false or ctx ends.
 func (b *Bus) Follow(ctx context.Context, stream, filter string, startSeq uint64, fn func(StreamMsg) bool) error {
