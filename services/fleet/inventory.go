@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/distribution/reference"
+	"golang.org/x/sync/errgroup"
 
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
@@ -102,20 +103,16 @@ func (s *Inventory) Stats() InventoryStats {
 
 // Run applies events, keeps the index and answers queries until ctx ends.
 func (s *Inventory) Run(ctx context.Context) error {
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	var wg sync.WaitGroup
-	errs := make(chan error, 3)
+	// The first part to fail stops the others; an error after the stop is the stop's, not reported.
+	g, ctx := errgroup.WithContext(ctx)
 	loaded := make(chan struct{})
 	run := func(name string, f func() error) {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+		g.Go(func() error {
 			if err := f(); err != nil && ctx.Err() == nil {
-				errs <- fmt.Errorf("inventory %s: %w", name, err)
-				cancel()
+				return fmt.Errorf("inventory %s: %w", name, err)
 			}
-		}()
+			return nil
+		})
 	}
 	run("watch", func() error {
 		var once sync.Once
@@ -149,13 +146,7 @@ func (s *Inventory) Run(ctx context.Context) error {
 		}
 		return s.b.ServeConcurrent(ctx, events.InventoryQuerySubject, events.InventoryQueue, 4, s.Query)
 	})
-	wg.Wait()
-	close(errs)
-	var all []error
-	for err := range errs {
-		all = append(all, err)
-	}
-	return errors.Join(all...)
+	return g.Wait()
 }
 
 // Ready reports whether the index has loaded the bucket's initial contents.

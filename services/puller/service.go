@@ -7,6 +7,8 @@ import (
 	"sync"
 	"time"
 
+	"golang.org/x/sync/errgroup"
+
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
 	"github.com/imagefleet/imagefleet/services/cri"
@@ -99,19 +101,15 @@ func (s *Service) Run(ctx context.Context) error {
 	}
 	s.m.backoff, s.m.records.store = bo, rs
 
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	var wg sync.WaitGroup
-	errs := make(chan error, 4)
+	// The first worker to fail stops the others; an error after the stop is the stop's, not reported.
+	g, ctx := errgroup.WithContext(ctx)
 	goRun := func(f func() error) {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+		g.Go(func() error {
 			if err := f(); err != nil && ctx.Err() == nil {
-				errs <- err
-				cancel()
+				return err
 			}
-		}()
+			return nil
+		})
 	}
 	goRun(func() error {
 		return s.bus.Subscribe(ctx, events.CommandSubject(s.cfg.Node, events.VerbPullCancel), func(_ string, _ map[string][]string, data []byte) {
@@ -155,14 +153,9 @@ func (s *Service) Run(ctx context.Context) error {
 		}
 	})
 	<-ctx.Done()
-	wg.Wait()
+	err = g.Wait()
 	s.m.wait()
-	select {
-	case err := <-errs:
-		return err
-	default:
-		return nil
-	}
+	return err
 }
 
 // handleCancel cancels the requests a PullCancel names. Every replica hears it; the one running the pull
