@@ -58,7 +58,13 @@ const (
 	// KubeEventsDurablePrefix starts the name of each node's Kubernetes Events bridge consumer on
 	// EventsStream (KubeEventsDurable).
 	KubeEventsDurablePrefix = "kube-events-"
+	// RemovalsDurablePrefix starts the name of each node's removals consumer on EventsStream (RemovalsDurable).
+	RemovalsDurablePrefix = "removals-"
 )
+
+// RemovalsDurable is node's removals consumer on EventsStream (services/removals: images removed by another
+// remover): "removals-" + node token, created with the node's events filter (NodeEvents).
+func RemovalsDurable(node string) string { return RemovalsDurablePrefix + NodeToken(node) }
 
 // KubeEventsDurable is node's Kubernetes Events bridge consumer on EventsStream: "kube-events-" + node token,
 // created with the node's events filter (NodeEvents).

@@ -36,6 +36,7 @@ func wireNames() [][2]string {
 		c("PullerDurablePrefix", PullerDurablePrefix), c("InventoryDurable", InventoryDurable),
 		c("PullerDurable(node)", PullerDurable(node)), c("PodIndexDeadLetters(node)", PodIndexDeadLetters(node)),
 		c("KubeEventsDurablePrefix", KubeEventsDurablePrefix), c("KubeEventsDurable(node)", KubeEventsDurable(node)),
+		c("RemovalsDurablePrefix", RemovalsDurablePrefix), c("RemovalsDurable(node)", RemovalsDurable(node)),
 		// Keys.
 		c("RecordKey(node, \"sha256:ab\")", RecordKey(node, "sha256:ab")), c("RecordKeys(node)", RecordKeys(node)),
 		// Fleet subjects and filters.

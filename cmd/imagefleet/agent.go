@@ -28,6 +28,7 @@ import (
 	"github.com/imagefleet/imagefleet/services/kevents"
 	"github.com/imagefleet/imagefleet/services/podindex"
 	"github.com/imagefleet/imagefleet/services/puller"
+	"github.com/imagefleet/imagefleet/services/removals"
 )
 
 // runnable is a worker: Run blocks until ctx ends and returns nil after a clean shutdown.
@@ -166,6 +167,14 @@ var agentWorkers = []workerDef{
 			cfg := c.Heartbeat
 			cfg.Node, cfg.Labels, cfg.AgentVersion, cfg.Workers, cfg.Logger = env.Node, labels, agentVersion(), env.Workers, env.Log
 			return fleet.NewHeartbeat(cfg, env.CRI, env.Bus)
+		},
+	},
+	{
+		// Images removed by another remover (the kubelet's GC or eviction manager, crictl rmi): counted,
+		// logged and reported as a node Warning (ImageRemovedExternally).
+		Name: "removals", Default: true,
+		Build: func(_ context.Context, _ *agentConfig, env *agentEnv) (runnable, error) {
+			return removals.New(removals.Config{Node: env.Node, Logger: env.Log}, env.Bus)
 		},
 	},
 	{

@@ -67,6 +67,8 @@ func NodePermissions(node, pub string) Permissions {
 		"$JS.API.CONSUMER.INFO." + events.EventsStream + ".*",
 		// The Kubernetes Events bridge's durable consumer of the node's events (created with the filter above).
 		"$JS.ACK." + events.EventsStream + "." + events.KubeEventsDurable(node) + ".>",
+		// The removals worker's durable consumer of the node's events (images removed by another remover).
+		"$JS.ACK." + events.EventsStream + "." + events.RemovalsDurable(node) + ".>",
 		// Dead letters of the node's consumers (bus.Consume keeps terminated messages there).
 		events.DeadLetterPrefix + ".>",
 	}

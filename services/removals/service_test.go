@@ -1,0 +1,122 @@
+package removals
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/bus/bustest"
+	"github.com/imagefleet/imagefleet/events"
+)
+
+const node = "node-1"
+
+func publish(t *testing.T, b *bus.Bus, action string, data any) {
+	t.Helper()
+	ev, err := events.New(node, events.EntityImage, action, data)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Publish(t.Context(), ev); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func warnings(t *testing.T, b *bus.Bus) []events.Event {
+	t.Helper()
+	var out []events.Event
+	err := b.ReadStream(t.Context(), events.EventsStream, events.EventSubject(node, events.EntityNode, events.ActionWarning), 0, func(m bus.StreamMsg) bool {
+		ev, err := events.DecodeEvent(m.Data)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, ev)
+		return true
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// TestForeignRemovals: over a real nats-server, an image that vanished after an imagefleet removal is not
+// reported, nor one whose removal is published just after it vanished (within the grace); one nobody in
+// imagefleet removed is counted and reported once as a Warning on the node, also across a restart; bad input
+// is skipped.
+func TestForeignRemovals(t *testing.T) {
+	bustest.VerifyNoLeaks(t)
+	_, b := bustest.Start(t)
+	reg := prometheus.NewRegistry()
+	publish(t, b, events.ActionRemoved, events.ImageRemoved{ID: "sha256:aa", Size: 10, Reason: "space"})
+	publish(t, b, events.ActionVanished, events.ImageRecord{ID: "sha256:aa", Size: 10})
+	publish(t, b, events.ActionVanished, events.ImageRecord{ID: "sha256:bb", RepoTags: []string{"r/b:1"}, Size: 20})
+	publish(t, b, events.ActionVanished, events.ImageRecord{ID: "sha256:cc", Size: 30}) // GC's removal follows
+	if err := b.PublishRaw(events.EventSubject(node, events.EntityImage, events.ActionVanished), []byte("not json")); err != nil {
+		t.Fatal(err)
+	}
+	run := func() (stop func()) {
+		s, err := New(Config{Node: node, Grace: 2 * time.Second, Registerer: reg}, b)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- s.Run(ctx) }()
+		return func() {
+			cancel()
+			if err := <-done; err != nil {
+				t.Errorf("Run = %v", err)
+			}
+		}
+	}
+	stop := run()
+	time.Sleep(500 * time.Millisecond)
+	publish(t, b, events.ActionRemoved, events.ImageRemoved{ID: "sha256:cc", Size: 30, Reason: "space"})
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		st, err := b.Consumer(t.Context(), events.EventsStream, events.RemovalsDurable(node))
+		if err == nil && st.NumPending == 0 && st.NumAckPending == 0 && len(warnings(t, b)) > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("not drained: %+v %v", st, err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	stop()
+	// A restart that reads everything again reports nothing new (the warning's id derives from the event's).
+	if err := b.Request(t.Context(), "$JS.API.CONSUMER.DELETE."+events.EventsStream+"."+events.RemovalsDurable(node), nil, nil); err != nil {
+		t.Logf("delete consumer: %v", err)
+	}
+	stop = run()
+	time.Sleep(3 * time.Second)
+	stop()
+
+	ws := warnings(t, b)
+	if len(ws) != 1 {
+		t.Fatalf("warnings %+v, want one (sha256:bb)", ws)
+	}
+	w := ws[0]
+	if w.Reason != ReasonImageRemovedExternally || w.Severity != events.Warning || w.Object == nil || w.Object.Kind != "Node" ||
+		w.Object.Name != node || !strings.Contains(w.Message, "sha256:bb (r/b:1, 20 bytes) was removed from the node by something other than imagefleet") {
+		t.Fatalf("warning %+v", w)
+	}
+	var nw events.NodeWarning
+	if err := w.DecodeData(&nw); err != nil || nw.Reason != w.Reason || nw.Message != w.Message {
+		t.Fatalf("warning data %+v, %v", nw, err)
+	}
+	// Counted once per run that saw it: the first run, and the second (which read the stream again).
+	if n := testutil.ToFloat64(prometheus.Collector(must(reg))); n != 2 {
+		t.Fatalf("imagefleet_images_removed_externally_total = %v, want 2 (once per reading)", n)
+	}
+}
+
+func must(reg *prometheus.Registry) prometheus.Counter {
+	s, _ := New(Config{Node: node, Registerer: reg}, nil)
+	return s.counter
+}
