@@ -335,6 +335,9 @@ func readPodFiles(files []string, check bool) ([]json.RawMessage, []*v1.Pod, err
 	return raws, pods, nil
 }
 
+// noIndexGrace is how long apply and delete ask again when no pod index answers (an agent starting).
+const noIndexGrace = 2 * time.Second
+
 // applyBatchBytes bounds the pods of one podapply request (the server's max payload is 1 MiB by default).
 const applyBatchBytes = 512 << 10
 
@@ -359,7 +362,13 @@ func (cl *cli) applyPods(cmd *cobra.Command, node string, raws []json.RawMessage
 		}
 		req := events.PodApplyRequest{Op: op, Pods: raws[:n], ByName: byName, Wait: wait && n == len(raws)}
 		var rep events.PodApplyReply
-		if err := indexRequest(rctx, b, events.CommandSubject(node, events.VerbPodApply), req, &rep); err != nil {
+		err := indexRequest(rctx, b, events.CommandSubject(node, events.VerbPodApply), req, &rep)
+		// An agent that has just started may not serve podapply yet: ask again for a moment.
+		for start := time.Now(); errors.Is(err, bus.ErrNoResponders) && time.Since(start) < noIndexGrace && rctx.Err() == nil; {
+			time.Sleep(100 * time.Millisecond)
+			err = indexRequest(rctx, b, events.CommandSubject(node, events.VerbPodApply), req, &rep)
+		}
+		if err != nil {
 			if errors.Is(err, bus.ErrNoResponders) {
 				return fmt.Errorf("no pod index answers on %s: it decides what each pod is, so nothing was sent (run the agent's podindex worker)", node)
 			}
