@@ -13,6 +13,7 @@ import (
 	kubepod "k8s.io/kubernetes/pkg/kubelet/pod"
 	kubetypes "k8s.io/kubernetes/pkg/kubelet/types"
 
+	"github.com/imagefleet/imagefleet/events"
 	"github.com/imagefleet/imagefleet/services/podindex"
 )
 
@@ -103,90 +104,48 @@ func describeAll(ps []*v1.Pod) []string {
 	return out
 }
 
-// podAnswers is every answer of a pod manager, in a comparable form.
-func podAnswers(m interface {
-	GetPods() []*v1.Pod
-	GetPodsAndMirrorPods() ([]*v1.Pod, []*v1.Pod, []string)
-	GetStaticPodToMirrorPodMap() map[*v1.Pod]*v1.Pod
-	GetPodByUID(types.UID) (*v1.Pod, bool)
-	GetPodByName(string, string) (*v1.Pod, bool)
-	GetPodByFullName(string) (*v1.Pod, bool)
-	GetMirrorPodByPod(*v1.Pod) (*v1.Pod, bool)
-	GetPodByMirrorPod(*v1.Pod) (*v1.Pod, bool)
-	GetPodAndMirrorPod(*v1.Pod) (*v1.Pod, *v1.Pod, bool)
-}, translate func(types.UID) string, translations func() (map[string]string, map[string]string), probes []*v1.Pod) []string {
+// kubeAnswers is every answer of the kubelet's pod manager that imagefleet's index exports
+// (GetPodsAndMirrorPods, GetPodByFullName for every full name, GetUIDTranslations, which holds TranslatePodUID
+// and the static-to-mirror map), in a comparable form.
+func kubeAnswers(m kubepod.Manager) []string {
+	toMirror, toPod := m.GetUIDTranslations()
+	x, y := map[string]string{}, map[string]string{}
+	for k, v := range toMirror {
+		x[string(k)] = string(v)
+	}
+	for k, v := range toPod {
+		y[string(k)] = string(v)
+	}
+	pods, mirrors, orphans := m.GetPodsAndMirrorPods()
+	return answers(pods, mirrors, orphans, m.GetPodByFullName, x, y)
+}
+
+func ourAnswers(ix *podindex.Index) []string {
+	toMirror, toPod := ix.GetUIDTranslations()
+	x, y := map[string]string{}, map[string]string{}
+	for k, v := range toMirror {
+		x[string(k)] = string(v)
+	}
+	for k, v := range toPod {
+		y[string(k)] = string(v)
+	}
+	pods, mirrors, orphans := ix.GetPodsAndMirrorPods()
+	return answers(pods, mirrors, orphans, ix.GetPodByFullName, x, y)
+}
+
+func answers(pods, mirrors []*v1.Pod, orphans []string, byFullName func(string) (*v1.Pod, bool), toMirror, toPod map[string]string) []string {
 	var out []string
 	add := func(format string, args ...any) { out = append(out, fmt.Sprintf(format, args...)) }
-	add("GetPods %v", describeAll(m.GetPods()))
-	pods, mirrors, orphans := m.GetPodsAndMirrorPods()
 	slices.Sort(orphans)
 	add("GetPodsAndMirrorPods %v %v orphaned %v", describeAll(pods), describeAll(mirrors), orphans)
-	var static []string
-	for p, mp := range m.GetStaticPodToMirrorPodMap() {
-		static = append(static, describe(p)+"->"+describe(mp))
-	}
-	slices.Sort(static)
-	add("GetStaticPodToMirrorPodMap %v", static)
-	uids := append(slices.Clone(podUIDs), "", "u-none")
 	for _, ns := range podNamespaces {
 		for _, name := range podNames {
-			uids = append(uids, types.UID(ns+"-"+name+"-0"), types.UID(ns+"-"+name+"-1"))
-		}
-	}
-	for _, uid := range uids {
-		p, ok := m.GetPodByUID(uid)
-		add("GetPodByUID(%s) %s %v", uid, describe(p), ok)
-		add("TranslatePodUID(%s) %s", uid, translate(uid))
-	}
-	toMirror, toPod := translations()
-	add("GetUIDTranslations %v %v", toMirror, toPod)
-	for _, ns := range podNamespaces {
-		for _, name := range podNames {
-			p, ok := m.GetPodByName(ns, name)
-			add("GetPodByName(%s, %s) %s %v", ns, name, describe(p), ok)
-			p, ok = m.GetPodByFullName(name + "_" + ns)
+			p, ok := byFullName(name + "_" + ns)
 			add("GetPodByFullName(%s_%s) %s %v", name, ns, describe(p), ok)
 		}
 	}
-	for _, probe := range probes {
-		mp, ok := m.GetMirrorPodByPod(probe)
-		add("GetMirrorPodByPod(%s) %s %v", describe(probe), describe(mp), ok)
-		p, ok := m.GetPodByMirrorPod(probe)
-		add("GetPodByMirrorPod(%s) %s %v", describe(probe), describe(p), ok)
-		p, mp, was := m.GetPodAndMirrorPod(probe)
-		add("GetPodAndMirrorPod(%s) %s %s %v", describe(probe), describe(p), describe(mp), was)
-	}
+	add("GetUIDTranslations %v %v", toMirror, toPod)
 	return out
-}
-
-func kubeAnswers(m kubepod.Manager, probes []*v1.Pod) []string {
-	return podAnswers(m, func(uid types.UID) string { return string(m.TranslatePodUID(uid)) },
-		func() (map[string]string, map[string]string) {
-			a, b := m.GetUIDTranslations()
-			x, y := map[string]string{}, map[string]string{}
-			for k, v := range a {
-				x[string(k)] = string(v)
-			}
-			for k, v := range b {
-				y[string(k)] = string(v)
-			}
-			return x, y
-		}, probes)
-}
-
-func ourAnswers(ix *podindex.Index, probes []*v1.Pod) []string {
-	return podAnswers(ix, func(uid types.UID) string { return string(ix.TranslatePodUID(uid)) },
-		func() (map[string]string, map[string]string) {
-			a, b := ix.GetUIDTranslations()
-			x, y := map[string]string{}, map[string]string{}
-			for k, v := range a {
-				x[string(k)] = string(v)
-			}
-			for k, v := range b {
-				y[string(k)] = string(v)
-			}
-			return x, y
-		}, probes)
 }
 
 func fullName(p *v1.Pod) string { return p.Name + "_" + p.Namespace }
@@ -224,11 +183,12 @@ func differenceMet(m kubepod.Manager, remove bool, pod *v1.Pod) string {
 	return ""
 }
 
-// TestPodManagerMatchesKubelet drives the kubelet's pod manager (pkg/kubelet/pod NewBasicPodManager) and
-// imagefleet's podindex.Index with the same random AddPod / UpdatePod / RemovePod / SetPods calls over a
-// few namespaces, names and UIDs (API, static and mirror pods, matching hashes or not) and compares every
-// answer after every call: pods by UID and full name, mirror pods, the static-to-mirror map, UID translation
-// both ways, orphaned mirror pods.
+// TestPodManagerMatchesKubelet drives the kubelet's pod manager (pkg/kubelet/pod NewBasicPodManager) with
+// random AddPod / UpdatePod / RemovePod / SetPods calls over a few namespaces, names and UIDs (API, static and
+// mirror pods, matching hashes or not), and imagefleet's pod index with the same pods as pod events through
+// podindex.State.Apply (added, updated, deleted; SetPods as a new state with each pod added), and compares
+// every answer the index exports after every call: pods and mirror pods (so pods by UID), orphaned mirror
+// pods, pods by full name, the UID translation both ways (so TranslatePodUID and the static-to-mirror map).
 func TestPodManagerMatchesKubelet(t *testing.T) {
 	n := casesFromEnv(t, "KUBELETDIFF_PODMANAGER_CASES", 1000)
 	excluded := map[string]int{}
@@ -236,7 +196,12 @@ func TestPodManagerMatchesKubelet(t *testing.T) {
 	for seed := range uint64(n) {
 		r := rand.New(rand.NewPCG(seed, 3))
 		kube := kubepod.NewBasicPodManager()
-		ours := podindex.NewIndex()
+		ours := podindex.NewState()
+		var seq uint64
+		apply := func(action string, pod *v1.Pod) {
+			seq++
+			ours.Apply(seq, podindex.PodEvent{Action: action, Pod: pod})
+		}
 		tainted := ""
 		var history []string
 		for op := range 30 {
@@ -256,7 +221,10 @@ func TestPodManagerMatchesKubelet(t *testing.T) {
 					list = append(list, p)
 				}
 				kube.SetPods(list)
-				ours.SetPods(list)
+				ours = podindex.NewState() // SetPods: the index rebuilt from the pods, each added in order
+				for _, p := range list {
+					apply(events.ActionAdded, p)
+				}
 				tainted = why
 				var desc []string
 				for _, p := range list {
@@ -269,7 +237,7 @@ func TestPodManagerMatchesKubelet(t *testing.T) {
 					tainted = differenceMet(kube, true, pod)
 				}
 				kube.RemovePod(pod)
-				ours.RemovePod(pod)
+				apply(events.ActionDeleted, pod)
 				history = append(history, "RemovePod "+describe(pod)+" "+annotations(pod))
 			default:
 				pod = randomPod(r, op)
@@ -278,10 +246,10 @@ func TestPodManagerMatchesKubelet(t *testing.T) {
 				}
 				if k%2 == 0 {
 					kube.AddPod(pod)
-					ours.AddPod(pod)
+					apply(events.ActionAdded, pod)
 				} else {
 					kube.UpdatePod(pod)
-					ours.UpdatePod(pod)
+					apply(events.ActionUpdated, pod)
 				}
 				history = append(history, "UpsertPod "+describe(pod)+" "+annotations(pod))
 			}
@@ -293,11 +261,7 @@ func TestPodManagerMatchesKubelet(t *testing.T) {
 				continue
 			}
 			compared++
-			probes := []*v1.Pod{randomPod(r, -1), randomPod(r, -1)}
-			if pod != nil {
-				probes = append(probes, pod)
-			}
-			want, got := kubeAnswers(kube, probes), ourAnswers(ours, probes)
+			want, got := kubeAnswers(kube), ourAnswers(ours.Index)
 			if !slices.Equal(got, want) {
 				var diff []string
 				for i := range want {

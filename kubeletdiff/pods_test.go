@@ -3,7 +3,6 @@ package kubeletdiff
 import (
 	"fmt"
 	"math/rand/v2"
-	"slices"
 	"sort"
 	"strings"
 	"testing"
@@ -17,6 +16,7 @@ import (
 	"k8s.io/kubernetes/pkg/kubelet/util/manager"
 	"sigs.k8s.io/randfill"
 
+	"github.com/imagefleet/imagefleet/events"
 	"github.com/imagefleet/imagefleet/services/podindex"
 )
 
@@ -37,50 +37,38 @@ func randomSpec(seed int64) v1.PodSpec {
 	return spec
 }
 
-func visitAll(visit func(*v1.Pod, func(string) bool) bool, pod *v1.Pod, stopAfter int) ([]string, bool) {
-	var got []string
-	ok := visit(pod, func(name string) bool {
-		got = append(got, name)
-		return len(got) != stopAfter
-	})
-	return got, ok
-}
-
-// TestVisitorsMatchKubelet compares imagefleet's VisitPodSecretNames and VisitPodConfigmapNames with
-// pkg/api/v1/pod's on random pod specs: every name in the same order (duplicates included), and the same
-// early stop when the visitor returns false.
-func TestVisitorsMatchKubelet(t *testing.T) {
+// TestReferencedNamesMatchKubelet compares, on random pod specs, the secrets and configmaps the kubelet's
+// managers reference for a pod (getSecretNames, getConfigMapNames: the names pkg/api/v1/pod's
+// VisitPodSecretNames and VisitPodConfigmapNames visit, as a set) with what imagefleet registers for the pod
+// when it is added (podindex.State.Apply, then the registry's Refs): the same objects, each counted once,
+// and a 0 -> 1 transition for each. (The order of the visits is not observable through the index's API; the
+// kubelet's managers use the names as a set.)
+func TestReferencedNamesMatchKubelet(t *testing.T) {
 	n := casesFromEnv(t, "KUBELETDIFF_POD_CASES", 3000)
 	var secrets, configMaps int
 	for seed := range int64(n) {
 		pod := &v1.Pod{Spec: randomSpec(seed)}
-		for _, v := range []struct {
-			kind  string
-			kube  func(*v1.Pod, func(string) bool) bool
-			ours  func(*v1.Pod, func(string) bool) bool
-			count *int
-		}{
-			{"secret", func(p *v1.Pod, f func(string) bool) bool { return podutil.VisitPodSecretNames(p, f) }, podindex.VisitPodSecretNames, &secrets},
-			{"configmap", func(p *v1.Pod, f func(string) bool) bool { return podutil.VisitPodConfigmapNames(p, f) }, podindex.VisitPodConfigmapNames, &configMaps},
-		} {
-			want, _ := visitAll(v.kube, pod, -1)
-			got, _ := visitAll(v.ours, pod, -1)
-			if !slices.Equal(got, want) {
-				t.Fatalf("seed %d: %s names: imagefleet %q, kubelet %q\npod spec: %+v", seed, v.kind, got, want, pod.Spec)
-			}
-			*v.count += len(want)
-			if len(want) == 0 {
-				continue
-			}
-			stop := 1 + int(seed)%len(want)
-			want, wantOK := visitAll(v.kube, pod, stop)
-			got, gotOK := visitAll(v.ours, pod, stop)
-			if !slices.Equal(got, want) || gotOK != wantOK {
-				t.Fatalf("seed %d: %s names stopping after %d: imagefleet %q %v, kubelet %q %v", seed, v.kind, stop, got, gotOK, want, wantOK)
-			}
+		pod.Namespace, pod.Name, pod.UID = "ns", "pod", types.UID(fmt.Sprint("uid-", seed))
+		want := map[string]int{}
+		for name := range referenced(podutil.VisitPodSecretNames)(pod) {
+			want["Secret/ns/"+name] = 1
+			secrets++
+		}
+		for name := range referenced(podutil.VisitPodConfigmapNames)(pod) {
+			want["ConfigMap/ns/"+name] = 1
+			configMaps++
+		}
+		state := podindex.NewState()
+		tr := state.Apply(1, podindex.PodEvent{Action: events.ActionAdded, Pod: pod})
+		got := counts(state.Refs)
+		if !mapsEqual(got, want) {
+			t.Fatalf("seed %d: referenced objects differ\nimagefleet: %v\nkubelet:    %v\npod spec: %+v", seed, sortedKeys(got), sortedKeys(want), pod.Spec)
+		}
+		if err := checkTransitions(tr, nil, got); err != nil {
+			t.Fatalf("seed %d: %v", seed, err)
 		}
 	}
-	t.Logf("%d pods: %d secret and %d configmap references visited alike", n, secrets, configMaps)
+	t.Logf("%d pods: %d secret and %d configmap references alike", n, secrets, configMaps)
 	if secrets < n/2 || configMaps < n/10 {
 		t.Errorf("too few references drawn (%d secrets, %d configmaps in %d pods): the generator is broken", secrets, configMaps, n)
 	}
@@ -112,11 +100,19 @@ func referenced(visit func(*v1.Pod, podutil.Visitor) bool) func(*v1.Pod) sets.Se
 	}
 }
 
+// refPods are the pods of the reference-count sequences: a UID names one pod (namespace and name), as the API
+// server makes it; two UIDs share a namespace and name (a pod deleted and created again).
+var refPods = []struct {
+	uid      types.UID
+	ns, name string
+}{{"u1", "ns1", "p"}, {"u2", "ns1", "q"}, {"u3", "ns2", "p"}, {"u4", "ns1", "p"}}
+
 // TestRefCountsMatchKubelet drives the kubelet's cache-based secret and configmap managers
-// (pkg/kubelet/util/manager NewCacheBasedManager over a counting store) and imagefleet's podindex.Registry
-// with the same random RegisterPod / UnregisterPod calls (pods that share namespaces, names and UIDs, specs
-// that change), and compares every reference count after every call, and the 0 -> 1 and 1 -> 0 transitions
-// imagefleet reports with the counts.
+// (pkg/kubelet/util/manager NewCacheBasedManager over a counting store) with the calls the kubelet makes for
+// a pod's life (a pod synced while not terminal: RegisterPod; terminal, SyncTerminatedPod: UnregisterPod;
+// deleted: UnregisterPod), and imagefleet with the same pods as pod events through podindex.State.Apply
+// (added or updated, in a random phase; deleted), specs changing at random, and compares every reference
+// count after every event, and the 0 -> 1 and 1 -> 0 transitions Apply reports with the counts.
 func TestRefCountsMatchKubelet(t *testing.T) {
 	n := casesFromEnv(t, "KUBELETDIFF_REF_CASES", 300)
 	var calls, maxCount int
@@ -125,23 +121,25 @@ func TestRefCountsMatchKubelet(t *testing.T) {
 		secretStore, configMapStore := countingStore{}, countingStore{}
 		secrets := manager.NewCacheBasedManager(secretStore, referenced(podutil.VisitPodSecretNames))
 		configMaps := manager.NewCacheBasedManager(configMapStore, referenced(podutil.VisitPodConfigmapNames))
-		reg := podindex.NewRegistry()
+		state := podindex.NewState()
 		for op := range 40 {
+			rp := refPods[r.IntN(len(refPods))]
 			pod := &v1.Pod{Spec: randomSpec(int64(seed)*1000 + int64(op))}
-			pod.Namespace = pick(r, "ns1", "ns2")
-			pod.Name = pick(r, "p", "q")
-			pod.UID = types.UID(pick(r, "u1", "u2", "u3"))
-			before := counts(reg)
-			var tr []podindex.Transition
-			if r.IntN(3) == 0 {
+			pod.Namespace, pod.Name, pod.UID = rp.ns, rp.name, rp.uid
+			if r.IntN(6) == 0 {
+				pod.Status.Phase = pick(r, v1.PodSucceeded, v1.PodFailed)
+			}
+			before := counts(state.Refs)
+			action := pick(r, events.ActionAdded, events.ActionUpdated, events.ActionUpdated, events.ActionDeleted)
+			switch {
+			case action == events.ActionDeleted || pod.Status.Phase == v1.PodSucceeded || pod.Status.Phase == v1.PodFailed:
 				secrets.UnregisterPod(pod)
 				configMaps.UnregisterPod(pod)
-				tr = reg.UnregisterPod(pod)
-			} else {
+			default:
 				secrets.RegisterPod(pod)
 				configMaps.RegisterPod(pod)
-				tr = reg.RegisterPod(pod)
 			}
+			tr := state.Apply(uint64(op+1), podindex.PodEvent{Action: action, Pod: pod})
 			calls++
 			want := map[string]int{}
 			for k, c := range secretStore {
@@ -151,13 +149,13 @@ func TestRefCountsMatchKubelet(t *testing.T) {
 			for k, c := range configMapStore {
 				want["ConfigMap/"+k] = c
 			}
-			got := counts(reg)
+			got := counts(state.Refs)
 			if !mapsEqual(got, want) {
-				t.Fatalf("seed %d op %d: counts differ\nimagefleet: %v\nkubelet:    %v", seed, op, got, want)
+				t.Fatalf("seed %d op %d (%s %s/%s/%s %s): counts differ\nimagefleet: %v\nkubelet:    %v", seed, op, action, pod.Namespace, pod.Name, pod.UID, pod.Status.Phase, got, want)
 			}
 			for k := range want {
 				kind, ns, name := splitKey(k)
-				if c := reg.Count(kind, ns, name); c != want[k] {
+				if c := state.Refs.Count(kind, ns, name); c != want[k] {
 					t.Fatalf("seed %d op %d: Count(%s) = %d, kubelet %d", seed, op, k, c, want[k])
 				}
 			}
@@ -166,7 +164,7 @@ func TestRefCountsMatchKubelet(t *testing.T) {
 			}
 		}
 	}
-	t.Logf("%d sequences, %d register/unregister calls: counts equal after each (highest count %d)", n, calls, maxCount)
+	t.Logf("%d sequences, %d pod events: counts equal after each (highest count %d)", n, calls, maxCount)
 }
 
 func counts(reg *podindex.Registry) map[string]int {
