@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"os"
@@ -27,6 +28,7 @@ import (
 	"github.com/imagefleet/imagefleet/services/gc"
 	"github.com/imagefleet/imagefleet/services/kevents"
 	"github.com/imagefleet/imagefleet/services/podindex"
+	"github.com/imagefleet/imagefleet/services/podsource"
 	"github.com/imagefleet/imagefleet/services/puller"
 	"github.com/imagefleet/imagefleet/services/removals"
 )
@@ -65,9 +67,13 @@ type agentConfig struct {
 	MaxParallelPulls int32
 	PodIndex         podindex.Config
 	Static           podindex.StaticConfig // ManifestPath "": no static pod source
-	Heartbeat        fleet.HeartbeatConfig
-	NodeLabels       string // --node-labels: parsed into Heartbeat.Labels
-	Inventory        fleet.InventoryConfig
+	// PodSource is --pod-source: kubelet, apiserver or none.
+	PodSource       string
+	KubeletSource   podsource.KubeletConfig
+	APIServerSource podsource.APIServerConfig
+	Heartbeat       fleet.HeartbeatConfig
+	NodeLabels      string // --node-labels: parsed into Heartbeat.Labels
+	Inventory       fleet.InventoryConfig
 	// Kubeconfig is the kubeconfig file of the workers that talk to the API server ("": in-cluster config).
 	Kubeconfig string
 	KubeEvents kevents.Config
@@ -229,6 +235,8 @@ var agentWorkers = []workerDef{
 			fs.StringVar(&c.Static.ManifestPath, "pod-manifest-path", "", "directory (or file) of static pod manifests; empty: no static pod source")
 			fs.DurationVar(&c.Static.ResyncPeriod, "file-check-frequency", 20*time.Second, "how often the static pod manifests are read again besides file notifications")
 			fs.DurationVar(&c.PodIndex.FlushInterval, "pod-index-flush-interval", 5*time.Second, "how often the pod index writes its snapshot while it keeps up with its events")
+			fs.StringVar(&c.PodSource, "pod-source", "none", "where the node's pods come from: kubelet (its Pods API socket), apiserver (a watch of spec.nodeName=<node>, with --kubeconfig), none")
+			fs.StringVar(&c.KubeletSource.Socket, "kubelet-pods-socket", podsource.DefaultPodsSocket, "the kubelet's Pods API socket (--pod-source kubelet)")
 		},
 		Build: buildPodIndex,
 	},
@@ -294,7 +302,8 @@ func buildPuller(_ context.Context, c *agentConfig, env *agentEnv) (runnable, er
 	return puller.New(cfg, env.CRI, env.Bus)
 }
 
-// buildPodIndex builds the pod index and, with --pod-manifest-path, the static pod source beside it.
+// buildPodIndex builds the pod index and beside it, with --pod-manifest-path, the static pod source, and
+// with --pod-source, the kubelet's or the API server's.
 func buildPodIndex(_ context.Context, c *agentConfig, env *agentEnv) (runnable, error) {
 	cfg := c.PodIndex
 	cfg.Node, cfg.Logger = env.Node, env.Log
@@ -302,16 +311,51 @@ func buildPodIndex(_ context.Context, c *agentConfig, env *agentEnv) (runnable, 
 	if err != nil {
 		return nil, err
 	}
-	if c.Static.ManifestPath == "" {
+	workers := group{ix}
+	if c.Static.ManifestPath != "" {
+		if c.PodSource == "kubelet" {
+			// Both would own the config source "file": the Pods API serves the kubelet's static pods.
+			return nil, errors.New("--pod-manifest-path and --pod-source kubelet exclude each other: the kubelet's Pods API serves its static pods")
+		}
+		scfg := c.Static
+		scfg.Node, scfg.Logger = env.Node, env.Log
+		src, err := podindex.NewStaticSource(scfg, env.Bus, env.Bus)
+		if err != nil {
+			return nil, err
+		}
+		workers = append(workers, src)
+	}
+	switch c.PodSource {
+	case "none", "":
+	case "kubelet":
+		kcfg := c.KubeletSource
+		kcfg.Node, kcfg.Logger = env.Node, env.Log
+		src, err := podsource.NewKubeletSource(kcfg, env.Bus, env.Bus)
+		if err != nil {
+			return nil, err
+		}
+		registerHealth("pod source kubelet", src.Health)
+		workers = append(workers, src)
+	case "apiserver":
+		rc, err := kubeRESTConfig(c.Kubeconfig)
+		if err != nil {
+			return nil, fmt.Errorf("--pod-source apiserver: %w", err)
+		}
+		acfg := c.APIServerSource
+		acfg.Node, acfg.Logger, acfg.REST = env.Node, env.Log, rc
+		src, err := podsource.NewAPIServerSource(acfg, env.Bus, env.Bus)
+		if err != nil {
+			return nil, err
+		}
+		registerHealth("pod source apiserver", src.Health)
+		workers = append(workers, src)
+	default:
+		return nil, fmt.Errorf("--pod-source %q: want kubelet, apiserver or none", c.PodSource)
+	}
+	if len(workers) == 1 {
 		return ix, nil
 	}
-	scfg := c.Static
-	scfg.Node, scfg.Logger = env.Node, env.Log
-	src, err := podindex.NewStaticSource(scfg, env.Bus, env.Bus)
-	if err != nil {
-		return nil, err
-	}
-	return group{ix, src}, nil
+	return workers, nil
 }
 
 // group runs runnables until ctx ends or one fails.
@@ -334,7 +378,7 @@ func (c *agentConfig) flags(fs *pflag.FlagSet) {
 	fs.StringVar(&c.DataDir, "data-dir", defaultDataDir(), "state directory (embedded NATS store, journal)")
 	fs.StringVar(&c.Workers, "workers", "", "comma-separated workers to run (default: "+defaultWorkers()+")")
 	fs.DurationVar(&c.CRITimeout, "runtime-request-timeout", 2*time.Minute, "timeout of every CRI call but pulls")
-	fs.StringVar(&c.Kubeconfig, "kubeconfig", "", "kubeconfig file of the workers that talk to the Kubernetes API server (kube-events); empty: the in-cluster config of the agent's pod")
+	fs.StringVar(&c.Kubeconfig, "kubeconfig", "", "kubeconfig file of the workers that talk to the Kubernetes API server (kube-events, --pod-source apiserver); empty: the in-cluster config of the agent's pod")
 	fs.IntVar(&c.Replicas, "stream-replicas", 0, "replicas of the JetStream streams and buckets the agent creates or ensures (3 on a 3-server cluster; 0: 1 for new ones, existing ones keep theirs)")
 	for _, w := range agentWorkers {
 		if w.Flags != nil {

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"sort"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -49,6 +51,10 @@ func newMetricsServer(addr string, b *bus.Bus, node string, reg prometheus.Regis
 			http.Error(w, "nats disconnected", http.StatusServiceUnavailable)
 			return
 		}
+		if err := checkHealth(); err != nil {
+			http.Error(w, err.Error(), http.StatusServiceUnavailable)
+			return
+		}
 		_, _ = w.Write([]byte("ok\n"))
 	})
 	return &metricsServer{ln: ln, reg: reg, col: col,
@@ -72,4 +78,35 @@ func (m *metricsServer) Run(ctx context.Context) error {
 		return sErr
 	}
 	return err
+}
+
+// healthChecks are the workers' own health (a pod source that cannot reach its end), served by /healthz.
+var (
+	healthMu     sync.Mutex
+	healthChecks = map[string]func() error{}
+)
+
+// registerHealth adds a worker's health check to /healthz: nil while healthy, else why not.
+func registerHealth(name string, check func() error) {
+	healthMu.Lock()
+	defer healthMu.Unlock()
+	healthChecks[name] = check
+}
+
+// checkHealth joins the failing checks' errors, in name order.
+func checkHealth() error {
+	healthMu.Lock()
+	defer healthMu.Unlock()
+	names := make([]string, 0, len(healthChecks))
+	for n := range healthChecks {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	var errs []error
+	for _, n := range names {
+		if err := healthChecks[n](); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
 }

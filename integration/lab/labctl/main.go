@@ -6,6 +6,11 @@
 //	labctl push -registry 127.0.0.1:5000 -size 20m lab/filler-1:1 lab/filler-2:1
 //	labctl wait -cri unix:///tmp/ifl-lab/containerd.sock -timeout 30s
 //	labctl rm-pods -cri unix:///tmp/ifl-lab/containerd.sock
+//	labctl kube-up -dir /tmp/ifl-kube/run [-cri unix:///tmp/ifl-kube/ctrd/containerd.sock -cni-dir /tmp/ifl-kube/ctrd/cni]
+//	labctl kube-down -dir /tmp/ifl-kube/run
+//
+// kube-up starts integration/kubelab's cluster (etcd, kube-apiserver and, with -cri, a kubelet) detached, so
+// it outlives labctl; kube-down removes it (deploy/lab/kube/up.sh and down.sh run them).
 package main
 
 import (
@@ -15,11 +20,13 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"syscall"
 	"time"
 
+	"github.com/imagefleet/imagefleet/integration/kubelab"
 	"github.com/imagefleet/imagefleet/integration/lab"
 	"github.com/imagefleet/imagefleet/services/cri"
 )
@@ -27,7 +34,10 @@ import (
 const usage = `usage:
   labctl push -registry HOST:PORT [-size SIZE] [-busybox] [-user U -password P] REPO:TAG...
   labctl wait -cri ENDPOINT [-timeout 30s]
-  labctl rm-pods -cri ENDPOINT`
+  labctl rm-pods -cri ENDPOINT
+  labctl kube-up -dir DIR [-bin DIR] [-nodes node-1,...] [-cri ENDPOINT -cni-dir DIR] [-kubelet-config FILE]
+  labctl kube-ns -dir DIR NAMESPACE...
+  labctl kube-down -dir DIR`
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
@@ -95,6 +105,58 @@ func run(ctx context.Context, args []string) error {
 		ctx, cancel := context.WithTimeout(ctx, time.Minute)
 		defer cancel()
 		return lab.RemovePods(ctx, *endpoint)
+	case "kube-up":
+		dir := fs.String("dir", "/tmp/ifl-kube/run", "the cluster's directory (PKI, data, logs, kubeconfigs, kubelet root)")
+		bin := fs.String("bin", "", "directory of kube-apiserver, kubelet and etcd (default: deploy/lab/kube/build.sh's for this checkout)")
+		nodes := fs.String("nodes", "node-1", "node identities given a token; a kubelet registers the first")
+		endpoint := fs.String("cri", "", "CRI endpoint of a runtime for a kubelet (unix:///path); none: no kubelet")
+		cniDir := fs.String("cni-dir", "", "that runtime's CNI conf and bin directory")
+		kcfg := fs.String("kubelet-config", "", "a file of KubeletConfiguration fields to add (YAML)")
+		if err := fs.Parse(args[1:]); err != nil {
+			return err
+		}
+		opts := kubelab.Options{Dir: *dir, BinDir: *bin, Nodes: strings.Split(*nodes, ","), CRIEndpoint: *endpoint,
+			CNIDir: *cniDir, Log: os.Stderr, Detach: true}
+		if *kcfg != "" {
+			b, err := os.ReadFile(*kcfg)
+			if err != nil {
+				return err
+			}
+			opts.KubeletConfig = string(b)
+		}
+		if _, err := os.Stat(filepath.Join(*dir, "state.json")); err == nil {
+			return fmt.Errorf("kube-up: a cluster already lives in %s: labctl kube-down -dir %s first", *dir, *dir)
+		}
+		c, err := kubelab.Start(ctx, opts)
+		if err != nil {
+			return err
+		}
+		fmt.Printf("kube lab up:\n  apiserver   %s (logs in %s)\n  admin       export KUBECONFIG=%s\n", c.Server(), c.Dir(), c.KubeconfigPath("admin"))
+		for _, n := range opts.Nodes {
+			fmt.Printf("  node        %s: --kubeconfig %s\n", n, c.KubeconfigPath(n))
+		}
+		if *endpoint != "" {
+			fmt.Printf("  kubelet     node %s, Pods API socket %s, static pods in %s\n", opts.Nodes[0], c.PodsSocket(), c.StaticPodPath())
+			fmt.Printf("  namespaces  labctl kube-ns -dir %s NS  (the default ServiceAccount and kube-root-ca.crt a pod needs)\n", *dir)
+		}
+		return nil
+	case "kube-ns":
+		dir := fs.String("dir", "/tmp/ifl-kube/run", "the cluster's directory")
+		if err := fs.Parse(args[1:]); err != nil {
+			return err
+		}
+		for _, ns := range fs.Args() {
+			if err := kubelab.PrepareNamespaceIn(ctx, *dir, ns); err != nil {
+				return err
+			}
+		}
+		return nil
+	case "kube-down":
+		dir := fs.String("dir", "/tmp/ifl-kube/run", "the cluster's directory")
+		if err := fs.Parse(args[1:]); err != nil {
+			return err
+		}
+		return kubelab.Down(*dir)
 	default:
 		return fmt.Errorf("unknown command %q\n%s", args[0], usage)
 	}
