@@ -91,7 +91,8 @@ func printGCResult(cmd *cobra.Command, res events.GCResult) error {
 		mode = " (dry run: nothing removed)"
 	}
 	if res.AllUnused {
-		fmt.Fprintf(w, "node %s: delete unused images%s\n", res.Node, mode)
+		fmt.Fprintf(w, "node %s: delete unused images, %s eligible; image fs %d%% used of %s, %s available%s\n", res.Node,
+			FormatSize(max(res.AmountToFree, 0)), res.UsagePercent, FormatSize(res.CapacityBytes), FormatSize(res.AvailableBytes), mode)
 	} else {
 		fmt.Fprintf(w, "node %s: image fs %d%% used of %s, %s available, to free %s%s\n", res.Node, res.UsagePercent,
 			FormatSize(res.CapacityBytes), FormatSize(res.AvailableBytes), FormatSize(max(res.AmountToFree, 0)), mode)

@@ -345,6 +345,11 @@ func (c *collector) freeOldImages(ctx context.Context, p *pass, cands []candidat
 // eligible candidates that would bring freed to bytesToFree if every removal succeeded; when some fail, the
 // next batch continues with the next candidates. If every removal succeeds, the images removed are exactly
 // the kubelet's.
+//
+// With p.meter (the space pass of GarbageCollect), the stop and the batches follow the measured filesystem
+// instead (see meter): each batch covers half of what remains by the meter's estimate, the filesystem is
+// measured after it, and the pass stops once the measure reaches the low threshold's available bytes. With a
+// faithful measure (the disk gives back the declared sizes), the images removed are still the kubelet's.
 func (c *collector) freeSpace(ctx context.Context, p *pass, bytesToFree int64, freeTime time.Time, cands []candidate, reason string) (int64, error) {
 	var (
 		freed      int64
