@@ -26,7 +26,7 @@ func BenchmarkGCBetweenPeriods(b *testing.B) {
 }
 
 func benchOnePass(b *testing.B, node string) {
-	l := startDiskLabWith(b, node, "128m", 60, 40, false)
+	l := startDiskLabWith(b, node, "128m", 60, 40, false, 0)
 	ctx := context.Background()
 	cl := l.ctrd.Client()
 	capacity, _, _ := gcUsage(b, l.mount)

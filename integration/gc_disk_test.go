@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"os"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -35,11 +36,11 @@ type diskLab struct {
 }
 
 func startDiskLab(t testing.TB, node, tmpfs string, high, low int) *diskLab {
-	return startDiskLabWith(t, node, tmpfs, high, low, true)
+	return startDiskLabWith(t, node, tmpfs, high, low, true, 0)
 }
 
 // startDiskLabWith starts the lab, with the puller or without (pulls straight over CRI: no pull events).
-func startDiskLabWith(t testing.TB, node, tmpfs string, high, low int, withPuller bool) *diskLab {
+func startDiskLabWith(t testing.TB, node, tmpfs string, high, low int, withPuller bool, checkPeriod time.Duration) *diskLab {
 	t.Helper()
 	ctx := t.Context()
 	l := &diskLab{node: node, high: high, low: low}
@@ -76,7 +77,7 @@ func startDiskLabWith(t testing.TB, node, tmpfs string, high, low int, withPulle
 	gcStartWorker(t, "cache", ch.Run)
 	g, err := gc.New(gc.Config{
 		Node: node, Policy: gc.Policy{HighThresholdPercent: high, LowThresholdPercent: low, MinAge: 0},
-		PinnedImages: []string{"*/lab/pause:*"}, Period: time.Hour, Registerer: prometheus.NewRegistry(), Logger: log,
+		PinnedImages: []string{"*/lab/pause:*"}, Period: time.Hour, CheckPeriod: checkPeriod, Registerer: prometheus.NewRegistry(), Logger: log,
 	}, gc.Deps{Runtime: cl, Bus: l.b})
 	if err != nil {
 		t.Fatal(err)
@@ -411,5 +412,72 @@ func TestGCKeepsTheRuntimesSandboxImage(t *testing.T) {
 	}
 	if res.CapacityBytes <= 0 || res.AmountToFree != spare.Size {
 		t.Errorf("all-unused result: capacity %d, eligible %d; want the image fs capacity and %d", res.CapacityBytes, res.AmountToFree, spare.Size)
+	}
+}
+
+// TestPullMakesRoomOnARealDisk: the disk is filled past the high threshold behind the agent's back (pulls
+// straight over CRI, no pull events, the usage check an hour away); a pull through the puller then asks for
+// a GC pass first (trigger pull) and succeeds; an image larger than the filesystem can hold after GC fails
+// at once with a message naming the sizes, not halfway with ENOSPC.
+func TestPullMakesRoomOnARealDisk(t *testing.T) {
+	const node = "room-lab"
+	l := startDiskLabWith(t, node, "128m", 60, 40, true, time.Hour)
+	ctx := t.Context()
+	cl := l.ctrd.Client()
+	for i := 0; ; i++ {
+		if _, _, usage := gcUsage(t, l.mount); usage >= l.high {
+			break
+		}
+		if i > 8 {
+			t.Fatal("usage never reached the high threshold")
+		}
+		p, err := lab.Push(ctx, l.reg.Host(), fmt.Sprintf("lab/behind-%d:1", i), 10*gcMiB)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := cl.PullImage(ctx, p.Ref, nil, nil, nil); err != nil {
+			t.Fatalf("pull %s: %v", p.Ref, err)
+		}
+	}
+	_, _, before := gcUsage(t, l.mount)
+	next, err := lab.Push(ctx, l.reg.Host(), "lab/next:1", 10*gcMiB)
+	if err != nil {
+		t.Fatal(err)
+	}
+	big, err := lab.Push(ctx, l.reg.Host(), "lab/big:1", 100*gcMiB)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sub, err := l.b.SubscribeSync(ctx, events.EventSubject(node, events.EntityPull, "*"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(sub.Close)
+
+	r := l.pull(t, sub, next.Ref)
+	_, _, after := gcUsage(t, l.mount)
+	t.Logf("usage %d%% before the pull, %d%% after it: %q %q", before, after, r.Error, r.Message)
+	if r.Error != "" {
+		t.Fatalf("pull at %d%% usage: %s: %s", before, r.Error, r.Message)
+	}
+	var pullPass *events.GCResult
+	for _, res := range l.passes(t) {
+		if res.Trigger == events.GCTriggerPull {
+			pullPass = &res
+		}
+	}
+	if pullPass == nil || len(pullPass.Succeeded()) == 0 || pullPass.Error != "" {
+		t.Fatalf("no successful GC pass asked by the puller before the pull: %+v", pullPass)
+	}
+
+	started := time.Now()
+	r = l.pull(t, sub, big.Ref)
+	t.Logf("pull of %s (%d bytes) after %v: %q %q", big.Ref, big.Size, time.Since(started), r.Error, r.Message)
+	if r.Error != events.ErrKindImagePull || !strings.Contains(r.Message, "no room on the image filesystem: image \""+big.Ref+"\" needs 100.0 MiB") ||
+		!strings.Contains(r.Message, "available of 128.0 MiB") {
+		t.Fatalf("pull of an image larger than the room: %s %q, want ErrImagePull naming the sizes", r.Error, r.Message)
+	}
+	if strings.Contains(r.Message, "no space left on device") {
+		t.Errorf("the pull reached the disk: %q", r.Message)
 	}
 }
