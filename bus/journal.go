@@ -436,6 +436,18 @@ func (j *journal) publish(ctx context.Context, evs []events.Event) error {
 	return nil
 }
 
+// enqueue journals evs and asks the sender to publish them, without waiting (PublishAll with Async).
+func (j *journal) enqueue(evs []events.Event) error {
+	if len(evs) == 0 {
+		return nil
+	}
+	if _, err := j.append(evs); err != nil {
+		return err
+	}
+	j.signal()
+	return nil
+}
+
 func (j *journal) signal() {
 	select {
 	case j.kick <- struct{}{}:

@@ -35,60 +35,92 @@ func EventMsg(ev events.Event) (*nats.Msg, error) {
 	return m, nil
 }
 
-// Publish stores an event in the events stream and waits for the server's ack. A retried publish of the same
-// event is stored once (Nats-Msg-Id).
-func (b *Bus) Publish(ctx context.Context, ev events.Event) error {
-	m, err := EventMsg(ev)
-	if err != nil {
-		return err
-	}
-	if j := b.journal.Load(); j != nil {
-		return j.publish(ctx, []events.Event{ev})
-	}
-	if _, err := b.js.PublishMsg(ctx, m); err != nil {
-		return fmt.Errorf("publish %s %s: %w", ev.Type, ev.ID, b.explainPermission(m.Subject, err))
-	}
-	countPublished(ev.Type)
-	return nil
+// PublishOpt is an option of Publish and PublishAll (as nats.go's jetstream.PublishOpt).
+type PublishOpt func(*publishOpts)
+
+type publishOpts struct {
+	pending *Pending
 }
 
-// PublishAll publishes events asynchronously and waits for every ack; the first error is returned.
-func (b *Bus) PublishAll(ctx context.Context, evs []events.Event) error {
-	if j := b.journal.Load(); j != nil {
-		for _, ev := range evs {
-			if err := ev.Validate(); err != nil {
-				return err
-			}
-		}
-		return j.publish(ctx, evs)
+// Async makes the publish return as soon as the events are handed over, and sets *pending to what
+// pending.Wait waits on. With a journal (OpenJournal) the events are journaled and the journal's sender
+// publishes them: Wait returns nil at once, the journal owns them. Without one they are sent without
+// waiting for the acks: Wait waits for them, and counts the events it sees acked.
+func Async(pending *Pending) PublishOpt { return func(o *publishOpts) { o.pending = pending } }
+
+// Publish stores an event in the events stream and waits for the server's ack (see PublishAll).
+func (b *Bus) Publish(ctx context.Context, ev events.Event, opts ...PublishOpt) error {
+	return b.PublishAll(ctx, []events.Event{ev}, opts...)
+}
+
+// PublishAll is the one publish path of events: each is validated, then journaled when the bus has a
+// journal (nil then means journaled: sent and acked when NATS is reachable, resent later when not), or
+// published asynchronously; it waits for every ack (unless Async) and returns the first error. Every event
+// stored is counted in imagefleet_bus_events_published_total by its type. A retried publish of the same
+// event is stored once (Nats-Msg-Id = event id).
+func (b *Bus) PublishAll(ctx context.Context, evs []events.Event, opts ...PublishOpt) error {
+	var o publishOpts
+	for _, opt := range opts {
+		opt(&o)
 	}
-	futures := make([]jetstream.PubAckFuture, 0, len(evs))
-	for _, ev := range evs {
+	msgs := make([]*nats.Msg, len(evs))
+	for i, ev := range evs {
 		m, err := EventMsg(ev)
 		if err != nil {
 			return err
 		}
-		f, err := b.js.PublishMsgAsync(m)
-		if err != nil {
-			return fmt.Errorf("publish %s %s: %w", ev.Type, ev.ID, err)
+		msgs[i] = m
+	}
+	if j := b.journal.Load(); j != nil {
+		if o.pending != nil {
+			*o.pending = Pending{}
+			return j.enqueue(evs)
 		}
-		futures = append(futures, f)
+		return j.publish(ctx, evs)
 	}
-	if err := waitAcks(ctx, futures); err != nil {
-		return err
+	if len(msgs) == 1 && o.pending == nil {
+		if _, err := b.js.PublishMsg(ctx, msgs[0]); err != nil {
+			return fmt.Errorf("publish %s %s: %w", evs[0].Type, evs[0].ID, b.explainPermission(msgs[0].Subject, err))
+		}
+		countPublished(evs[0].Type)
+		return nil
 	}
-	for _, ev := range evs {
-		countPublished(ev.Type)
+	p := Pending{b: b, futures: make([]jetstream.PubAckFuture, 0, len(msgs)), types: make([]string, 0, len(msgs))}
+	for i, m := range msgs {
+		f, err := b.publishAsyncRetry(ctx, m)
+		if err != nil {
+			return fmt.Errorf("publish %s %s: %w", evs[i].Type, evs[i].ID, b.explainPermission(m.Subject, err))
+		}
+		p.futures = append(p.futures, f)
+		p.types = append(p.types, evs[i].Type)
 	}
-	return nil
+	if o.pending != nil {
+		*o.pending = p
+		return nil
+	}
+	return p.Wait(ctx)
 }
 
-func waitAcks(ctx context.Context, futures []jetstream.PubAckFuture) error {
-	for _, f := range futures {
+// Pending is a set of asynchronous publishes whose acks have not been awaited yet (see Async).
+type Pending struct {
+	b       *Bus
+	futures []jetstream.PubAckFuture
+	types   []string // the event type of each future
+	counted int      // futures already seen acked and counted
+}
+
+// Wait waits for every ack and counts the events acked; the first error is returned.
+func (p *Pending) Wait(ctx context.Context) error {
+	if p == nil {
+		return nil
+	}
+	for ; p.counted < len(p.futures); p.counted++ {
+		f := p.futures[p.counted]
 		select {
 		case <-f.Ok():
+			countPublished(p.types[p.counted])
 		case err := <-f.Err():
-			return fmt.Errorf("publish %s: %w", f.Msg().Subject, err)
+			return fmt.Errorf("publish %s: %w", f.Msg().Subject, p.b.explainPermission(f.Msg().Subject, err))
 		case <-ctx.Done():
 			return ctx.Err()
 		}
@@ -221,35 +253,6 @@ func (b *Bus) publishAsyncRetry(ctx context.Context, m *nats.Msg) (jetstream.Pub
 	}
 }
 
-// Pending is a set of asynchronous publishes whose acks have not been awaited yet.
-type Pending struct {
-	futures []jetstream.PubAckFuture
-}
-
-// PublishAsync starts publishing events to the events stream without waiting for the acks; Wait waits.
-func (b *Bus) PublishAsync(evs []events.Event) (*Pending, error) {
-	p := &Pending{futures: make([]jetstream.PubAckFuture, 0, len(evs))}
-	for _, ev := range evs {
-		m, err := EventMsg(ev)
-		if err != nil {
-			return p, err
-		}
-		f, err := b.js.PublishMsgAsync(m)
-		if err != nil {
-			return p, fmt.Errorf("publish %s %s: %w", ev.Type, ev.ID, err)
-		}
-		p.futures = append(p.futures, f)
-	}
-	return p, nil
-}
-
-// Wait waits for every ack; the first error is returned.
-func (p *Pending) Wait(ctx context.Context) error {
-	if p == nil {
-		return nil
-	}
-	return waitAcks(ctx, p.futures)
-}
 
 // PublishFirst stores msg in its stream only if its subject holds no message yet (the server checks it:
 // Nats-Expected-Last-Subject-Sequence 0). It returns true when msg was stored, or when a retry of the same
@@ -274,4 +277,18 @@ func (b *Bus) PublishStored(ctx context.Context, msg RawMsg) (uint64, error) {
 		return 0, fmt.Errorf("publish to %s: %w", msg.Subject, err)
 	}
 	return ack.Sequence, nil
+}
+
+// waitAcks waits for every ack of futures; the first error is returned.
+func waitAcks(ctx context.Context, futures []jetstream.PubAckFuture) error {
+	for _, f := range futures {
+		select {
+		case <-f.Ok():
+		case err := <-f.Err():
+			return fmt.Errorf("publish %s: %w", f.Msg().Subject, err)
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	return nil
 }

@@ -47,9 +47,11 @@ func (s *Service) applyEvent(seq uint64, ev PodEvent) error {
 		for _, t := range trans {
 			evs = append(evs, s.transitionEvent(seq, ev, t))
 		}
-		p, err := s.bus.PublishAsync(evs)
-		if err != nil {
-			// Kept pending: the next flush publishes them again before it writes the snapshot.
+		p := new(bus.Pending)
+		// Async: nothing blocks, so no context bounds it; the flush waits for the acks.
+		if err := s.bus.PublishAll(context.Background(), evs, bus.Async(p)); err != nil {
+			// Kept pending, unconfirmed: the next flush publishes them again before it writes the snapshot.
+			p = nil
 			s.log.Warn("registration events publish failed", "stream_seq", seq, "err", err)
 		}
 		s.pending = append(s.pending, pendingEvents{evs: evs, p: p})
