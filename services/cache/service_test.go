@@ -128,6 +128,24 @@ func TestListFollowsPullsAndRemovals(t *testing.T) {
 	for ids() != "a" && time.Now().Before(deadline) {
 		time.Sleep(10 * time.Millisecond) // serving
 	}
+	// The cache subscribes as Run starts: a first pull event is published until it has.
+	rt.mu.Lock()
+	rt.images = []cri.Image{{ID: "a", Size: 1}, {ID: "c", Size: 3}}
+	rt.mu.Unlock()
+	first, err := events.New("n1", events.EntityPull, events.ActionPulled, events.PullResult{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	deadline = time.Now().Add(10 * time.Second)
+	for ids() != "c,a" {
+		if time.Now().After(deadline) {
+			t.Fatalf("list %q: the first pull event never refreshed it", ids())
+		}
+		if err := b.Publish(t.Context(), first); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
 	for _, step := range []struct {
 		images         []cri.Image
 		entity, action string

@@ -53,10 +53,17 @@ func TestRecordsFollowPullsAndRemovals(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := b.Publish(t.Context(), pulled); err != nil {
-		t.Fatal(err)
+	// The detector subscribes as Run starts: publish again until it has (then the removal below is timed).
+	deadline := time.Now().Add(10 * time.Second)
+	for !slices.Equal(recordIDs(t, b), []string{"sha256:a", "sha256:b"}) {
+		if time.Now().After(deadline) {
+			t.Fatalf("records %v: the pulled image's record never came", recordIDs(t, b))
+		}
+		if err := b.Publish(t.Context(), pulled); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
-	within(t, "the pulled image's record", func() bool { return slices.Equal(recordIDs(t, b), []string{"sha256:a", "sha256:b"}) })
 
 	// A removal by GC: the record goes with it, although the runtime (here) still lists the image, and no
 	// image.vanished event is published for it.
