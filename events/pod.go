@@ -142,6 +142,9 @@ type PodsReply struct {
 	Next      string `json:"next,omitempty"`
 	// AppliedSeq is the stream sequence of the last pod event the index applied.
 	AppliedSeq uint64 `json:"appliedSeq"`
+	// Gaps counts the times since the index started that the events stream had dropped events it had yet to
+	// read (some may have been pod events): a pod source seeing it grow reconciles with the index.
+	Gaps uint64 `json:"gaps,omitempty"`
 }
 
 // RefsReply answers imagefleet.qry.<node>.refs: every registered secret and configmap, sorted by kind,

@@ -311,6 +311,7 @@ func buildPodIndex(_ context.Context, c *agentConfig, env *agentEnv) (runnable, 
 	if err != nil {
 		return nil, err
 	}
+	registerHealth("pod index", ix.Health)
 	workers := group{ix}
 	if c.Static.ManifestPath != "" {
 		if c.PodSource == "kubelet" {

@@ -23,7 +23,9 @@ func (s *Service) handlePods(_ context.Context, data []byte) (any, error) {
 	if err := s.errCatchingUp(); err != nil {
 		return nil, err
 	}
-	return s.state.listPods(s.cfg.Node, q)
+	rep, err := s.state.listPods(s.cfg.Node, q)
+	rep.Gaps = s.gaps.Load()
+	return rep, err
 }
 
 // handleRefs answers imagefleet.qry.<node>.refs with every registered secret and configmap.

@@ -62,6 +62,11 @@ type Service struct {
 
 	applied map[string]prometheus.Counter // eventsApplied of this node, by action
 
+	// gaps counts the gaps seen (gap.go); gapFirst is the stream's first sequence at the last one, gapAt
+	// its time in Unix nanoseconds.
+	gaps, gapFirst atomic.Uint64
+	gapAt          atomic.Int64
+
 	apply      applier        // serializes the podapply requests
 	seqWaiters appliedWaiters // requests waiting for the applied sequence
 }

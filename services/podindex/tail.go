@@ -136,9 +136,38 @@ func (s *Service) tailOnce(ctx context.Context) error {
 			}
 		}()
 	}
+	// A gap: events dropped from the stream before the index read them (gap.go), at the start and while the
+	// tail runs (the stream can drop events ahead of a slow reader).
+	s.checkGap(tctx, s.state.Applied()+1)
+	var lastSeq atomic.Uint64
+	lastSeq.Store(s.state.Applied())
+	// prevPending is how many of the node's events followed the last delivered one: the next delivery leaves
+	// at least one fewer, unless some were dropped without being delivered (a gap that is certain).
+	prevPending := uint64(math.MaxUint64)
+	go func() {
+		t := time.NewTicker(gapCheckPeriod)
+		defer t.Stop()
+		for {
+			select {
+			case <-tctx.Done():
+				return
+			case <-t.C:
+				// Only while behind on its own events: a caught-up index loses nothing when the stream drops
+				// other events after its position.
+				if b := s.backlog.Load(); b > 0 && b != math.MaxUint64 {
+					s.checkGap(tctx, lastSeq.Load()+1)
+				}
+			}
+		}
+	}()
 	tailErr := s.bus.TailFrom(tctx, events.EventsStream, events.PodEventSubjects(s.cfg.Node), s.state.Applied()+1, onStart,
 		func(m bus.StreamMsg) error {
 			delivered.Add(1)
+			lastSeq.Store(m.Seq)
+			if prevPending != math.MaxUint64 && prevPending > 0 && m.Pending+1 < prevPending {
+				s.gapLost(m.Seq, prevPending-1-m.Pending)
+			}
+			prevPending = m.Pending
 			select {
 			case in[next] <- m:
 			case <-tctx.Done():

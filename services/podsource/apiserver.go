@@ -196,6 +196,10 @@ func (s *APIServerSource) Run(ctx context.Context) error {
 		case <-tick.C:
 			resync(true)
 		case <-probe.C:
+			if s.gapsGrew(ctx) {
+				s.log.Warn("the pod index lost pod events; reconciling with it")
+				resync(true)
+			}
 			healthy := s.Health() == nil
 			if healthy && n%3 != 0 {
 				continue

@@ -48,6 +48,8 @@ type feed struct {
 
 	// lastSeq is the stream sequence of the last event the source published.
 	lastSeq atomic.Uint64
+	// indexGaps is the index's gap count at the last gapsGrew (noGaps before the first).
+	indexGaps atomic.Uint64
 
 	mu    sync.Mutex
 	known map[types.UID]knownPod
@@ -62,6 +64,7 @@ type knownPod struct {
 func newFeed(node, source string, configs []string, mirrors bool, pub publisher, req requester, log *slog.Logger) *feed {
 	f := &feed{node: node, source: source, configs: configs, mirrors: mirrors, pub: pub, req: req,
 		log: log.With("worker", "pod-source", "source", source), now: time.Now, known: map[types.UID]knownPod{}}
+	f.indexGaps.Store(noGaps)
 	f.setDown(errors.New("not synced yet"))
 	return f
 }
@@ -376,3 +379,22 @@ func podEventRaw(node, action string, body []byte, id string, at time.Time) bus.
 		Header:  events.PodEventHeader(node, action, id, at),
 	}
 }
+
+// gapsGrew asks the pod index how many gaps it has seen (events dropped from the stream before it read
+// them) and reports whether the count grew since the last call: the source then reconciles with the index.
+func (f *feed) gapsGrew(ctx context.Context) bool {
+	if f.req == nil {
+		return false
+	}
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	var rep events.PodsReply
+	if err := f.req.Request(ctx, events.QuerySubject(f.node, events.QryPods), events.PodsQuery{Limit: 1}, &rep); err != nil {
+		return false
+	}
+	prev := f.indexGaps.Swap(rep.Gaps)
+	return rep.Gaps > prev && prev != noGaps
+}
+
+// noGaps marks indexGaps as not read yet (the first reading is the baseline).
+const noGaps = ^uint64(0)

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"sync/atomic"
 	"time"
 
 	"google.golang.org/grpc"
@@ -150,10 +151,31 @@ func (s *KubeletSource) watch(ctx context.Context, client podsv1alpha1.PodsClien
 	defer cancel()
 	// Every ResyncPeriod the stream is ended and opened again: its initial set, compared with the index,
 	// repairs what the index lost (a list beside the stream could be older than an event already applied).
-	resync := time.AfterFunc(s.cfg.ResyncPeriod, func() { cancel() })
+	// So is it when the pod index reports a gap (events dropped from the stream before it read them).
+	var purposeful atomic.Bool
+	again := func() {
+		purposeful.Store(true)
+		cancel()
+	}
+	resync := time.AfterFunc(s.cfg.ResyncPeriod, again)
 	defer resync.Stop()
+	go func() {
+		t := time.NewTicker(10 * time.Second)
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+				if s.gapsGrew(ctx) {
+					s.log.Warn("the pod index lost pod events; reconciling with it")
+					again()
+				}
+			}
+		}
+	}()
 	resynced := func(err error) error {
-		if !resync.Stop() && ctx.Err() != nil {
+		if purposeful.Load() {
 			return errResync
 		}
 		return err

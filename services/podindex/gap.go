@@ -1,0 +1,76 @@
+package podindex
+
+// Gaps: pod events the events stream dropped before the index read them.
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/imagefleet/imagefleet/events"
+)
+
+var eventGaps = prometheus.NewCounterVec(prometheus.CounterOpts{
+	Name: "imagefleet_podindex_event_gaps_total",
+	Help: "Times the events stream had dropped events the pod index had yet to read (its first sequence was past the index's next): pod events may be lost; the pod sources reconcile with the index to repair it.",
+}, []string{"node"})
+
+func init() { prometheus.MustRegister(eventGaps) }
+
+// gapHealth is how long /healthz reports a gap: the kubelet pod source's periodic reconcile (5 min)
+// repairs it within that time, the API server source's (1 min) sooner, and both at once when they see the
+// gap count of a pods reply change.
+const gapHealth = 5 * time.Minute
+
+// gapCheckPeriod is how often a running tail compares its position with the stream's first sequence.
+var gapCheckPeriod = 10 * time.Second
+
+// checkGap compares next, the sequence the index reads next, with the stream's first sequence. The stream
+// (1 GiB, discard oldest, shared by every event of every node) drops its oldest events when full; if it
+// dropped some the index had yet to read, some may have been this node's pod events. A fresh index (next
+// 1) reads whatever the stream still holds and has no gap to report.
+func (s *Service) checkGap(ctx context.Context, next uint64) {
+	if next <= 1 {
+		return
+	}
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	info, err := s.bus.Stream(ctx, events.EventsStream)
+	if err != nil || info.FirstSeq <= next {
+		return
+	}
+	if last := s.gapFirst.Load(); last >= info.FirstSeq {
+		return // already reported
+	}
+	s.gapFirst.Store(info.FirstSeq)
+	s.gaps.Add(1)
+	s.gapAt.Store(time.Now().UnixNano())
+	eventGaps.WithLabelValues(s.cfg.Node).Inc()
+	s.log.Error("pod events may be lost: the events stream dropped events before the pod index read them; the pod sources reconcile with the index",
+		"next_seq", next, "stream_first_seq", info.FirstSeq, "dropped", info.FirstSeq-next)
+}
+
+// gapLost reports n of the node's pod events dropped from the stream between the last delivered one and
+// the one at seq (the consumer's pending count fell by more than the delivery).
+func (s *Service) gapLost(seq, n uint64) {
+	s.gaps.Add(1)
+	s.gapAt.Store(time.Now().UnixNano())
+	eventGaps.WithLabelValues(s.cfg.Node).Inc()
+	s.log.Error("pod events lost: the events stream dropped them before the pod index read them; the pod sources reconcile with the index",
+		"lost", n, "before_seq", seq)
+}
+
+// Gaps is how many gaps the index has seen since it started (PodsReply.Gaps).
+func (s *Service) Gaps() uint64 { return s.gaps.Load() }
+
+// Health is an error for gapHealth after a gap, else nil (/healthz).
+func (s *Service) Health() error {
+	at := s.gapAt.Load()
+	if at == 0 || time.Since(time.Unix(0, at)) > gapHealth {
+		return nil
+	}
+	return fmt.Errorf("pod index: pod events may have been lost at %s (the events stream dropped them before the index read them); the pod sources reconcile",
+		time.Unix(0, at).UTC().Format(time.RFC3339))
+}
