@@ -27,6 +27,9 @@ func newRemovedCounter(reg prometheus.Registerer) (*prometheus.CounterVec, error
 		}
 		return nil, err
 	}
+	// Both reasons exported at 0 before the first removal (alerts need no "or vector(0)").
+	cv.WithLabelValues(ReasonSpace)
+	cv.WithLabelValues(ReasonAge)
 	return cv, nil
 }
 
