@@ -10,12 +10,15 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	"sigs.k8s.io/yaml"
 
 	"github.com/imagefleet/imagefleet/bus"
@@ -157,14 +160,28 @@ func TestGenCertsScript(t *testing.T) {
 	b.Close()
 }
 
-// TestKubernetesManifests: every document decodes strictly into its typed object, and the agent DaemonSet
-// mounts the containerd socket and takes no ServiceAccount token.
+// TestKubernetesManifests: every document decodes strictly into its typed object; the agent DaemonSet mounts
+// the containerd socket and the kubelet's Pods API directory, runs every default worker and the kube-events
+// bridge with flags the binary has, under the imagefleet-agent ServiceAccount; and that ServiceAccount's
+// roles are least privilege: events create and patch, and (only for the API-server pod source) pods list and
+// watch, nothing on secrets, no wildcard.
 func TestKubernetesManifests(t *testing.T) {
+	bin := filepath.Join(t.TempDir(), "imagefleet")
+	if out, err := exec.Command("go", "build", "-o", bin, "../cmd/imagefleet").CombinedOutput(); err != nil {
+		t.Fatalf("build: %v\n%s", err, out)
+	}
+	help, err := exec.Command(bin, "agent", "--help").CombinedOutput()
+	if err != nil {
+		t.Fatalf("imagefleet agent --help: %v\n%s", err, help)
+	}
 	files, err := filepath.Glob("kubernetes/*.yaml")
 	if err != nil || len(files) == 0 {
 		t.Fatalf("no manifests: %v", err)
 	}
 	kinds := map[string]int{}
+	rules := map[string][]rbacv1.PolicyRule{}
+	bound := map[string]string{} // ClusterRole -> ServiceAccount
+	var agentSA string
 	for _, f := range files {
 		raw, err := os.ReadFile(f)
 		if err != nil {
@@ -190,6 +207,12 @@ func TestKubernetesManifests(t *testing.T) {
 				obj = &corev1.ConfigMap{}
 			case "Namespace":
 				obj = &corev1.Namespace{}
+			case "ServiceAccount":
+				obj = &corev1.ServiceAccount{}
+			case "ClusterRole":
+				obj = &rbacv1.ClusterRole{}
+			case "ClusterRoleBinding":
+				obj = &rbacv1.ClusterRoleBinding{}
 			default:
 				t.Fatalf("%s document %d: unexpected kind %q", f, i, meta.Kind)
 			}
@@ -197,31 +220,61 @@ func TestKubernetesManifests(t *testing.T) {
 				t.Fatalf("%s document %d (%s): %v", f, i, meta.Kind, err)
 			}
 			kinds[meta.Kind]++
-			if ds, ok := obj.(*appsv1.DaemonSet); ok {
-				spec := ds.Spec.Template.Spec
-				if spec.AutomountServiceAccountToken == nil || *spec.AutomountServiceAccountToken {
-					t.Error("agent DaemonSet mounts a ServiceAccount token; it needs no Kubernetes API")
+			switch o := obj.(type) {
+			case *rbacv1.ClusterRole:
+				rules[o.Name] = o.Rules
+			case *rbacv1.ClusterRoleBinding:
+				for _, s := range o.Subjects {
+					bound[o.RoleRef.Name] = s.Namespace + "/" + s.Name
 				}
-				found := false
+			case *appsv1.DaemonSet:
+				spec := o.Spec.Template.Spec
+				agentSA = o.Namespace + "/" + spec.ServiceAccountName
+				hostPaths := map[string]bool{}
 				for _, v := range spec.Volumes {
-					if v.HostPath != nil && v.HostPath.Path == "/run/containerd/containerd.sock" {
-						found = true
+					if v.HostPath != nil {
+						hostPaths[v.HostPath.Path] = true
 					}
 				}
-				if !found {
-					t.Error("agent DaemonSet does not mount the containerd socket")
-				}
-				args := strings.Join(spec.Containers[0].Args, " ")
-				for _, want := range []string{"--node=$(NODE_NAME)", "--nkey=", "--tls-cert=", "--metrics-addr="} {
-					if !strings.Contains(args, want) {
-						t.Errorf("agent args %q lack %s", args, want)
+				for _, p := range []string{"/run/containerd/containerd.sock", "/var/lib/kubelet/pods-api"} {
+					if !hostPaths[p] {
+						t.Errorf("agent DaemonSet does not mount %s", p)
 					}
 				}
-			}
-			if d, ok := obj.(*appsv1.Deployment); ok {
-				for _, a := range d.Spec.Template.Spec.Containers[0].Args {
+				args := spec.Containers[0].Args
+				joined := strings.Join(args, " ")
+				for _, want := range []string{"--node=$(NODE_NAME)", "--nkey=", "--tls-cert=", "--metrics-addr=",
+					"--pod-source=kubelet", "--kubelet-pods-socket=/var/lib/kubelet/pods-api/pods-api.sock"} {
+					if !strings.Contains(joined, want) {
+						t.Errorf("agent args %q lack %s", joined, want)
+					}
+				}
+				for _, a := range args[1:] {
+					name, _, _ := strings.Cut(a, "=")
+					if !strings.Contains(string(help), name+" ") {
+						t.Errorf("agent DaemonSet: imagefleet agent has no flag %s", name)
+					}
+				}
+				// Every default worker of this binary, and the bridge.
+				m := regexp.MustCompile(`\(default: ([a-z,-]+)\)`).FindSubmatch(help)
+				if m == nil {
+					t.Fatalf("no default worker list in agent --help")
+				}
+				var workers []string
+				for _, a := range args {
+					if w, ok := strings.CutPrefix(a, "--workers="); ok {
+						workers = strings.Split(w, ",")
+					}
+				}
+				for _, w := range append(strings.Split(string(m[1]), ","), "kube-events") {
+					if !slices.Contains(workers, w) {
+						t.Errorf("agent DaemonSet workers %q lack %s", workers, w)
+					}
+				}
+			case *appsv1.Deployment:
+				for _, a := range o.Spec.Template.Spec.Containers[0].Args {
 					if strings.HasPrefix(a, "--workers=") && !strings.Contains(a, "inventory") {
-						t.Errorf("deployment %s runs workers %s", d.Name, a)
+						t.Errorf("deployment %s runs workers %s", o.Name, a)
 					}
 				}
 			}
@@ -229,6 +282,27 @@ func TestKubernetesManifests(t *testing.T) {
 	}
 	if kinds["DaemonSet"] != 1 || kinds["Deployment"] < 1 || kinds["ConfigMap"] != 1 {
 		t.Errorf("kinds = %v, want one DaemonSet, a Deployment, one ConfigMap", kinds)
+	}
+	want := map[string]string{"imagefleet-agent-events": "events:create,patch", "imagefleet-agent-pods": "pods:list,watch"}
+	for role, rs := range rules {
+		var got []string
+		for _, r := range rs {
+			if !slices.Equal(r.APIGroups, []string{""}) || len(r.ResourceNames) > 0 || len(r.NonResourceURLs) > 0 {
+				t.Errorf("role %s rule %+v: want core resources only", role, r)
+			}
+			for _, res := range r.Resources {
+				got = append(got, res+":"+strings.Join(r.Verbs, ","))
+			}
+		}
+		if strings.Join(got, " ") != want[role] {
+			t.Errorf("role %s grants %q, want %q", role, got, want[role])
+		}
+		if bound[role] != agentSA {
+			t.Errorf("role %s is bound to %q, want the agent's ServiceAccount %q", role, bound[role], agentSA)
+		}
+	}
+	if len(rules) != len(want) {
+		t.Errorf("cluster roles %v, want %v", rules, want)
 	}
 }
 
