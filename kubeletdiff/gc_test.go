@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/imagefleet/imagefleet/services/cri/critest"
 	"log/slog"
 	"math/rand/v2"
 	"os"
@@ -401,8 +402,8 @@ func runKubelet(t *testing.T, c *gcCase) (out gcOutcome) {
 // It returns a dry run made first and the real pass.
 func imagefleetGC(t *testing.T, b *bus.Bus, c *gcCase) (dry, real gcOutcome) {
 	ctx := t.Context()
-	rt := gctest.NewRuntime()
-	clock := gctest.NewClock(t0)
+	rt := critest.NewRuntime()
+	clock := critest.NewClock(t0)
 	recs := gctest.NewRecords(rt, clock.Now)
 	for i, im := range c.images {
 		if im.fail != "" {

@@ -2,8 +2,8 @@ package cache_test
 
 import (
 	"context"
+	"github.com/imagefleet/imagefleet/services/cri/critest"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -12,17 +12,6 @@ import (
 	"github.com/imagefleet/imagefleet/services/cache"
 	"github.com/imagefleet/imagefleet/services/cri"
 )
-
-type fakeRuntime struct {
-	mu     sync.Mutex
-	images []cri.Image
-}
-
-func (f *fakeRuntime) ListImages(context.Context) ([]cri.Image, error) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	return append([]cri.Image(nil), f.images...), nil
-}
 
 func TestSortBySizeTiesByIDDescending(t *testing.T) {
 	list := []events.Image{{ID: "a", Size: 1}, {ID: "b", Size: 3}, {ID: "c", Size: 1}, {ID: "d", Size: 2}}
@@ -39,7 +28,7 @@ func TestSortBySizeTiesByIDDescending(t *testing.T) {
 func TestQueryAnswersSortedCappedListAndRefreshes(t *testing.T) {
 	bustest.VerifyNoLeaks(t)
 	_, b := bustest.Start(t)
-	rt := &fakeRuntime{images: []cri.Image{{ID: "small", Size: 1}, {ID: "big", Size: 100}, {ID: "mid", Size: 50}}}
+	rt := critest.NewRuntime(cri.Image{ID: "small", Size: 1}, cri.Image{ID: "big", Size: 100}, cri.Image{ID: "mid", Size: 50})
 	svc, err := cache.New(cache.Config{Node: "n1", Period: 20 * time.Millisecond}, rt, b)
 	if err != nil {
 		t.Fatal(err)
@@ -71,9 +60,7 @@ func TestQueryAnswersSortedCappedListAndRefreshes(t *testing.T) {
 	if len(rep.Images) != 2 || rep.Images[0].ID != "big" || rep.Images[1].ID != "mid" {
 		t.Fatalf("images = %+v", rep.Images)
 	}
-	rt.mu.Lock()
-	rt.images = append(rt.images, cri.Image{ID: "huge", Size: 1000})
-	rt.mu.Unlock()
+	rt.SetImages(cri.Image{ID: "small", Size: 1}, cri.Image{ID: "big", Size: 100}, cri.Image{ID: "mid", Size: 50}, cri.Image{ID: "huge", Size: 1000})
 	deadline := time.Now().Add(10 * time.Second)
 	for query(1).Images[0].ID != "huge" {
 		if time.Now().After(deadline) {
@@ -89,7 +76,7 @@ func TestQueryAnswersSortedCappedListAndRefreshes(t *testing.T) {
 
 func TestListFollowsPullsAndRemovals(t *testing.T) {
 	_, b := bustest.Start(t)
-	rt := &fakeRuntime{images: []cri.Image{{ID: "a", Size: 1}}}
+	rt := critest.NewRuntime(cri.Image{ID: "a", Size: 1})
 	svc, err := cache.New(cache.Config{Node: "n1", Period: time.Hour}, rt, b)
 	if err != nil {
 		t.Fatal(err)
@@ -155,9 +142,7 @@ func TestListFollowsPullsAndRemovals(t *testing.T) {
 		{[]cri.Image{{ID: "a", Size: 1}, {ID: "b", Size: 2}}, events.EntityPull, events.ActionPulled, events.PullResult{}, "b,a"},
 		{[]cri.Image{{ID: "b", Size: 2}}, events.EntityImage, events.ActionRemoved, events.ImageRemoved{ID: "a", Reason: "space"}, "b"},
 	} {
-		rt.mu.Lock()
-		rt.images = step.images
-		rt.mu.Unlock()
+		rt.SetImages(step.images...)
 		ev, err := events.New("n1", step.entity, step.action, step.data)
 		if err != nil {
 			t.Fatal(err)

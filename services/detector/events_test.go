@@ -1,6 +1,7 @@
 package detector_test
 
 import (
+	"github.com/imagefleet/imagefleet/services/cri/critest"
 	"slices"
 	"testing"
 	"time"
@@ -40,15 +41,15 @@ func within(t *testing.T, what string, cond func() bool) {
 
 func TestRecordsFollowPullsAndRemovals(t *testing.T) {
 	_, b := bustest.Start(t)
-	rt := &fakeRuntime{}
-	rt.set([]cri.Image{{ID: "sha256:a", Size: 1}}, nil, nil)
+	rt := critest.NewRuntime()
+	set(rt, []cri.Image{{ID: "sha256:a", Size: 1}}, nil, nil)
 	defer start(t, b, rt, nil)() // Period 1h: only the start detection and the events
 	if got := recordIDs(t, b); !slices.Equal(got, []string{"sha256:a"}) {
 		t.Fatalf("records %v", got)
 	}
 
 	// A pull: a detection at once.
-	rt.set([]cri.Image{{ID: "sha256:a", Size: 1}, {ID: "sha256:b", Size: 2}}, nil, nil)
+	set(rt, []cri.Image{{ID: "sha256:a", Size: 1}, {ID: "sha256:b", Size: 2}}, nil, nil)
 	pulled, err := events.New(node, events.EntityPull, events.ActionPulled, events.PullResult{})
 	if err != nil {
 		t.Fatal(err)

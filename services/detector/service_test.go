@@ -3,8 +3,8 @@ package detector_test
 import (
 	"context"
 	"errors"
+	"github.com/imagefleet/imagefleet/services/cri/critest"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -16,36 +16,17 @@ import (
 	"github.com/imagefleet/imagefleet/services/detector"
 )
 
-// fakeRuntime is the part of CRI the detector uses.
-type fakeRuntime struct {
-	mu         sync.Mutex
-	images     []cri.Image
-	containers []cri.Container
-	err        error
-}
-
-func (f *fakeRuntime) ListImages(context.Context) ([]cri.Image, error) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	return append([]cri.Image(nil), f.images...), f.err
-}
-
-func (f *fakeRuntime) ListContainers(context.Context) ([]cri.Container, error) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	return append([]cri.Container(nil), f.containers...), f.err
-}
-
-func (f *fakeRuntime) set(images []cri.Image, containers []cri.Container, err error) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	f.images, f.containers, f.err = images, containers, err
+// set makes rt list images and containers, or fail both lists with err.
+func set(rt *critest.Runtime, images []cri.Image, containers []cri.Container, err error) {
+	rt.SetImages(images...)
+	rt.SetContainers(containers...)
+	rt.FailList(err)
 }
 
 const node = "node-1.example"
 
 // start runs a detector until the returned stop is called; stop asserts Run returned nil.
-func start(t *testing.T, b *bus.Bus, rt *fakeRuntime, now func() time.Time) (stop func()) {
+func start(t *testing.T, b *bus.Bus, rt *critest.Runtime, now func() time.Time) (stop func()) {
 	t.Helper()
 	svc, err := detector.New(detector.Config{Node: node, Period: time.Hour, Now: now}, rt, b)
 	if err != nil {
@@ -107,8 +88,8 @@ func load(t *testing.T, b *bus.Bus) map[string]events.ImageRecord {
 func TestRecordsSurviveRestart(t *testing.T) {
 	bustest.VerifyNoLeaks(t)
 	_, b := bustest.Start(t)
-	rt := &fakeRuntime{}
-	rt.set([]cri.Image{{ID: "sha256:a", Size: 10}, {ID: "sha256:b", Size: 20}}, []cri.Container{{ID: "c1", ImageID: "sha256:b"}}, nil)
+	rt := critest.NewRuntime()
+	set(rt, []cri.Image{{ID: "sha256:a", Size: 10}, {ID: "sha256:b", Size: 20}}, []cri.Container{{ID: "c1", ImageID: "sha256:b"}}, nil)
 	t0 := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 	clock := t0
 	stop := start(t, b, rt, func() time.Time { return clock })
@@ -136,12 +117,12 @@ func TestRecordsSurviveRestart(t *testing.T) {
 func TestDetectPublishesDetectedAndVanished(t *testing.T) {
 	bustest.VerifyNoLeaks(t)
 	_, b := bustest.Start(t)
-	rt := &fakeRuntime{}
-	rt.set([]cri.Image{{ID: "sha256:a", Size: 10}}, nil, nil)
+	rt := critest.NewRuntime()
+	set(rt, []cri.Image{{ID: "sha256:a", Size: 10}}, nil, nil)
 	stop := start(t, b, rt, time.Now)
 	defer stop()
 	detect(t, b, time.Now())
-	rt.set([]cri.Image{{ID: "sha256:b", Size: 10}}, nil, nil)
+	set(rt, []cri.Image{{ID: "sha256:b", Size: 10}}, nil, nil)
 	detect(t, b, time.Now())
 	var types []string
 	err := b.ReadStream(t.Context(), events.EventsStream, events.NodeEvents(node), 0, func(m bus.StreamMsg) bool {
@@ -172,7 +153,7 @@ func TestDetectPublishesDetectedAndVanished(t *testing.T) {
 func TestBadRequestsAndRuntimeErrorsKeepTheWorkerRunning(t *testing.T) {
 	bustest.VerifyNoLeaks(t)
 	_, b := bustest.Start(t)
-	rt := &fakeRuntime{}
+	rt := critest.NewRuntime()
 	stop := start(t, b, rt, time.Now)
 	defer stop()
 	for body, want := range map[string]string{
@@ -188,12 +169,12 @@ func TestBadRequestsAndRuntimeErrorsKeepTheWorkerRunning(t *testing.T) {
 			t.Errorf("body %s: error %q, want %q", body, rep.Error, want)
 		}
 	}
-	rt.set(nil, nil, errors.New("connection refused"))
+	set(rt, nil, nil, errors.New("connection refused"))
 	err := b.Request(t.Context(), events.CommandSubject(node, events.VerbDetect), nil, nil)
 	if !errors.Is(err, bus.ErrRemote) || !strings.Contains(err.Error(), "detect images: connection refused") {
 		t.Fatalf("runtime error reply = %v", err)
 	}
-	rt.set([]cri.Image{{ID: "x", Size: 1}}, nil, nil)
+	set(rt, []cri.Image{{ID: "x", Size: 1}}, nil, nil)
 	if rep := detect(t, b, time.Now()); rep.Records != 1 {
 		t.Fatalf("after errors: %+v", rep)
 	}
@@ -209,7 +190,7 @@ func TestNewValidates(t *testing.T) {
 		{detector.Config{Node: "Bad_Name"}, "not a DNS-1123 subdomain"},
 		{detector.Config{Node: "n", Period: -time.Second}, "must not be negative"},
 	} {
-		if _, err := detector.New(tc.cfg, &fakeRuntime{}, b); err == nil || !strings.Contains(err.Error(), tc.want) {
+		if _, err := detector.New(tc.cfg, critest.NewRuntime(), b); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("New(%+v) = %v, want %q", tc.cfg, err, tc.want)
 		}
 	}

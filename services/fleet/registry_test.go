@@ -2,6 +2,7 @@ package fleet_test
 
 import (
 	"context"
+	"github.com/imagefleet/imagefleet/services/cri/critest"
 	"slices"
 	"strings"
 	"testing"
@@ -10,7 +11,6 @@ import (
 	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
 	"github.com/imagefleet/imagefleet/services/fleet"
-	"github.com/imagefleet/imagefleet/services/fleet/fleettest"
 )
 
 func TestNodeStates(t *testing.T) {
@@ -51,7 +51,7 @@ func TestHeartbeatRegistryAndLostDetection(t *testing.T) {
 	_, b := bustest.Start(t)
 	now := time.Date(2026, 1, 1, 12, 0, 0, 0, time.UTC)
 	clock := func() time.Time { return now }
-	rt := fleettest.NewFakeRuntime()
+	rt := critest.NewRuntime()
 	statfs := func(string) (int64, int64, error) { return 100 << 30, 60 << 30, nil }
 	ctx, cancel := context.WithCancel(t.Context())
 	done := make(chan error, 2)
@@ -132,7 +132,7 @@ func TestRegistryEmptyWithoutBuckets(t *testing.T) {
 
 func TestHeartbeatConfigValidation(t *testing.T) {
 	_, b := bustest.Start(t)
-	rt := fleettest.NewFakeRuntime()
+	rt := critest.NewRuntime()
 	cases := []struct {
 		name    string
 		cfg     fleet.HeartbeatConfig

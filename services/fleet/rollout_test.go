@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"github.com/imagefleet/imagefleet/services/cri/critest"
 	"slices"
 	"strings"
 	"sync"
@@ -29,7 +30,7 @@ func startNodes(t *testing.T, b *bus.Bus, n int, configure func(i int, nd *fleet
 	t.Cleanup(func() { cancel(); wg.Wait() })
 	nodes := make([]*fleettest.Node, n)
 	for i := range n {
-		rt := fleettest.NewFakeRuntime(
+		rt := critest.NewRuntime(
 			cri.Image{ID: "sha256:a", RepoTags: []string{"docker.io/library/a:1"}, Size: 10 * mib},
 			cri.Image{ID: "sha256:b", RepoTags: []string{"docker.io/library/b:1"}, Size: 20 * mib},
 			cri.Image{ID: "sha256:c", RepoTags: []string{"docker.io/library/c:1"}, Size: 5 * mib},
@@ -178,7 +179,7 @@ func TestRolloutDryRunTotalsAndRemovesNothing(t *testing.T) {
 		}
 	}
 	for _, nd := range nodes {
-		if n := nd.RT.(*fleettest.FakeRuntime).Images(); n != 3 {
+		if n := len(nd.RT.(*critest.Runtime).Images()); n != 3 {
 			t.Errorf("dry run removed images on %s: %d left", nd.Name, n)
 		}
 		if nd.DryRuns() != 1 {
@@ -191,7 +192,7 @@ func TestRolloutDryRunTotalsAndRemovesNothing(t *testing.T) {
 		t.Errorf("real run: freed %d, succeeded %d", res.FreedBytes, res.Succeeded)
 	}
 	for _, nd := range nodes {
-		if n := nd.RT.(*fleettest.FakeRuntime).Images(); n != 1 {
+		if n := len(nd.RT.(*critest.Runtime).Images()); n != 1 {
 			t.Errorf("real run on %s left %d images, want 1", nd.Name, n)
 		}
 	}
@@ -378,7 +379,7 @@ func TestRolloutPull(t *testing.T) {
 	_, b := bustest.Start(t)
 	nodes := startNodes(t, b, 3, func(i int, nd *fleettest.Node) {
 		if i == 2 {
-			nd.RT.(*fleettest.FakeRuntime).PullErr = fmt.Errorf("pull: %w", cri.ErrUnavailable)
+			nd.RT.(*critest.Runtime).FailPull(fmt.Errorf("pull: %w", cri.ErrUnavailable))
 		}
 	})
 	id := "pull-1"

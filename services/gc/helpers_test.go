@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"github.com/imagefleet/imagefleet/services/cri/critest"
 	"log/slog"
 	"slices"
 	"testing"
@@ -36,9 +37,9 @@ var zero time.Time
 // harness is a collector over the in-memory runtime and records, the kubelet test's realImageGCManager.
 type harness struct {
 	c      *collector
-	rt     *gctest.Runtime
+	rt     *critest.Runtime
 	recs   *gctest.Records
-	clock  *gctest.Clock
+	clock  *critest.Clock
 	policy Policy
 	reg    *prometheus.Registry
 	bus    *bus.Bus
@@ -70,7 +71,7 @@ func withPinned(t *testing.T, patterns ...string) harnessOpt {
 
 func newHarness(t *testing.T, policy Policy, opts ...harnessOpt) *harness {
 	t.Helper()
-	h := &harness{rt: gctest.NewRuntime(), clock: gctest.NewClock(time.Now()), policy: policy, reg: prometheus.NewRegistry()}
+	h := &harness{rt: critest.NewRuntime(), clock: critest.NewClock(time.Now()), policy: policy, reg: prometheus.NewRegistry()}
 	h.recs = gctest.NewRecords(h.rt, h.clock.Now)
 	counter, err := newRemovedCounter(h.reg)
 	if err != nil {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/bus/bustest"
+	"github.com/imagefleet/imagefleet/services/cri/critest"
 	"math/rand/v2"
 	"slices"
 	"strings"
@@ -149,7 +150,7 @@ func TestByteQuotaMeasuresListedSizes(t *testing.T) {
 	}
 }
 
-func listed(rt *gctest.Runtime) []gctestImage {
+func listed(rt *critest.Runtime) []gctestImage {
 	imgs, _ := rt.ListImages(context.Background())
 	return imgs
 }
@@ -263,7 +264,7 @@ func finishedWith(t *testing.T, b *bus.Bus, trigger string) events.GCResult {
 
 func TestUsageCheckRunsAPassBetweenPeriods(t *testing.T) {
 	_, b := bustest.Start(t)
-	rt := gctest.NewRuntime(makeImage(0, 300), makeImage(1, 300))
+	rt := critest.NewRuntime(makeImage(0, 300), makeImage(1, 300))
 	var capacity int64 = 1000
 	statfs := func(string) (int64, int64, error) { return capacity, 400 + rt.RemovedBytes(), nil } // 60 %
 	s := newService(t, b, Config{Policy: Policy{HighThresholdPercent: 50, LowThresholdPercent: 40},
@@ -277,7 +278,7 @@ func TestUsageCheckRunsAPassBetweenPeriods(t *testing.T) {
 
 func TestPulledEventTriggersACheck(t *testing.T) {
 	_, b := bustest.Start(t)
-	rt := gctest.NewRuntime(makeImage(0, 300))
+	rt := critest.NewRuntime(makeImage(0, 300))
 	var full atomic.Bool
 	statfs := func(string) (int64, int64, error) {
 		if full.Load() {

@@ -3,6 +3,7 @@ package gc
 import (
 	"context"
 	"errors"
+	"github.com/imagefleet/imagefleet/services/cri/critest"
 	"log/slog"
 	"testing"
 	"time"
@@ -10,7 +11,6 @@ import (
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/services/detector"
-	"github.com/imagefleet/imagefleet/services/gc/gctest"
 )
 
 // TestBusRecordsAsksTheDetector: the production record source sends the detect command with the pass's
@@ -22,7 +22,7 @@ func TestBusRecordsAsksTheDetector(t *testing.T) {
 		t.Fatalf("no detector running: err = %v, want ErrNoResponders", err)
 	}
 
-	rt := gctest.NewRuntime(makeImage(0, 100), makeImage(1, 200))
+	rt := critest.NewRuntime(makeImage(0, 100), makeImage(1, 200))
 	rt.SetContainers(makeContainer(1))
 	d, err := detector.New(detector.Config{Node: testNode, Period: time.Hour, Logger: slog.New(slog.DiscardHandler)}, rt, b)
 	if err != nil {

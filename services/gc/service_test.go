@@ -3,6 +3,7 @@ package gc
 import (
 	"context"
 	"errors"
+	"github.com/imagefleet/imagefleet/services/cri/critest"
 	"log/slog"
 	"regexp"
 	"strings"
@@ -71,7 +72,7 @@ func TestConfigValidate(t *testing.T) {
 }
 
 // newService builds a Service over the in-memory runtime and records and a real embedded NATS.
-func newService(t *testing.T, b *bus.Bus, cfg Config, rt *gctest.Runtime, records recordSource, statfs func(string) (int64, int64, error)) *Service {
+func newService(t *testing.T, b *bus.Bus, cfg Config, rt *critest.Runtime, records recordSource, statfs func(string) (int64, int64, error)) *Service {
 	t.Helper()
 	cfg.Node = testNode
 	if cfg.Policy == (Policy{}) {
@@ -120,7 +121,7 @@ func request(t *testing.T, b *bus.Bus, body []byte) events.Reply {
 
 func TestMalformedRequestsGetAnErrorAndServingGoesOn(t *testing.T) {
 	_, b := bustest.Start(t)
-	rt := gctest.NewRuntime(makeImage(0, 100))
+	rt := critest.NewRuntime(makeImage(0, 100))
 	s := newService(t, b, Config{Policy: Policy{HighThresholdPercent: 100, LowThresholdPercent: 80}}, rt, gctest.NewRecords(rt, nil),
 		func(string) (int64, int64, error) { return 1000, 900, nil })
 	runService(t, s)
@@ -158,7 +159,7 @@ func TestMalformedRequestsGetAnErrorAndServingGoesOn(t *testing.T) {
 
 func TestGCRequestOverBus(t *testing.T) {
 	_, b := bustest.Start(t)
-	rt := gctest.NewRuntime(makeImage(0, 100), makeImage(1, 200))
+	rt := critest.NewRuntime(makeImage(0, 100), makeImage(1, 200))
 	rt.SetContainers(makeContainer(1))
 	s := newService(t, b, Config{Policy: Policy{HighThresholdPercent: 100, LowThresholdPercent: 80}}, rt, gctest.NewRecords(rt, nil),
 		func(string) (int64, int64, error) { return 1000, 500, nil })
@@ -199,7 +200,7 @@ func (f *failingRecords) Detect(context.Context, time.Time) (map[string]events.I
 
 func TestPeriodicFailureWarnsOnSecondConsecutiveFailure(t *testing.T) {
 	_, b := bustest.Start(t)
-	rt := gctest.NewRuntime()
+	rt := critest.NewRuntime()
 	recs := &failingRecords{}
 	s := newService(t, b, Config{Period: 20 * time.Millisecond}, rt, recs, nil)
 	ctx, cancel := context.WithCancel(t.Context())
@@ -264,7 +265,7 @@ func (h *captureHandler) has(msg string) bool {
 
 func TestDisabledLoopStillServesCommands(t *testing.T) {
 	_, b := bustest.Start(t)
-	rt := gctest.NewRuntime(makeImage(0, 100))
+	rt := critest.NewRuntime(makeImage(0, 100))
 	recs := &countingRecords{Records: gctest.NewRecords(rt, nil)}
 	logs := &captureHandler{}
 	s := newService(t, b, Config{Policy: Policy{HighThresholdPercent: 100, LowThresholdPercent: 80}, Period: time.Millisecond, Logger: slog.New(logs)},
@@ -303,7 +304,7 @@ func TestRunReturnsAfterCancelWithoutLeaks(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
-	rt := gctest.NewRuntime(makeImage(0, 100))
+	rt := critest.NewRuntime(makeImage(0, 100))
 	s := newService(t, b, Config{Period: 10 * time.Millisecond}, rt, gctest.NewRecords(rt, nil),
 		func(string) (int64, int64, error) { return 1000, 900, nil })
 	ctx, cancel := context.WithCancel(t.Context())
@@ -326,7 +327,7 @@ func TestNewNeedsRuntimeAndBus(t *testing.T) {
 		t.Fatal("New accepted no runtime and no bus")
 	}
 	_, err := New(Config{Node: testNode, Policy: DefaultPolicy(), Registerer: prometheus.NewRegistry()},
-		Deps{Runtime: gctest.NewRuntime(cri.Image{ID: "x"}), Bus: &bus.Bus{}})
+		Deps{Runtime: critest.NewRuntime(cri.Image{ID: "x"}), Bus: &bus.Bus{}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -337,7 +338,7 @@ func TestNewNeedsRuntimeAndBus(t *testing.T) {
 // a request id that is not one is refused.
 func TestRepeatedRequestIDRunsOnePass(t *testing.T) {
 	_, b := bustest.Start(t)
-	rt := gctest.NewRuntime(makeImage(0, 100), makeImage(1, 200))
+	rt := critest.NewRuntime(makeImage(0, 100), makeImage(1, 200))
 	s := newService(t, b, Config{Policy: Policy{HighThresholdPercent: 100, LowThresholdPercent: 80}}, rt, gctest.NewRecords(rt, nil),
 		func(string) (int64, int64, error) { return 1000, 500, nil })
 	runService(t, s)

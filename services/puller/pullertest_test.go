@@ -3,6 +3,7 @@ package puller
 import (
 	"context"
 	"fmt"
+	"github.com/imagefleet/imagefleet/services/cri/critest"
 	"log/slog"
 	"slices"
 	"sync"
@@ -104,30 +105,10 @@ type staticCreds []Credential
 
 func (s staticCreds) Lookup(context.Context, string, Request) ([]Credential, error) { return s, nil }
 
-// fakeClock is a settable clock.
-type fakeClock struct {
-	mu sync.Mutex
-	t  time.Time
-}
-
-func newFakeClock() *fakeClock { return &fakeClock{t: time.Date(2026, 7, 22, 10, 0, 0, 0, time.UTC)} }
-
-func (c *fakeClock) Now() time.Time {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.t
-}
-
-func (c *fakeClock) Step(d time.Duration) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.t = c.t.Add(d)
-}
-
 type harness struct {
 	m     *manager
 	rt    *fakeImages
-	clock *fakeClock
+	clock *critest.Clock
 	reg   *prometheus.Registry
 	recs  *memRecords
 }
@@ -144,7 +125,7 @@ type harnessOpts struct {
 
 // newHarness is the kubelet's pullerTestEnv: backoff 1s..1min on a fake clock, one present image.
 func newHarness(o harnessOpts) *harness {
-	clock := newFakeClock()
+	clock := critest.NewClock(time.Date(2026, 7, 22, 10, 0, 0, 0, time.UTC))
 	rt := newFakeImages("present_image:latest")
 	if o.images != nil {
 		rt = newFakeImages(o.images...)

@@ -1,3 +1,3 @@
-// Package gctest has in-memory fakes for the GC executor's tests: a runtime in the spirit of the kubelet's
-// containertest.FakeRuntime, and a record source that runs the detector's pure Detect over it.
+// Package gctest has a record source for the GC executor's tests that runs the detector's pure Detect over a
+// critest.Runtime, as the detector worker does over CRI.
 package gctest
