@@ -253,7 +253,6 @@ func (b *Bus) publishAsyncRetry(ctx context.Context, m *nats.Msg) (jetstream.Pub
 	}
 }
 
-
 // PublishFirst stores msg in its stream only if its subject holds no message yet (the server checks it:
 // Nats-Expected-Last-Subject-Sequence 0). It returns true when msg was stored, or when a retry of the same
 // msg (same MsgID, within the stream's duplicate window) finds it stored; false when another message holds

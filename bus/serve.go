@@ -64,8 +64,10 @@ func (b *Bus) answer(ctx context.Context, log *slog.Logger, m *nats.Msg, h Handl
 	var rep events.Reply
 	out, err := safeHandle(ctx, h, m.Data)
 	countServed(subjectOf(m), err != nil)
+	code := ""
 	if err != nil {
 		rep.Error = err.Error()
+		code = events.ErrorCode(err)
 	} else if out != nil {
 		raw, mErr := json.Marshal(out)
 		if mErr != nil {
@@ -78,7 +80,11 @@ func (b *Bus) answer(ctx context.Context, log *slog.Logger, m *nats.Msg, h Handl
 	if len(body) > int(b.nc.MaxPayload()) {
 		body, _ = json.Marshal(events.Reply{Error: fmt.Sprintf("reply of %d bytes is over the server's max payload %d; ask for less (limit)", len(body), b.nc.MaxPayload())})
 	}
-	if err := m.Respond(body); err != nil {
+	reply := &nats.Msg{Subject: m.Reply, Data: body}
+	if code != "" {
+		reply.Header = nats.Header{events.HeaderErrorCode: []string{code}}
+	}
+	if err := m.RespondMsg(reply); err != nil {
 		log.Warn("respond failed", "err", err)
 	}
 }
@@ -94,6 +100,22 @@ func safeHandle(ctx context.Context, h Handler, data []byte) (out any, err error
 
 // ErrRemote is wrapped by Request when the responder answered with an error.
 var ErrRemote = errors.New("remote error")
+
+// remoteError is an error reply: its text is the responder's, and it wraps ErrRemote and the sentinel of
+// the reply's error code (events.CodeError), so callers classify it by code, not by text.
+type remoteError struct {
+	text string
+	code error // nil when the reply carries no known code
+}
+
+func (e *remoteError) Error() string { return ErrRemote.Error() + ": " + e.text }
+
+func (e *remoteError) Unwrap() []error {
+	if e.code == nil {
+		return []error{ErrRemote}
+	}
+	return []error{ErrRemote, e.code}
+}
 
 // ErrNoResponders means nobody serves the subject (the worker is not running).
 var ErrNoResponders = errors.New("no responders")
@@ -124,7 +146,7 @@ func (b *Bus) Request(ctx context.Context, subject string, req any, resp any) er
 		return fmt.Errorf("decode reply from %s: %w", subject, err)
 	}
 	if rep.Error != "" {
-		return fmt.Errorf("%w: %s", ErrRemote, rep.Error)
+		return &remoteError{text: rep.Error, code: events.CodeError(m.Header.Get(events.HeaderErrorCode))}
 	}
 	if resp != nil && len(rep.Data) > 0 {
 		if err := json.Unmarshal(rep.Data, resp); err != nil {

@@ -50,7 +50,8 @@ func wireNames() [][2]string {
 		// CloudEvents headers and the pod event's rejection reasons (metric label values).
 		c("HeaderSpecVersion", HeaderSpecVersion), c("HeaderType", HeaderType), c("HeaderSource", HeaderSource),
 		c("HeaderID", HeaderID), c("HeaderTime", HeaderTime), c("HeaderContentType", HeaderContentType),
-		c("SourcePrefix", SourcePrefix),
+		c("SourcePrefix", SourcePrefix), c("HeaderErrorCode", HeaderErrorCode),
+		c("CodeMalformed", CodeMalformed), c("CodeIndexCatchingUp", CodeIndexCatchingUp),
 		c("PodRejectBadSubject", PodRejectBadSubject), c("PodRejectBadType", PodRejectBadType),
 		c("PodRejectBadPod", PodRejectBadPod), c("PodRejectNoUID", PodRejectNoUID), c("PodRejectTooLarge", PodRejectTooLarge),
 	}
@@ -106,7 +107,7 @@ func TestNamesGolden(t *testing.T) {
 }
 
 // wireConst matches the Go names of constants that are, or build, names on the wire.
-var wireConst = regexp.MustCompile(`(Stream|Subjects?|Bucket|BucketDescription|Queue|Durable|Prefix|Filter)$|^(Verb|Qry|Entity|Action|Header|PodReject)`)
+var wireConst = regexp.MustCompile(`(Stream|Subjects?|Bucket|BucketDescription|Queue|Durable|Prefix|Filter)$|^(Verb|Qry|Entity|Action|Header|PodReject|Code)`)
 
 // TestNamesGoldenComplete: every wire-name constant declared in this package is pinned by wireNames (or, for
 // verbs, queries, entities and actions, used by it), so a name added without the golden is caught.

@@ -6,10 +6,9 @@ package podindex
 import (
 	"errors"
 	"fmt"
-	"strings"
 	"time"
 
-	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/events"
 )
 
 // catchUpStall is how long the tail may deliver nothing before the index has caught up, before it counts
@@ -40,23 +39,18 @@ func (s *Service) markCaughtUp() {
 	})
 }
 
-// catchingUpText is the error the queries answer until the index has applied the events its stream held
-// when it started: a state without them could say a pod is absent (so its images unused) when it is not.
-const catchingUpText = "the pod index is catching up with its events"
-
 // errCatchingUp is the queries' answer before the index caught up.
 func (s *Service) errCatchingUp() error {
 	if s.caughtUp.Load() {
 		return nil
 	}
-	return fmt.Errorf("%s (applied up to stream sequence %d, %d events to go)", catchingUpText,
+	return fmt.Errorf("%w (applied up to stream sequence %d, %d events to go)", events.ErrIndexCatchingUp,
 		s.state.Applied(), max(s.catchUpLeft.Load(), 0))
 }
 
-// IsCatchingUp reports whether err is a query's answer from a pod index that has not caught up yet.
-func IsCatchingUp(err error) bool {
-	return errors.Is(err, bus.ErrRemote) && strings.Contains(err.Error(), catchingUpText)
-}
+// IsCatchingUp reports whether err is a query's answer from a pod index that has not caught up yet
+// (events.ErrIndexCatchingUp, carried by the reply's error code).
+func IsCatchingUp(err error) bool { return errors.Is(err, events.ErrIndexCatchingUp) }
 
 // catchUpBacklog is the backlog (events after the last applied one) over which the index is catching up.
 const catchUpBacklog = 1000

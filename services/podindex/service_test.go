@@ -562,8 +562,8 @@ func TestQueriesWaitForCatchUp(t *testing.T) {
 		t.Fatal(err)
 	}
 	for name, h := range map[string]bus.Handler{"pods": s.handlePods, "refs": s.handleRefs, "inuse": s.handleInUse} {
-		if _, err := h(t.Context(), nil); err == nil || !strings.Contains(err.Error(), catchingUpText) {
-			t.Fatalf("%s before catching up: %v, want %q", name, err, catchingUpText)
+		if _, err := h(t.Context(), nil); err == nil || !strings.Contains(err.Error(), events.ErrIndexCatchingUp.Error()) {
+			t.Fatalf("%s before catching up: %v, want %q", name, err, events.ErrIndexCatchingUp)
 		}
 	}
 	_, stop := runService(s)

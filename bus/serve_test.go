@@ -1,0 +1,52 @@
+package bus_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"testing"
+
+	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/bus/bustest"
+	"github.com/imagefleet/imagefleet/events"
+)
+
+// TestRemoteErrorsCarryTheirCode: a handler's error that wraps a sentinel of events' code table reaches the
+// requester as that sentinel (by the reply's error-code header) with its text unchanged; any other error is
+// a plain remote error.
+func TestRemoteErrorsCarryTheirCode(t *testing.T) {
+	_, b := bustest.Start(t)
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	errs := map[string]error{
+		"malformed":  fmt.Errorf("decode request: %w: bad field", events.ErrMalformed),
+		"catchingup": fmt.Errorf("%w (applied up to 3)", events.ErrIndexCatchingUp),
+		"plain":      errors.New("the index is catching up with its events, says the text"),
+	}
+	done := make(chan error, 1)
+	go func() {
+		done <- b.Serve(ctx, "t.codes.*", "", func(_ context.Context, data []byte) (any, error) {
+			return nil, errs[string(data)]
+		})
+	}()
+	for name, want := range map[string]error{"malformed": events.ErrMalformed, "catchingup": events.ErrIndexCatchingUp, "plain": nil} {
+		var err error
+		for range 100 { // until the subscription is in place
+			if err = b.Request(t.Context(), "t.codes."+name, []byte(name), nil); !errors.Is(err, bus.ErrNoResponders) {
+				break
+			}
+		}
+		if !errors.Is(err, bus.ErrRemote) || err.Error() != "remote error: "+errs[name].Error() {
+			t.Errorf("%s: err = %v, want the remote error with its text", name, err)
+		}
+		for _, sentinel := range []error{events.ErrMalformed, events.ErrIndexCatchingUp} {
+			if errors.Is(err, sentinel) != (sentinel == want) {
+				t.Errorf("%s: errors.Is(err, %v) = %v", name, sentinel, !(sentinel == want))
+			}
+		}
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+}
