@@ -4,9 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/imagefleet/imagefleet/bus"
-	"github.com/imagefleet/imagefleet/bus/bustest"
-	"github.com/imagefleet/imagefleet/services/cri/critest"
 	"math/rand/v2"
 	"slices"
 	"strings"
@@ -14,8 +11,13 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
 	"github.com/imagefleet/imagefleet/services/cri"
+	"github.com/imagefleet/imagefleet/services/cri/critest"
 	"github.com/imagefleet/imagefleet/services/gc/gctest"
 )
 
@@ -302,4 +304,46 @@ func TestPulledEventTriggersACheck(t *testing.T) {
 		return len(rt.Images()) == 0
 	})
 	finishedWith(t, b, events.GCTriggerUsage)
+}
+
+func TestKEP6053Metrics(t *testing.T) {
+	_, b := bustest.Start(t)
+	rt := critest.NewRuntime(makeImage(0, 300), makeImage(1, 300), makeImage(2, 300))
+	rt.SetContainers(makeContainer(2))
+	rt.FailRemove(imageID(1), errors.New("device busy"))
+	statfs := func(string) (int64, int64, error) { return 1000, 100 + rt.RemovedBytes(), nil } // 90 %
+	s := newService(t, b, Config{Policy: Policy{HighThresholdPercent: 80, LowThresholdPercent: 10}, Period: time.Hour},
+		rt, gctest.NewRecords(rt, nil), statfs)
+	zero := events.Duration{}
+	res, err := s.GarbageCollect(t.Context(), events.GCRequest{MinAge: &zero})
+	if err == nil || len(res.Succeeded()) != 1 || res.FailedCount() != 1 {
+		t.Fatalf("pass: %+v, %v; want image-0 removed, image-1 failed", res, err)
+	}
+	m := s.metrics
+	for _, c := range []struct {
+		name string
+		got  float64
+		want float64
+	}{
+		{"attempts garbage_collect/manual/partial/delete_error", testutil.ToFloat64(m.attempts.WithLabelValues(opGarbageCollect, events.GCTriggerManual, "partial", "delete_error")), 1},
+		{"deletions space/success", testutil.ToFloat64(m.deletions.WithLabelValues(ReasonSpace, "success")), 1},
+		{"deletions space/error", testutil.ToFloat64(m.deletions.WithLabelValues(ReasonSpace, "error")), 1},
+		{"skipped in_use", testutil.ToFloat64(m.skipped.WithLabelValues("in_use")), 1},
+		{"usage before", testutil.ToFloat64(m.usage), 90},
+		{"usage after", testutil.ToFloat64(m.after), 60},
+		{"target bytes", testutil.ToFloat64(m.target.WithLabelValues(opGarbageCollect)), 800},
+		{"kubelet_image_garbage_collected_total space", testutil.ToFloat64(s.c.removed.WithLabelValues(ReasonSpace)), 1},
+	} {
+		if c.got != c.want {
+			t.Errorf("%s = %v, want %v", c.name, c.got, c.want)
+		}
+	}
+	if n := testutil.CollectAndCount(m.duration); n != 2 {
+		t.Errorf("duration series = %d, want both operations exported", n)
+	}
+	// A dry run is not counted.
+	_, _ = s.GarbageCollect(t.Context(), events.GCRequest{DryRun: true, MinAge: &zero}) // its error is the pass's, not counted either
+	if n := testutil.CollectAndCount(m.attempts); n != 1 {
+		t.Errorf("attempt series = %d after a dry run, want 1", n)
+	}
 }
