@@ -116,9 +116,7 @@ func TestListFollowsPullsAndRemovals(t *testing.T) {
 		time.Sleep(10 * time.Millisecond) // serving
 	}
 	// The cache subscribes as Run starts: a first pull event is published until it has.
-	rt.mu.Lock()
-	rt.images = []cri.Image{{ID: "a", Size: 1}, {ID: "c", Size: 3}}
-	rt.mu.Unlock()
+	rt.SetImages(cri.Image{ID: "a", Size: 1}, cri.Image{ID: "c", Size: 3})
 	first, err := events.New("n1", events.EntityPull, events.ActionPulled, events.PullResult{})
 	if err != nil {
 		t.Fatal(err)
