@@ -51,6 +51,10 @@ func wireNames() [][2]string {
 		c("HeaderSpecVersion", HeaderSpecVersion), c("HeaderType", HeaderType), c("HeaderSource", HeaderSource),
 		c("HeaderID", HeaderID), c("HeaderTime", HeaderTime), c("HeaderContentType", HeaderContentType),
 		c("SourcePrefix", SourcePrefix), c("HeaderErrorCode", HeaderErrorCode),
+		// The pod annotations sources set and the index reads (the kubelet's), and the config sources.
+		c("ConfigSourceAnnotationKey", ConfigSourceAnnotationKey), c("ConfigMirrorAnnotationKey", ConfigMirrorAnnotationKey),
+		c("ConfigHashAnnotationKey", ConfigHashAnnotationKey), c("ConfigFirstSeenAnnotationKey", ConfigFirstSeenAnnotationKey),
+		c("ApiserverSource", ApiserverSource), c("FileSource", FileSource),
 		c("CodeMalformed", CodeMalformed), c("CodeIndexCatchingUp", CodeIndexCatchingUp),
 		c("PodRejectBadSubject", PodRejectBadSubject), c("PodRejectBadType", PodRejectBadType),
 		c("PodRejectBadPod", PodRejectBadPod), c("PodRejectNoUID", PodRejectNoUID), c("PodRejectTooLarge", PodRejectTooLarge),

@@ -27,6 +27,20 @@ const (
 	ActionUnregistered = "unregistered" // an object's reference count went 1 -> 0
 )
 
+// Annotations the kubelet's pod manager reads (k8s.io/kubernetes/pkg/kubelet/types): pod sources set
+// them on the pods of their events, the pod index reads them (static and mirror pods).
+const (
+	ConfigSourceAnnotationKey    = "kubernetes.io/config.source"
+	ConfigMirrorAnnotationKey    = "kubernetes.io/config.mirror" // v1.MirrorPodAnnotationKey
+	ConfigHashAnnotationKey      = "kubernetes.io/config.hash"
+	ConfigFirstSeenAnnotationKey = "kubernetes.io/config.seen"
+
+	// ApiserverSource is the config source of pods from the API server; any other source makes a static pod.
+	ApiserverSource = "api"
+	// FileSource is the config source of static pods read from the manifest directory.
+	FileSource = "file"
+)
+
 // PodEventSubjects is the subject filter of every pod event of node: imagefleet.evt.<node>.pod.*.
 func PodEventSubjects(node string) string {
 	return Prefix + ".evt." + NodeToken(node) + "." + EntityPod + ".*"

@@ -4,22 +4,20 @@ import (
 	"sort"
 	"sync"
 
+	"github.com/imagefleet/imagefleet/events"
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 )
 
-// Annotations the kubelet's pod manager reads (k8s.io/kubernetes/pkg/kubelet/types).
+// Annotations the kubelet's pod manager reads, and the config sources: the pod event contract's, in events.
 const (
-	ConfigSourceAnnotationKey    = "kubernetes.io/config.source"
-	ConfigMirrorAnnotationKey    = "kubernetes.io/config.mirror" // v1.MirrorPodAnnotationKey
-	ConfigHashAnnotationKey      = "kubernetes.io/config.hash"
-	ConfigFirstSeenAnnotationKey = "kubernetes.io/config.seen"
-
-	// ApiserverSource is the config source of pods from the API server; any other source makes a static pod.
-	ApiserverSource = "api"
-	// FileSource is the config source of static pods read from the manifest directory.
-	FileSource = "file"
+	ConfigSourceAnnotationKey    = events.ConfigSourceAnnotationKey
+	ConfigMirrorAnnotationKey    = events.ConfigMirrorAnnotationKey
+	ConfigHashAnnotationKey      = events.ConfigHashAnnotationKey
+	ConfigFirstSeenAnnotationKey = events.ConfigFirstSeenAnnotationKey
+	ApiserverSource              = events.ApiserverSource
+	FileSource                   = events.FileSource
 )
 
 // IsMirrorPod reports whether pod is a mirror pod (it has the config.mirror annotation), as the kubelet's

@@ -18,7 +18,6 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/imagefleet/imagefleet/events"
-	"github.com/imagefleet/imagefleet/services/podindex"
 )
 
 // APIServerConfig configures the API server pod source of one node.
@@ -76,7 +75,7 @@ func NewAPIServerSource(cfg APIServerConfig, pub publisher, req requester) (*API
 		return nil, fmt.Errorf("apiserver pod source: %w", err)
 	}
 	return &APIServerSource{cfg: cfg, client: cs,
-		feed: newFeed(cfg.Node, "apiserver", []string{podindex.ApiserverSource}, true, pub, req, cfg.Logger)}, nil
+		feed: newFeed(cfg.Node, "apiserver", []string{events.ApiserverSource}, true, pub, req, cfg.Logger)}, nil
 }
 
 // fromAPI is the pod as the kubelet's pod config holds it: config.source "api" (mirror pods included: theirs
@@ -90,7 +89,7 @@ func fromAPI(obj any) (*v1.Pod, bool) {
 	if p.Annotations == nil {
 		p.Annotations = map[string]string{}
 	}
-	p.Annotations[podindex.ConfigSourceAnnotationKey] = podindex.ApiserverSource
+	p.Annotations[events.ConfigSourceAnnotationKey] = events.ApiserverSource
 	p.ManagedFields = nil // server-side apply bookkeeping: nothing the index reads, and most of a pod's bytes
 	return p, true
 }

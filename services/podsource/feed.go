@@ -16,7 +16,6 @@ import (
 
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
-	"github.com/imagefleet/imagefleet/services/podindex"
 )
 
 // publisher stores pod events (bus.Bus).
@@ -76,11 +75,11 @@ func fingerprint(p *v1.Pod) ([32]byte, []byte, error) {
 	if err != nil {
 		return [32]byte{}, nil, err
 	}
-	if _, ok := p.Annotations[podindex.ConfigFirstSeenAnnotationKey]; !ok {
+	if _, ok := p.Annotations[events.ConfigFirstSeenAnnotationKey]; !ok {
 		return sha256.Sum256(body), body, nil
 	}
 	c := p.DeepCopy()
-	delete(c.Annotations, podindex.ConfigFirstSeenAnnotationKey)
+	delete(c.Annotations, events.ConfigFirstSeenAnnotationKey)
 	b, err := json.Marshal(c)
 	if err != nil {
 		return [32]byte{}, nil, err
@@ -127,7 +126,7 @@ func (f *feed) readIndex(ctx context.Context, noIndexBy time.Time) (map[types.UI
 				err = errBehind
 			}
 			if err != nil {
-				waiting := errors.Is(err, errBehind) || podindex.IsCatchingUp(err) || (errors.Is(err, bus.ErrNoResponders) && time.Now().Before(noIndexBy))
+				waiting := errors.Is(err, errBehind) || errors.Is(err, events.ErrIndexCatchingUp) || (errors.Is(err, bus.ErrNoResponders) && time.Now().Before(noIndexBy))
 				if !waiting || ctx.Err() != nil {
 					return nil, err
 				}
@@ -367,7 +366,7 @@ func (f *feed) repairs(index map[types.UID]knownPod) {
 }
 
 // podEventRaw is a pod event's message with the pod already encoded: the pod index's subject, headers and
-// Nats-Msg-Id, as podindex.PodEventMsg builds them.
+// Nats-Msg-Id, as events.PodEventHeader makes them.
 func podEventRaw(node, action string, body []byte, id string, at time.Time) bus.RawMsg {
 	if id == "" {
 		id = events.NewID()

@@ -15,7 +15,6 @@ import (
 	podsv1alpha1 "k8s.io/kubelet/pkg/apis/pods/v1alpha1"
 
 	"github.com/imagefleet/imagefleet/events"
-	"github.com/imagefleet/imagefleet/services/podindex"
 )
 
 // DefaultPodsSocket is where the kubelet serves its Pods API (KEP-4188): <root-dir>/pods-api/pods-api.sock.
@@ -79,7 +78,7 @@ func NewKubeletSource(cfg KubeletConfig, pub publisher, req requester) (*Kubelet
 	// The kubelet's pods are API pods ("api") and static pods ("file", "http"): the index's listings of
 	// these sources are what this source resumes from.
 	return &KubeletSource{cfg: cfg, feed: newFeed(cfg.Node, "kubelet",
-		[]string{podindex.ApiserverSource, podindex.FileSource, "http"}, false, pub, req, cfg.Logger)}, nil
+		[]string{events.ApiserverSource, events.FileSource, "http"}, false, pub, req, cfg.Logger)}, nil
 }
 
 // Run watches the Pods API until ctx ends, reconnecting with backoff.
@@ -136,8 +135,8 @@ func decodePod(b []byte) (*v1.Pod, error) {
 	if p.Annotations == nil {
 		p.Annotations = map[string]string{}
 	}
-	if _, ok := p.Annotations[podindex.ConfigSourceAnnotationKey]; !ok {
-		p.Annotations[podindex.ConfigSourceAnnotationKey] = podindex.ApiserverSource
+	if _, ok := p.Annotations[events.ConfigSourceAnnotationKey]; !ok {
+		p.Annotations[events.ConfigSourceAnnotationKey] = events.ApiserverSource
 	}
 	p.ManagedFields = nil
 	return p, nil
