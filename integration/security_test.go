@@ -561,7 +561,7 @@ func TestSecurityAgentRunsWithANodeIdentity(t *testing.T) {
 	if err != nil {
 		t.Fatalf("bus init with the admin identity: %v\n%s", err, out)
 	}
-	for _, s := range []string{events.EventsStream, events.PullStream, events.DeadLetterStream, "KV_" + events.RecordsBucket, "KV_" + events.PodsBucket} {
+	for _, s := range []string{events.EventsStream, events.PullStream, events.DeadLetterStream, "KV_" + events.RecordsBucket, "KV_" + events.PodsBucket, "KV_" + events.KubeEventsBucket} {
 		if !strings.Contains(string(out), s) {
 			t.Errorf("bus init output lacks %s:\n%s", s, out)
 		}

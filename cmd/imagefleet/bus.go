@@ -10,6 +10,7 @@ import (
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/internal/records"
 	"github.com/imagefleet/imagefleet/services/fleet"
+	"github.com/imagefleet/imagefleet/services/kevents"
 	"github.com/imagefleet/imagefleet/services/podindex"
 	"github.com/imagefleet/imagefleet/services/puller"
 )
@@ -75,6 +76,7 @@ admin identity (--nkey admin.nk). Agents that find them open them as they are.`,
 				{"pod index snapshots", func() error { _, err := podindex.OpenStore(ctx, b, ""); return err }},
 				{"puller", func() error { return puller.EnsureBuckets(ctx, b, puller.Config{}) }},
 				{"fleet", func() error { return fleet.EnsureBuckets(ctx, b, 0) }},
+				{"kube-events", func() error { return kevents.EnsureBucket(ctx, b) }},
 			}
 			for _, s := range steps {
 				if err := s.ensure(); err != nil {

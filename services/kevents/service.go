@@ -69,13 +69,23 @@ func New(ctx context.Context, cfg Config, kube kubernetes.Interface, b *bus.Bus)
 	s := &Service{cfg: cfg, kube: kube, bus: b, log: cfg.Logger.With("worker", "kube-events"), m: m,
 		correlator: record.NewEventCorrelatorWithOptions(cfg.Correlator), pods: map[types.UID]bool{}}
 	if b != nil {
-		s.dedup, err = b.KV(ctx, bus.KVConfig{Bucket: DedupBucket, Description: "Kubernetes Event writes decided per imagefleet event (kube-events bridge)",
-			TTL: cfg.DedupTTL})
-		if err != nil {
+		if s.dedup, err = openDedup(ctx, b, cfg.DedupTTL); err != nil {
 			return nil, err
 		}
 	}
 	return s, nil
+}
+
+// EnsureBucket creates the bridge's bucket with the default TTL: what `imagefleet bus init` runs with the
+// admin identity, so agents with node identities, which may not create buckets, find it.
+func EnsureBucket(ctx context.Context, b *bus.Bus) error {
+	_, err := openDedup(ctx, b, 24*time.Hour)
+	return err
+}
+
+func openDedup(ctx context.Context, b *bus.Bus, ttl time.Duration) (*bus.KV, error) {
+	return b.KV(ctx, bus.KVConfig{Bucket: DedupBucket, Description: "Kubernetes Event writes decided per imagefleet event (kube-events bridge)",
+		TTL: ttl})
 }
 
 // Run consumes the node's events until ctx ends.
