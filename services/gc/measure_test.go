@@ -347,3 +347,16 @@ func TestKEP6053Metrics(t *testing.T) {
 		t.Errorf("attempt series = %d after a dry run, want 1", n)
 	}
 }
+
+func TestCheckPeriodValidated(t *testing.T) {
+	c := Config{Node: testNode, Policy: DefaultPolicy(), CheckPeriod: -time.Second}
+	const want = "invalid configuration: imageGCCheckPeriod (--image-gc-check-period) -1s must not be negative"
+	if err := c.Validate(); err == nil || err.Error() != want {
+		t.Fatalf("Validate = %v, want %q", err, want)
+	}
+	c.CheckPeriod = 0
+	c.setDefaults()
+	if c.CheckPeriod != 10*time.Second {
+		t.Errorf("default check period %v, want 10s", c.CheckPeriod)
+	}
+}
