@@ -4,15 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
-
-	"github.com/imagefleet/imagefleet/events"
 )
 
 // permanentError marks an error that redelivery cannot fix.
@@ -321,18 +318,7 @@ const (
 )
 
 func (b *Bus) deadLetter(ctx context.Context, cfg ConsumerConfig, m *Msg, reason error) {
-	dm := nats.NewMsg(events.DeadLetterPrefix + "." + cfg.Stream + "." + cfg.Durable)
-	dm.Data = m.Data
-	for k, vs := range m.Header {
-		// The original headers (CloudEvents envelope, ...) travel with it, so a replay is the same message.
-		dm.Header[k] = append([]string(nil), vs...)
-	}
-	dm.Header.Set(HeaderDLQSubject, m.Subject)
-	dm.Header.Set(HeaderDLQReason, truncate(reason.Error(), 1024))
-	dm.Header.Set(HeaderDLQDeliveries, strconv.FormatUint(m.NumDelivered, 10))
-	dm.Header.Set(HeaderDLQStreamSeq, strconv.FormatUint(m.StreamSeq, 10))
-	dm.Header.Set(HeaderDLQStream, cfg.Stream)
-	dm.Header.Set(jetstream.MsgIDHeader, cfg.Stream+"-"+strconv.FormatUint(m.StreamSeq, 10))
+	dm := deadLetterMsg(cfg.Stream, cfg.Durable, m.Subject, m.Header, m.Data, m.NumDelivered, m.StreamSeq, reason)
 	if _, err := b.js.PublishMsg(context.WithoutCancel(ctx), dm); err != nil {
 		b.log.Error("dead letter publish failed", "subject", m.Subject, "err", err)
 		return

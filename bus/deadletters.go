@@ -84,18 +84,30 @@ func (b *Bus) ReplayDeadLetter(ctx context.Context, seq uint64, remove bool) (Re
 // terminated message of Consume: consumers that track their own position (Tail) use it for poison messages.
 // The dead letter's Nats-Msg-Id is <stream>-<seq>, so a replay dead-letters a message once.
 func (b *Bus) DeadLetterMsg(ctx context.Context, stream, consumer string, m StreamMsg, reason error) error {
-	dm := nats.NewMsg(events.DeadLetterPrefix + "." + stream + "." + consumer)
-	dm.Data = m.Data
-	dm.Header.Set(HeaderDLQSubject, m.Subject)
-	dm.Header.Set(HeaderDLQReason, truncate(reason.Error(), 1024))
-	dm.Header.Set(HeaderDLQDeliveries, "1")
-	dm.Header.Set(HeaderDLQStreamSeq, strconv.FormatUint(m.Seq, 10))
-	dm.Header.Set(HeaderDLQStream, stream)
-	dm.Header.Set(jetstream.MsgIDHeader, stream+"-"+strconv.FormatUint(m.Seq, 10))
+	dm := deadLetterMsg(stream, consumer, m.Subject, m.Header, m.Data, 1, m.Seq, reason)
 	if _, err := b.js.PublishMsg(ctx, dm); err != nil {
 		return fmt.Errorf("dead letter %s seq %d: %w", m.Subject, m.Seq, err)
 	}
+	deadLetters.WithLabelValues(consumer).Inc()
 	return nil
+}
+
+// deadLetterMsg is the dead letter of a message of stream (at seq) that consumer gave up on after
+// deliveries: its body and every header it had (CloudEvents attributes, ...), so a replay puts back the same
+// message, plus the Imagefleet-* headers saying where it came from and why. Every dead letter is made here.
+func deadLetterMsg(stream, consumer, subject string, header nats.Header, data []byte, deliveries, seq uint64, reason error) *nats.Msg {
+	dm := nats.NewMsg(events.DeadLetterPrefix + "." + stream + "." + consumer)
+	dm.Data = data
+	for k, vs := range header {
+		dm.Header[k] = append([]string(nil), vs...)
+	}
+	dm.Header.Set(HeaderDLQSubject, subject)
+	dm.Header.Set(HeaderDLQReason, truncate(reason.Error(), 1024))
+	dm.Header.Set(HeaderDLQDeliveries, strconv.FormatUint(deliveries, 10))
+	dm.Header.Set(HeaderDLQStreamSeq, strconv.FormatUint(seq, 10))
+	dm.Header.Set(HeaderDLQStream, stream)
+	dm.Header.Set(jetstream.MsgIDHeader, stream+"-"+strconv.FormatUint(seq, 10))
+	return dm
 }
 
 // DeadLetter is one message kept in the dead-letter stream.

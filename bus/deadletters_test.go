@@ -78,3 +78,58 @@ func TestReplayDeadLetter(t *testing.T) {
 		t.Errorf("replay of a removed dead letter: %v, want ErrNoDeadLetter", err)
 	}
 }
+
+// TestDeadLetterMsgKeepsHeadersAndCounts: a message a position-keeping reader (the pod index) dead-letters
+// keeps every header, CloudEvents attributes included, so its replay is the message that was refused (a
+// CloudEvents SDK rejects a body without ce-specversion), and it is counted in
+// imagefleet_bus_dead_letters_total under its consumer.
+func TestDeadLetterMsgKeepsHeadersAndCounts(t *testing.T) {
+	_, b := bustest.Start(t)
+	ctx := t.Context()
+	const node, consumer = "dlm-node", "pod-index-dlm-node"
+	hdr := events.PodEventHeader(node, events.ActionAdded, "ev-1", time.Unix(1700000000, 0))
+	if _, err := b.PublishMsgs(ctx, []bus.RawMsg{{Subject: events.EventSubject(node, events.EntityPod, events.ActionAdded),
+		MsgID: "ev-1", Header: hdr, Data: []byte(`{"metadata":{}}`)}}); err != nil {
+		t.Fatal(err)
+	}
+	var orig bus.StreamMsg
+	if err := b.ReadStream(ctx, events.EventsStream, events.PodEventSubjects(node), 0, func(m bus.StreamMsg) bool {
+		orig = m
+		return false
+	}); err != nil {
+		t.Fatal(err)
+	}
+	before, _ := series(t, "imagefleet_bus_dead_letters_total", map[string]string{"consumer": consumer})
+	if err := b.DeadLetterMsg(ctx, events.EventsStream, consumer, orig, errors.New("pod has no metadata.name")); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := series(t, "imagefleet_bus_dead_letters_total", map[string]string{"consumer": consumer}); got-before != 1 {
+		t.Errorf("dead letters counted %v, want 1", got-before)
+	}
+	var dl bus.StreamMsg
+	if err := b.ReadStream(ctx, events.DeadLetterStream, events.DeadLetterPrefix+".*."+consumer, 0, func(m bus.StreamMsg) bool {
+		dl = m
+		return false
+	}); err != nil {
+		t.Fatal(err)
+	}
+	for k, v := range hdr {
+		if got := dl.Header.Get(k); got != v {
+			t.Errorf("dead letter header %s = %q, want %q", k, got, v)
+		}
+	}
+	rep, err := b.ReplayDeadLetter(ctx, dl.Seq, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var replayed bus.StreamMsg
+	if err := b.ReadStream(ctx, events.EventsStream, events.PodEventSubjects(node), rep.Seq, func(m bus.StreamMsg) bool {
+		replayed = m
+		return false
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if replayed.Seq != rep.Seq || replayed.Header.Get(events.HeaderSpecVersion) != "1.0" || replayed.Header.Get(events.HeaderType) != hdr[events.HeaderType] {
+		t.Errorf("replayed message %d has headers %v, want the CloudEvents headers of the original", replayed.Seq, replayed.Header)
+	}
+}

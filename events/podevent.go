@@ -132,6 +132,9 @@ func DecodePodEvent(subject string, header map[string][]string, data []byte) (Po
 	if ceType := headerGet(header, HeaderType); ceType != "" && ceType != TypeName(EntityPod, action) {
 		return PodEvent{}, rejectPod(PodRejectBadType, "ce-type %q does not match the subject's action %q", ceType, action)
 	}
+	if strings.HasPrefix(headerGet(header, HeaderContentType), "application/cloudevents") {
+		return PodEvent{}, rejectPod(PodRejectBadPod, structuredMode)
+	}
 	if len(data) > MaxMessageBytes {
 		return PodEvent{}, rejectPod(PodRejectTooLarge, "pod of %d bytes is over the limit of %d", len(data), MaxMessageBytes)
 	}
@@ -146,6 +149,9 @@ func DecodePodEvent(subject string, header map[string][]string, data []byte) (Po
 		return PodEvent{}, rejectPod(PodRejectBadPod, "pod apiVersion %q is not v1", pod.APIVersion)
 	}
 	if pod.Name == "" {
+		if isStructuredCloudEvent(data) {
+			return PodEvent{}, rejectPod(PodRejectBadPod, structuredMode)
+		}
 		return PodEvent{}, rejectPod(PodRejectBadPod, "pod has no metadata.name")
 	}
 	if pod.Namespace == "" {
@@ -155,6 +161,19 @@ func DecodePodEvent(subject string, header map[string][]string, data []byte) (Po
 		return PodEvent{}, rejectPod(PodRejectNoUID, "pod %s/%s has no metadata.uid", pod.Namespace, pod.Name)
 	}
 	return PodEvent{Action: action, ID: headerGet(header, HeaderID), Pod: pod, Raw: data}, nil
+}
+
+// structuredMode is why a structured-mode CloudEvent is refused as a pod event.
+const structuredMode = "body is a structured-mode CloudEvent; pod events are binary mode: the Pod as the body, " +
+	"its attributes in ce- headers (as the CloudEvents NATS binding's binary mode)"
+
+// isStructuredCloudEvent reports whether body is a JSON CloudEvent (it has a specversion attribute). Only
+// asked of a body that decoded to a Pod without a name, so it costs nothing on the accepted path.
+func isStructuredCloudEvent(body []byte) bool {
+	var ce struct {
+		SpecVersion string `json:"specversion"`
+	}
+	return json.Unmarshal(body, &ce, podJSON) == nil && ce.SpecVersion != ""
 }
 
 // podJSON are the options of unmarshalPod: github.com/go-json-experiment/json with the encoding/json

@@ -28,6 +28,8 @@ func TestDecodePodEvent(t *testing.T) {
 		{"no namespace", subj, nil, `{"metadata":{"name":"a","uid":"u"}}`, PodRejectBadPod},
 		{"no uid", subj, nil, `{"metadata":{"name":"a","namespace":"ns"}}`, PodRejectNoUID},
 		{"wrong apiVersion", subj, nil, `{"apiVersion":"v2","metadata":{"name":"a","namespace":"ns","uid":"u"}}`, PodRejectBadPod},
+		{"structured mode (body)", subj, nil, `{"specversion":"1.0","type":"imagefleet.pod.added.v1","source":"x","id":"1","data":{"metadata":{"name":"a","namespace":"ns","uid":"u"}}}`, PodRejectBadPod},
+		{"structured mode (content type)", subj, map[string][]string{"content-type": {"application/cloudevents+json"}}, okBody, PodRejectBadPod},
 		{"too large", subj, nil, `{"x":"` + strings.Repeat("a", MaxMessageBytes) + `"}`, PodRejectTooLarge},
 	}
 	for _, tc := range tests {
@@ -60,5 +62,16 @@ func TestDecodeErrorsNameTheField(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), want) {
 			t.Errorf("decode %s: error %v, want it to say %s", body, err, want)
 		}
+	}
+}
+
+// TestStructuredModeRefusedWithTheTrueReason: a structured-mode CloudEvent (the event as the JSON body) is
+// refused as such, not as "pod has no metadata.name".
+func TestStructuredModeRefusedWithTheTrueReason(t *testing.T) {
+	subj := EventSubject("node-1", EntityPod, ActionAdded)
+	body := `{"specversion":"1.0","type":"imagefleet.pod.added.v1","source":"x","id":"1","data":{"metadata":{"name":"a","namespace":"ns","uid":"u"}}}`
+	_, err := DecodePodEvent(subj, nil, []byte(body))
+	if err == nil || !strings.Contains(err.Error(), "structured-mode CloudEvent") {
+		t.Fatalf("error %v, want it to say the body is a structured-mode CloudEvent", err)
 	}
 }
