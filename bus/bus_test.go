@@ -69,7 +69,7 @@ func TestServeAnswersErrorsAndSurvivesPanics(t *testing.T) {
 	}()
 	rctx, rcancel := context.WithTimeout(ctx, 5*time.Second)
 	defer rcancel()
-	waitFor(t, func() bool { return b.Request(rctx, "t.echo", events.QueryRequest{Limit: 1}, nil) == nil })
+	bustest.WaitFor(t, "a responder on t.echo", func() bool { return b.Request(rctx, "t.echo", events.QueryRequest{Limit: 1}, nil) == nil })
 	cases := []struct {
 		name, body, wantErr string
 	}{
@@ -132,7 +132,7 @@ func TestConsumeAcksRedeliversAndDeadLetters(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	waitFor(t, func() bool {
+	bustest.WaitFor(t, "two dead letters and two ok deliveries", func() bool {
 		dl, err := b.DeadLetters(ctx, "")
 		return err == nil && len(dl) == 2 && okCount.Load() == 2
 	})
@@ -195,24 +195,13 @@ func TestConnectSurvivesServerRestart(t *testing.T) {
 	}
 	defer srv2.Shutdown()
 	ev, _ := events.New("n1", events.EntityImage, events.ActionDetected, events.ImageRecord{ID: "x"})
-	waitFor(t, func() bool {
+	bustest.WaitFor(t, "a publish after the server's restart", func() bool {
 		ctx, cancel := context.WithTimeout(t.Context(), time.Second)
 		defer cancel()
 		return b.Publish(ctx, ev) == nil
 	})
 	// The reconnect handler that counts runs on nats.go's callback goroutine, possibly after the publish.
-	waitFor(t, func() bool { return b.Reconnects() >= 1 })
-}
-
-func waitFor(t *testing.T, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(15 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatal("condition not met within 15s")
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	bustest.WaitFor(t, "a reconnect counted", func() bool { return b.Reconnects() >= 1 })
 }
 
 func TestStartServerOnAPortInUseFailsAtOnce(t *testing.T) {

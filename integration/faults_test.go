@@ -3,6 +3,7 @@ package integration_test
 import (
 	"context"
 	"fmt"
+	"github.com/imagefleet/imagefleet/bus/bustest"
 	"log/slog"
 	"math/rand/v2"
 	"os"
@@ -117,7 +118,7 @@ func TestFaultInjection(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer b.Close()
-	eventually(t, "the streams", 30*time.Second, func() error {
+	bustest.Eventually(t, "the streams", 30*time.Second, func() error {
 		c, cancel := context.WithTimeout(ctx, 5*time.Second)
 		defer cancel()
 		return b.EnsureStreams(c, bus.StreamsConfig{})

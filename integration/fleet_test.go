@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"github.com/imagefleet/imagefleet/bus/bustest"
 	"maps"
 	"os"
 	"os/exec"
@@ -173,21 +174,6 @@ func cliJSON(t *testing.T, bin string, v any, args ...string) error {
 	return nil
 }
 
-func eventually(t *testing.T, what string, timeout time.Duration, cond func() error) {
-	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for {
-		err := cond()
-		if err == nil {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: not within %v: %v", what, timeout, err)
-		}
-		time.Sleep(250 * time.Millisecond)
-	}
-}
-
 // logPullState logs, a line each, where a pre-pull stands on the bus: the work queue, each node's puller
 // consumer (pending, in flight, pull requests the server holds, leader), the rollout's claims and results,
 // and the pull events of the rollout's requests. It is what a failed pre-pull needs to say which part lost
@@ -255,7 +241,7 @@ func TestFleetOnThreeContainerdsAndANATSCluster(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer b.Close()
-	eventually(t, "JetStream cluster with R3 streams", time.Minute, func() error {
+	bustest.Eventually(t, "JetStream cluster with R3 streams", time.Minute, func() error {
 		c, cancel := context.WithTimeout(ctx, 5*time.Second)
 		defer cancel()
 		return b.EnsureStreams(c, bus.StreamsConfig{Replicas: 3})
@@ -326,12 +312,12 @@ func TestFleetOnThreeContainerdsAndANATSCluster(t *testing.T) {
 		}
 		return nil
 	}
-	eventually(t, "three Ready nodes", time.Minute, threeReady)
+	bustest.Eventually(t, "three Ready nodes", time.Minute, threeReady)
 
 	// The agents run with --stream-replicas 3, so every stream and bucket they create (events, pull queue,
 	// detector and puller records, backoff, heartbeats, inventory) is on the three servers from the start:
 	// a lost server takes none of them along.
-	eventually(t, "every stream on three servers", time.Minute, func() error {
+	bustest.Eventually(t, "every stream on three servers", time.Minute, func() error {
 		names, err := b.StreamNames(ctx)
 		if err != nil {
 			return err
@@ -354,7 +340,7 @@ func TestFleetOnThreeContainerdsAndANATSCluster(t *testing.T) {
 	})
 
 	// Inventory: the detector's events reach it; either replica answers.
-	eventually(t, "inventory shows tools on three nodes", time.Minute, func() error {
+	bustest.Eventually(t, "inventory shows tools on three nodes", time.Minute, func() error {
 		var rep events.InventoryReply
 		if err := cliJSON(t, bin, &rep, append([]string{"fleet", "where", tools}, common...)...); err != nil {
 			return err
@@ -496,7 +482,7 @@ func TestFleetOnThreeContainerdsAndANATSCluster(t *testing.T) {
 	for _, n := range nodeNames {
 		asked, fails := time.Now(), 0
 		var lastErr error
-		eventually(t, "detector of "+n+" answers after the server loss", 2*time.Minute, func() error {
+		bustest.Eventually(t, "detector of "+n+" answers after the server loss", 2*time.Minute, func() error {
 			c, cancel := context.WithTimeout(ctx, 10*time.Second)
 			defer cancel()
 			_, err := cli(c, bin, append([]string{"detect", "--node", n}, common...)...)
@@ -513,7 +499,7 @@ func TestFleetOnThreeContainerdsAndANATSCluster(t *testing.T) {
 	t.Logf("node workers answer again %s in", time.Since(began).Round(time.Millisecond))
 	// Each stream and bucket elects its own leader after the loss, some after the detectors answer (the
 	// node registry's buckets once took over 27 s): the rollout below starts when every one answers.
-	eventually(t, "every stream answers after the server loss", 2*time.Minute, func() error {
+	bustest.Eventually(t, "every stream answers after the server loss", 2*time.Minute, func() error {
 		c, cancel := context.WithTimeout(ctx, 5*time.Second)
 		defer cancel()
 		names, err := b.StreamNames(c)
@@ -531,7 +517,7 @@ func TestFleetOnThreeContainerdsAndANATSCluster(t *testing.T) {
 	// A node whose heartbeats stopped for 3 periods is Lost and skipped by a rollout (as it should be): the
 	// agents connected to the killed server heartbeat again once reconnected and the registry's bucket has a
 	// leader (one CI-like run started the GC while nodes 1 and 2 were 8 s stale, and it skipped them).
-	eventually(t, "three Ready nodes after the server loss", 2*time.Minute, threeReady)
+	bustest.Eventually(t, "three Ready nodes after the server loss", 2*time.Minute, threeReady)
 	t.Logf("three nodes Ready again %s in", time.Since(began).Round(time.Millisecond))
 	var gcRes events.RolloutResult
 	if err := cliJSON(t, bin, &gcRes, append([]string{"fleet", "gc", "--all-unused", "--selector", "fleet=lab", "--stream-replicas", "3",
@@ -574,7 +560,7 @@ func TestFleetOnThreeContainerdsAndANATSCluster(t *testing.T) {
 	}
 
 	// The inventory follows the removals.
-	eventually(t, "inventory shows tools nowhere", time.Minute, func() error {
+	bustest.Eventually(t, "inventory shows tools nowhere", time.Minute, func() error {
 		var rep events.InventoryReply
 		if err := cliJSON(t, bin, &rep, append([]string{"fleet", "where", tools}, common...)...); err != nil {
 			return err
@@ -587,7 +573,7 @@ func TestFleetOnThreeContainerdsAndANATSCluster(t *testing.T) {
 
 	// 4. A node that stops heartbeating is shown as lost, not dropped.
 	agents[2].stop(syscall.SIGTERM)
-	eventually(t, "node-3 lost", 30*time.Second, func() error {
+	bustest.Eventually(t, "node-3 lost", 30*time.Second, func() error {
 		var nodes []events.NodeStatus
 		if err := cliJSON(t, bin, &nodes, append([]string{"fleet", "nodes"}, common...)...); err != nil {
 			return err

@@ -1,9 +1,9 @@
 package integration_test
 
 import (
-	"context"
 	"errors"
 	"fmt"
+	"github.com/imagefleet/imagefleet/bus/bustest"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -97,13 +97,16 @@ func TestLabSmoke(t *testing.T) {
 	// ImageFsInfo gives the mountpoint and used bytes; capacity comes from statfs, as in the kubelet.
 	// Used bytes are refreshed every StatsCollectPeriod, hence the poll.
 	var fs cri.FsInfo
-	waitFor(t, 15*time.Second, "ImageFsInfo used bytes > 0", func() (bool, string) {
+	bustest.Eventually(t, "ImageFsInfo used bytes > 0", 15*time.Second, func() error {
 		fss, err := cl.ImageFsInfo(ctx)
 		if err != nil || len(fss) == 0 {
-			return false, fmt.Sprintf("ImageFsInfo: %v %v", fss, err)
+			return fmt.Errorf("ImageFsInfo: %v %v", fss, err)
 		}
 		fs = fss[0]
-		return fs.UsedBytes > 0, fmt.Sprintf("%+v", fs)
+		if fs.UsedBytes > 0 {
+			return nil
+		}
+		return fmt.Errorf("%+v", fs)
 	})
 	if !strings.HasPrefix(fs.Mountpoint, c.Root()+"/") {
 		t.Errorf("ImageFsInfo mountpoint %s is not on the tmpfs %s", fs.Mountpoint, c.Root())
@@ -288,24 +291,4 @@ func findImage(images []cri.Image, id string) (cri.Image, bool) {
 		return cri.Image{}, false
 	}
 	return images[i], true
-}
-
-// waitFor polls cond until it holds or timeout passes; the last state it described goes in the failure.
-func waitFor(t *testing.T, timeout time.Duration, what string, cond func() (bool, string)) {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(t.Context(), timeout)
-	defer cancel()
-	tick := time.NewTicker(100 * time.Millisecond)
-	defer tick.Stop()
-	for {
-		ok, state := cond()
-		if ok {
-			return
-		}
-		select {
-		case <-ctx.Done():
-			t.Fatalf("waiting for %s: not after %s; last: %s", what, timeout, state)
-		case <-tick.C:
-		}
-	}
 }

@@ -6,6 +6,7 @@ import (
 	"encoding/base64"
 	"errors"
 	"fmt"
+	"github.com/imagefleet/imagefleet/bus/bustest"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -581,7 +582,7 @@ func TestSecurityAgentRunsWithANodeIdentity(t *testing.T) {
 		"--data-dir", filepath.Join(dir, "agent"))...)
 	defer agent.stop(syscall.SIGTERM)
 
-	eventually(t, "the agent's records over its node identity", time.Minute, func() error {
+	bustest.Eventually(t, "the agent's records over its node identity", time.Minute, func() error {
 		var recs []events.ImageRecord
 		if err := cliJSON(t, bin, &recs, as(node, "records", "--node", node)...); err != nil {
 			return err
@@ -591,7 +592,7 @@ func TestSecurityAgentRunsWithANodeIdentity(t *testing.T) {
 		}
 		return nil
 	})
-	eventually(t, "the agent's heartbeat", time.Minute, func() error {
+	bustest.Eventually(t, "the agent's heartbeat", time.Minute, func() error {
 		var nodes []struct {
 			Node  string `json:"node"`
 			State string `json:"state"`

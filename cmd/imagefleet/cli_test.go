@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"github.com/imagefleet/imagefleet/bus/bustest"
 	"io"
 	"net/http"
 	"os"
@@ -101,20 +102,8 @@ func (a *agent) stop(t *testing.T) {
 	}
 }
 
-func poll(t *testing.T, what string, f func() error) {
-	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		err := f()
-		if err == nil {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: %v", what, err)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-}
+// pollTimeout is how long a CLI test waits for the agent to answer.
+const pollTimeout = 30 * time.Second
 
 // TestAgentOnEmbeddedNATS drives the real binary: the agent with its embedded nats-server (the default), the
 // detect, records and images commands in JSON, and a restart that keeps firstDetected.
@@ -139,7 +128,7 @@ func TestAgentOnEmbeddedNATS(t *testing.T) {
 	a := startAgent(t, agentArgs...)
 
 	var recs []events.ImageRecord
-	poll(t, "detect", func() error {
+	bustest.Eventually(t, "detect", pollTimeout, func() error {
 		out, errOut, code := run(t, "detect", "--node", "node-1.cli", "--nats", nats, "-o", "json", "--timeout", "2s")
 		if code != 0 {
 			return fmt.Errorf("exit %d: %s", code, errOut)
@@ -155,7 +144,7 @@ func TestAgentOnEmbeddedNATS(t *testing.T) {
 	first := recs[2].FirstDetected
 
 	var imgs []events.Image
-	poll(t, "images", func() error {
+	bustest.Eventually(t, "images", pollTimeout, func() error {
 		out, errOut, code := run(t, "images", "--node", "node-1.cli", "--nats", nats, "-o", "json", "--limit", "2")
 		if code != 0 {
 			return fmt.Errorf("exit %d: %s", code, errOut)
@@ -177,7 +166,7 @@ func TestAgentOnEmbeddedNATS(t *testing.T) {
 	metricsAddr := fmt.Sprintf("127.0.0.1:%d", freePort(t))
 	agentArgs[len(agentArgs)-1] = "detector,cache,podindex,metrics"
 	startAgent(t, append(agentArgs, "--metrics-addr", metricsAddr)...)
-	poll(t, "detect after restart", func() error {
+	bustest.Eventually(t, "detect after restart", pollTimeout, func() error {
 		out, errOut, code := run(t, "detect", "--node", "node-1.cli", "--nats", nats, "-o", "json", "--timeout", "2s")
 		if code != 0 {
 			return fmt.Errorf("exit %d: %s", code, errOut)
@@ -209,7 +198,7 @@ spec:
 		`imagefleet_bus_requests_served_total{subject="imagefleet.cmd.node-1_cli.detect"}`,
 		`imagefleet_nats_reconnects_total 0`,
 	}
-	poll(t, "metrics", func() error {
+	bustest.Eventually(t, "metrics", pollTimeout, func() error {
 		body, status, err := httpGet(t, "http://"+metricsAddr+"/metrics")
 		if err != nil || status != 200 {
 			return fmt.Errorf("GET /metrics: %d %v", status, err)

@@ -3,6 +3,7 @@ package main_test
 import (
 	"encoding/json"
 	"fmt"
+	"github.com/imagefleet/imagefleet/bus/bustest"
 	"os"
 	"path/filepath"
 	"slices"
@@ -49,20 +50,20 @@ func TestDashboardQueriesUseExportedMetrics(t *testing.T) {
 		"--data-dir", filepath.Join(dir, "data"), "--workers", "detector,cache,gc,puller,podindex,metrics",
 		"--image-fs-capacity", "1000000",
 		"--metrics-addr", metricsAddr)
-	poll(t, "gc pass", func() error {
+	bustest.Eventually(t, "gc pass", pollTimeout, func() error {
 		if out, errOut, code := run(t, "gc", "--node", node, "--nats", nats, "--timeout", "5s"); code != 0 {
 			return fmt.Errorf("exit %d: %s %s", code, out, errOut)
 		}
 		return nil
 	})
-	poll(t, "pull", func() error {
+	bustest.Eventually(t, "pull", pollTimeout, func() error {
 		if out, errOut, code := run(t, "pull", "--node", node, "--nats", nats, "--wait", "docker.io/library/busybox:1.36"); code != 0 {
 			return fmt.Errorf("exit %d: %s %s", code, out, errOut)
 		}
 		return nil
 	})
 	var exported map[string]bool
-	poll(t, "scrape", func() error {
+	bustest.Eventually(t, "scrape", pollTimeout, func() error {
 		body, status, err := httpGet(t, "http://"+metricsAddr+"/metrics")
 		if err != nil || status != 200 {
 			return fmt.Errorf("GET /metrics: %d %v", status, err)

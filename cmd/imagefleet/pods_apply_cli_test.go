@@ -3,6 +3,7 @@ package main_test
 import (
 	"encoding/json"
 	"fmt"
+	"github.com/imagefleet/imagefleet/bus/bustest"
 	"os"
 	"path/filepath"
 	"strings"
@@ -29,7 +30,7 @@ func TestPodsApplyManifestsAndRefusals(t *testing.T) {
 		}
 		return path
 	}
-	poll(t, "the pod index answers", func() error {
+	bustest.Eventually(t, "the pod index answers", pollTimeout, func() error {
 		if _, errOut, code := run(t, "pods", "get", "--node", node, "--nats", nats); code != 0 {
 			return fmt.Errorf("exit %d: %s", code, errOut)
 		}

@@ -3,6 +3,7 @@ package main_test
 import (
 	"encoding/json"
 	"fmt"
+	"github.com/imagefleet/imagefleet/bus/bustest"
 	"os"
 	"path/filepath"
 	"strings"
@@ -69,7 +70,7 @@ spec:
 
 	// The static source publishes etcd-node-1.cli.
 	var static v1.Pod
-	poll(t, "the static pod indexed", func() error {
+	bustest.Eventually(t, "the static pod indexed", pollTimeout, func() error {
 		out, errOut, code := run(t, "pods", "get", "kube-system/etcd-"+node, "--node", node, "--nats", nats, "-o", "json")
 		if code != 0 {
 			return fmt.Errorf("exit %d: %s", code, errOut)

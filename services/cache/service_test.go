@@ -1,7 +1,6 @@
 package cache_test
 
 import (
-	"context"
 	"github.com/imagefleet/imagefleet/services/cri/critest"
 	"strings"
 	"testing"
@@ -33,15 +32,7 @@ func TestQueryAnswersSortedCappedListAndRefreshes(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(t.Context())
-	done := make(chan error, 1)
-	go func() { done <- svc.Run(ctx) }()
-	defer func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("Run = %v", err)
-		}
-	}()
+	bustest.RunService(t, svc)
 	query := func(limit int) events.ImagesReply {
 		var rep events.ImagesReply
 		deadline := time.Now().Add(10 * time.Second)
@@ -81,15 +72,7 @@ func TestListFollowsPullsAndRemovals(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(t.Context())
-	done := make(chan error, 1)
-	go func() { done <- svc.Run(ctx) }()
-	defer func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("Run = %v", err)
-		}
-	}()
+	bustest.RunService(t, svc)
 	ids := func() string {
 		var rep events.ImagesReply
 		if err := b.Request(t.Context(), events.QuerySubject("n1", events.QryImages), events.QueryRequest{}, &rep); err != nil {

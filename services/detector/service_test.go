@@ -32,16 +32,9 @@ func start(t *testing.T, b *bus.Bus, rt *critest.Runtime, now func() time.Time) 
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(t.Context())
-	done := make(chan error, 1)
-	go func() { done <- svc.Run(ctx) }()
+	stop = bustest.RunService(t, svc)
 	waitServing(t, b)
-	return func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("Run returned %v", err)
-		}
-	}
+	return stop
 }
 
 func waitServing(t *testing.T, b *bus.Bus) {

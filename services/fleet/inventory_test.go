@@ -33,15 +33,7 @@ func runInventory(t *testing.T, b *bus.Bus, replica string) (*fleet.Inventory, f
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(t.Context())
-	done := make(chan error, 1)
-	go func() { done <- inv.Run(ctx) }()
-	return inv, func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("inventory %s: %v", replica, err)
-		}
-	}
+	return inv, bustest.RunService(t, inv)
 }
 
 func query(t *testing.T, b *bus.Bus, q events.InventoryQuery) events.InventoryReply {
@@ -81,7 +73,7 @@ func TestInventoryAggregatesImageEvents(t *testing.T) {
 	// Applied == 7, a CI run under -race timed out on it once; this reordering is the likely cause, inferred:
 	// the stats were not printed then.)
 	var st fleet.InventoryStats
-	waitFor(t, "events applied", func() bool {
+	bustest.WaitFor(t, "events applied", func() bool {
 		st = inv.Stats()
 		return st.Applied+st.Duplicates >= 7 && st.Ignored >= 1
 	})
@@ -90,7 +82,7 @@ func TestInventoryAggregatesImageEvents(t *testing.T) {
 			"ones of distinct keys applied) and 1 ignored", st)
 	}
 	var images events.InventoryReply
-	waitFor(t, "index caught up", func() bool {
+	bustest.WaitFor(t, "index caught up", func() bool {
 		images = query(t, b, events.InventoryQuery{What: events.InventoryImages})
 		return images.Total == 2 && len(images.Images) == 2 && images.Images[0].Nodes == 2
 	})
@@ -196,7 +188,7 @@ func TestInventoryReplicasApplyEachEventOnce(t *testing.T) {
 		t.Fatal(err)
 	}
 	total := int64(len(evs))
-	waitFor(t, "every event applied", func() bool {
+	bustest.WaitFor(t, "every event applied", func() bool {
 		return r1.Stats().Applied+r2.Stats().Applied+r1.Stats().Duplicates+r2.Stats().Duplicates >= total
 	})
 	s1, s2 := r1.Stats(), r2.Stats()
@@ -208,7 +200,7 @@ func TestInventoryReplicasApplyEachEventOnce(t *testing.T) {
 	}
 	// Both replicas answer, and with the same figures.
 	seen := map[string]bool{}
-	waitFor(t, "both replicas answer with the whole inventory", func() bool {
+	bustest.WaitFor(t, "both replicas answer with the whole inventory", func() bool {
 		rep := query(t, b, events.InventoryQuery{What: events.InventoryNodes})
 		if rep.Total == nodes && rep.TotalBytes == int64(nodes)*int64(images*1000+images*(images-1)/2) {
 			seen[rep.Replica] = true

@@ -64,7 +64,7 @@ func TestHeartbeatRegistryAndLostDetection(t *testing.T) {
 		go func() { done <- hb.Run(ctx) }()
 	}
 	var reg *fleet.Registry
-	waitFor(t, "both nodes registered", func() bool {
+	bustest.WaitFor(t, "both nodes registered", func() bool {
 		var err error
 		if reg, err = fleet.OpenRegistry(t.Context(), b, fleet.RegistryOptions{Clock: clock}); err != nil {
 			return false

@@ -57,17 +57,6 @@ func names(nodes []*fleettest.Node) []string {
 	return out
 }
 
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(15 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: not within 15s", what)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-}
-
 func gcRollout(t *testing.T, b *bus.Bus, cfg fleet.RolloutConfig, req events.GCRequest) events.RolloutResult {
 	t.Helper()
 	cfg.Kind = events.RolloutGC

@@ -8,6 +8,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/imagefleet/imagefleet/bus/bustest"
 	"slices"
 	"strings"
 	"testing"
@@ -106,7 +107,7 @@ func servePodIndex(t *testing.T, h *harness, images []string, fail error) {
 	}()
 	t.Cleanup(func() { cancel(); <-done })
 	// The subscription is live once a request gets an answer.
-	waitFor(t, "pod index responder", func() bool {
+	bustest.WaitFor(t, "pod index responder", func() bool {
 		rctx, c := context.WithTimeout(context.Background(), time.Second)
 		defer c()
 		_, err := h.bus.RequestRaw(rctx, events.QuerySubject(testNode, events.QryInUse), nil)
@@ -166,7 +167,7 @@ func TestRemovalParallelismIsBounded(t *testing.T) {
 	gate := h.rt.GateRemovals()
 	done := make(chan error, 1)
 	go func() { done <- h.c.deleteUnusedImages(context.Background(), h.pass(false)) }()
-	waitFor(t, "4 removals in flight", func() bool { n, _ := h.rt.InFlight(); return n == 4 })
+	bustest.WaitFor(t, "4 removals in flight", func() bool { n, _ := h.rt.InFlight(); return n == 4 })
 	close(gate)
 	if err := <-done; err != nil {
 		t.Fatal(err)

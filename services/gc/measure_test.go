@@ -251,7 +251,7 @@ func TestFailedRemovalsListedApart(t *testing.T) {
 func finishedWith(t *testing.T, b *bus.Bus, trigger string) events.GCResult {
 	t.Helper()
 	var res events.GCResult
-	waitFor(t, "a gc.finished event with trigger "+trigger, func() bool {
+	bustest.WaitFor(t, "a gc.finished event with trigger "+trigger, func() bool {
 		for _, ev := range eventsOfType(streamEvents(t, b), events.EntityGC, events.ActionFinished) {
 			var r events.GCResult
 			if ev.DecodeData(&r) == nil && r.Trigger == trigger {
@@ -271,7 +271,7 @@ func TestUsageCheckRunsAPassBetweenPeriods(t *testing.T) {
 	statfs := func(string) (int64, int64, error) { return capacity, 400 + rt.RemovedBytes(), nil } // 60 %
 	s := newService(t, b, Config{Policy: Policy{HighThresholdPercent: 50, LowThresholdPercent: 40},
 		Period: time.Hour, CheckPeriod: 20 * time.Millisecond}, rt, gctest.NewRecords(rt, nil), statfs)
-	runService(t, s)
+	bustest.RunService(t, s)
 	res := finishedWith(t, b, events.GCTriggerUsage)
 	if res.Error != "" || len(res.Succeeded()) != 1 || res.MeasuredFreedBytes != 300 {
 		t.Fatalf("usage pass = %+v, want one image removed, 300 bytes measured", res)
@@ -290,14 +290,14 @@ func TestPulledEventTriggersACheck(t *testing.T) {
 	}
 	s := newService(t, b, Config{Policy: Policy{HighThresholdPercent: 50, LowThresholdPercent: 40},
 		Period: time.Hour, CheckPeriod: time.Hour}, rt, gctest.NewRecords(rt, nil), statfs)
-	runService(t, s)
+	bustest.RunService(t, s)
 	request(t, b, []byte(`{"dryRun":true}`)) // served: the loop runs
 	full.Store(true)
 	ev, err := events.New(testNode, events.EntityPull, events.ActionPulled, events.PullResult{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "a usage pass after pull.pulled", func() bool {
+	bustest.WaitFor(t, "a usage pass after pull.pulled", func() bool {
 		if err := b.Publish(t.Context(), ev); err != nil {
 			t.Fatal(err)
 		}

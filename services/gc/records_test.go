@@ -1,7 +1,6 @@
 package gc
 
 import (
-	"context"
 	"errors"
 	"github.com/imagefleet/imagefleet/services/cri/critest"
 	"log/slog"
@@ -28,14 +27,11 @@ func TestBusRecordsAsksTheDetector(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- d.Run(ctx) }()
-	defer func() { cancel(); <-done }()
+	defer bustest.RunService(t, d)()
 
 	// The detector's own first detection at start uses its clock; wait for it, then add an image that only
 	// the GC's detect request will find, with the request's time.
-	waitFor(t, "detector", func() bool {
+	bustest.WaitFor(t, "detector", func() bool {
 		_, err := rs.Detect(t.Context(), time.Now())
 		return err == nil
 	})

@@ -89,27 +89,13 @@ func newService(t *testing.T, b *bus.Bus, cfg Config, rt *critest.Runtime, recor
 	return s
 }
 
-// runService runs s until the test ends, then checks Run returned nil.
-func runService(t *testing.T, s *Service) {
-	t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- s.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("Run = %v", err)
-		}
-	})
-}
-
 func gcSubject() string { return events.CommandSubject(testNode, events.VerbGC) }
 
 // request sends a gc request, retrying until the executor has subscribed.
 func request(t *testing.T, b *bus.Bus, body []byte) events.Reply {
 	t.Helper()
 	var rep events.Reply
-	waitFor(t, "gc executor to answer", func() bool {
+	bustest.WaitFor(t, "gc executor to answer", func() bool {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
 		var err error
@@ -124,7 +110,7 @@ func TestMalformedRequestsGetAnErrorAndServingGoesOn(t *testing.T) {
 	rt := critest.NewRuntime(makeImage(0, 100))
 	s := newService(t, b, Config{Policy: Policy{HighThresholdPercent: 100, LowThresholdPercent: 80}}, rt, gctest.NewRecords(rt, nil),
 		func(string) (int64, int64, error) { return 1000, 900, nil })
-	runService(t, s)
+	bustest.RunService(t, s)
 	for _, tc := range []struct{ name, body, want string }{
 		{"bad JSON", `{"dryRun":`, "malformed message: "},
 		{"unknown field", `{"dryRun":true,"force":true}`, `unknown field "force"`},
@@ -163,7 +149,7 @@ func TestGCRequestOverBus(t *testing.T) {
 	rt.SetContainers(makeContainer(1))
 	s := newService(t, b, Config{Policy: Policy{HighThresholdPercent: 100, LowThresholdPercent: 80}}, rt, gctest.NewRecords(rt, nil),
 		func(string) (int64, int64, error) { return 1000, 500, nil })
-	runService(t, s)
+	bustest.RunService(t, s)
 	request(t, b, []byte(`{"dryRun":true}`)) // wait until served
 	high, low := 50, 0
 	var res events.GCResult
@@ -203,16 +189,11 @@ func TestPeriodicFailureWarnsOnSecondConsecutiveFailure(t *testing.T) {
 	rt := critest.NewRuntime()
 	recs := &failingRecords{}
 	s := newService(t, b, Config{Period: 20 * time.Millisecond}, rt, recs, nil)
-	ctx, cancel := context.WithCancel(t.Context())
-	done := make(chan error, 1)
-	go func() { done <- s.Run(ctx) }()
-	waitFor(t, "two ImageGCFailed warnings", func() bool {
+	stop := bustest.RunService(t, s)
+	bustest.WaitFor(t, "two ImageGCFailed warnings", func() bool {
 		return len(eventsOfType(streamEvents(t, b), events.EntityNode, events.ActionWarning)) >= 2
 	})
-	cancel()
-	if err := <-done; err != nil {
-		t.Fatal(err)
-	}
+	stop()
 	// In stream order: F = a failed pass (gc.finished with an error), W = a warning. The kubelet's loop
 	// warns on every failure but the first of a run of failures: F F W F W ... (a pass cut by the
 	// shutdown may end the sequence without its warning).
@@ -270,8 +251,8 @@ func TestDisabledLoopStillServesCommands(t *testing.T) {
 	logs := &captureHandler{}
 	s := newService(t, b, Config{Policy: Policy{HighThresholdPercent: 100, LowThresholdPercent: 80}, Period: time.Millisecond, Logger: slog.New(logs)},
 		rt, recs, func(string) (int64, int64, error) { return 1000, 0, nil })
-	runService(t, s)
-	waitFor(t, "the disable line", func() bool {
+	bustest.RunService(t, s)
+	bustest.WaitFor(t, "the disable line", func() bool {
 		return logs.has("ImageGCHighThresholdPercent is set 100 and ImageMaximumGCAge is 0, Disable image GC")
 	})
 	rep := request(t, b, []byte(`{"dryRun":true}`))
@@ -307,19 +288,9 @@ func TestRunReturnsAfterCancelWithoutLeaks(t *testing.T) {
 	rt := critest.NewRuntime(makeImage(0, 100))
 	s := newService(t, b, Config{Period: 10 * time.Millisecond}, rt, gctest.NewRecords(rt, nil),
 		func(string) (int64, int64, error) { return 1000, 900, nil })
-	ctx, cancel := context.WithCancel(t.Context())
-	done := make(chan error, 1)
-	go func() { done <- s.Run(ctx) }()
+	stop := bustest.RunService(t, s)
 	request(t, b, []byte(`{}`))
-	cancel()
-	select {
-	case err := <-done:
-		if err != nil {
-			t.Fatal(err)
-		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("Run did not return after cancel")
-	}
+	stop()
 }
 
 func TestNewNeedsRuntimeAndBus(t *testing.T) {
@@ -341,7 +312,7 @@ func TestRepeatedRequestIDRunsOnePass(t *testing.T) {
 	rt := critest.NewRuntime(makeImage(0, 100), makeImage(1, 200))
 	s := newService(t, b, Config{Policy: Policy{HighThresholdPercent: 100, LowThresholdPercent: 80}}, rt, gctest.NewRecords(rt, nil),
 		func(string) (int64, int64, error) { return 1000, 500, nil })
-	runService(t, s)
+	bustest.RunService(t, s)
 	request(t, b, []byte(`{"dryRun":true}`)) // wait until served
 	ask := func(req events.GCRequest) events.GCResult {
 		t.Helper()

@@ -71,8 +71,8 @@ func TestCatchingUpWritesTheSnapshotOnceCaughtUp(t *testing.T) {
 	s, stop := startService(t, b, Config{Node: testNode, FlushInterval: 10 * time.Millisecond,
 		FlushEvents: 1 << 30, FlushMaxDelay: time.Hour})
 	defer stop()
-	waitFor(t, "all applied", func() bool { return s.State().Applied() >= last })
-	waitFor(t, "the snapshot written once caught up", func() bool { return s.flushedSeq() >= last })
+	bustest.WaitFor(t, "all applied", func() bool { return s.State().Applied() >= last })
+	bustest.WaitFor(t, "the snapshot written once caught up", func() bool { return s.flushedSeq() >= last })
 	podWrites, applied := w.writes()
 	appliedWrites := len(applied)
 	if podWrites > 2*pods || podWrites < pods || appliedWrites == 0 {
@@ -141,7 +141,7 @@ func TestConfirmOnlyFlush(t *testing.T) {
 	last := publish(t, b, testNode, events.ActionAdded,
 		testPod("ns", "a", "uid-a", []string{"s1", "s2"}, []string{"c1"}, "img:1"),
 		testPod("ns", "b", "uid-b", []string{"s1"}, nil, "img:1"))
-	waitFor(t, "applied", func() bool { return s.State().Applied() >= last })
+	bustest.WaitFor(t, "applied", func() bool { return s.State().Applied() >= last })
 	s.mu.Lock()
 	queued := 0
 	for _, pe := range s.pending {
@@ -186,7 +186,7 @@ func TestConfirmOnlyFlush(t *testing.T) {
 	if err := s.flushSnapshot(t.Context()); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the snapshot written", func() bool {
+	bustest.WaitFor(t, "the snapshot written", func() bool {
 		pods, applied := w.writes()
 		return pods == 2 && len(applied) == 1 && applied[0] == last
 	})
@@ -222,7 +222,7 @@ func TestDeadLetterWritesTheSnapshotWhileCatchingUp(t *testing.T) {
 	s, stop := startService(t, b, Config{Node: testNode, FlushInterval: 10 * time.Millisecond,
 		FlushEvents: 1 << 30, FlushMaxDelay: time.Hour})
 	defer stop()
-	waitFor(t, "all applied", func() bool { return s.State().Applied() >= last })
+	bustest.WaitFor(t, "all applied", func() bool { return s.State().Applied() >= last })
 	_, applied := w.writes()
 	if len(applied) == 0 || applied[0] < deadSeq || applied[0] >= last-catchUpBacklog {
 		t.Fatalf("applied sequences written %v; want the first at or after the dead letter %d and before the "+
@@ -305,7 +305,7 @@ func TestCatchUpSurvivesEventsRemovedBeforeDelivery(t *testing.T) {
 			t.Error(err)
 		}
 	}()
-	waitFor(t, "the first events applied", func() bool { return s.State().Applied() > 0 })
+	bustest.WaitFor(t, "the first events applied", func() bool { return s.State().Applied() > 0 })
 	if err := stream.Purge(t.Context(), jetstream.WithPurgeSubject(events.PodEventSubjects(testNode))); err != nil {
 		t.Fatal(err)
 	}

@@ -30,7 +30,7 @@ func TestGapWhenTheStreamDropsEvents(t *testing.T) {
 	before := testutil.ToFloat64(eventGaps.WithLabelValues(testNode))
 	s1, stop := startService(t, b, Config{Node: testNode})
 	seq := publish(t, b, testNode, events.ActionAdded, testPod("ns", "first", "uid-first", nil, nil, "img:1"))
-	waitFor(t, "first pod applied", func() bool { return s1.state.Applied() >= seq })
+	bustest.WaitFor(t, "first pod applied", func() bool { return s1.state.Applied() >= seq })
 	stop()
 	if s1.Gaps() != 0 || s1.Health() != nil {
 		t.Fatalf("a fresh index counted gaps: %d, %v", s1.Gaps(), s1.Health())
@@ -60,7 +60,7 @@ func TestGapWhenTheStreamDropsEvents(t *testing.T) {
 	}
 	s3, stop3 := startService(t, b, Config{Node: testNode})
 	defer stop3()
-	waitFor(t, "gap counted", func() bool { return s3.Gaps() == 1 })
+	bustest.WaitFor(t, "gap counted", func() bool { return s3.Gaps() == 1 })
 	if err := s3.Health(); err == nil {
 		t.Fatal("healthy after a gap")
 	} else {

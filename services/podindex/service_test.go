@@ -148,17 +148,6 @@ func runService(s *Service) (done <-chan error, stop func() error) {
 	}
 }
 
-func waitFor(t testing.TB, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(15 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: not reached within 15s", what)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-}
-
 func TestServiceIndexesQueriesAndRestarts(t *testing.T) {
 	b := startBus(t)
 	defer goleak.VerifyNone(t, ignoreServer(goleak.IgnoreCurrent())...)
@@ -180,7 +169,7 @@ func TestServiceIndexesQueriesAndRestarts(t *testing.T) {
 	jobDone := job.DeepCopy()
 	jobDone.Status.Phase = v1.PodSucceeded
 	last := publish(t, b, testNode, events.ActionUpdated, jobDone)
-	waitFor(t, "all applied", func() bool { return s.State().Applied() >= last })
+	bustest.WaitFor(t, "all applied", func() bool { return s.State().Applied() >= last })
 
 	var refs events.RefsReply
 	if err := b.Request(ctx, events.QuerySubject(testNode, events.QryRefs), nil, &refs); err != nil {
@@ -243,7 +232,7 @@ func TestServiceIndexesQueriesAndRestarts(t *testing.T) {
 
 	// Registration events: tls, db, cfg registered by web; db registered by job then (job succeeded)... db is
 	// still referenced by web, so only the 0 -> 1 transitions of web appear.
-	waitFor(t, "registration events", func() bool { return len(refEvents(t, b)) == 3 })
+	bustest.WaitFor(t, "registration events", func() bool { return len(refEvents(t, b)) == 3 })
 	got := refEvents(t, b)
 	for _, want := range []string{"secret.registered prod/tls", "secret.registered prod/db", "configmap.registered prod/cfg"} {
 		if !contains(got, want) {
@@ -258,7 +247,7 @@ func TestServiceIndexesQueriesAndRestarts(t *testing.T) {
 	publish(t, b, testNode, events.ActionDeleted, web)
 	s2, stop2 := startService(t, b, Config{Node: testNode, FlushInterval: 50 * time.Millisecond})
 	defer stop2()
-	waitFor(t, "delete applied after restart", func() bool {
+	bustest.WaitFor(t, "delete applied after restart", func() bool {
 		_, ok := s2.State().Index.getPodByUID("uid-web")
 		return !ok
 	})
@@ -271,7 +260,7 @@ func TestServiceIndexesQueriesAndRestarts(t *testing.T) {
 	if !reflect.DeepEqual(before.pods, after.pods) || !reflect.DeepEqual(before.mirrors, after.mirrors) {
 		t.Fatalf("state after restart differs:\n%+v\n%+v", before, after)
 	}
-	waitFor(t, "unregistration events", func() bool { return len(refEvents(t, b)) == 6 })
+	bustest.WaitFor(t, "unregistration events", func() bool { return len(refEvents(t, b)) == 6 })
 }
 
 func TestMalformedEventsAreDeadLettered(t *testing.T) {
@@ -299,7 +288,7 @@ func TestMalformedEventsAreDeadLettered(t *testing.T) {
 	}
 	good := testPod("ns", "ok", "uid-ok", nil, nil, "img:1")
 	last := publish(t, b, testNode, events.ActionAdded, good)
-	waitFor(t, "the good event after the bad ones", func() bool { return s.State().Applied() >= last })
+	bustest.WaitFor(t, "the good event after the bad ones", func() bool { return s.State().Applied() >= last })
 	if _, ok := s.State().Index.getPodByUID("uid-ok"); !ok {
 		t.Fatal("the worker did not keep going after bad input")
 	}

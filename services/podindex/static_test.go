@@ -3,6 +3,7 @@ package podindex
 import (
 	"context"
 	"fmt"
+	"github.com/imagefleet/imagefleet/bus/bustest"
 	"os"
 	"path/filepath"
 	"sort"
@@ -221,7 +222,7 @@ func TestStaticSourceRunWatchesAndStops(t *testing.T) {
 		t.Fatal(err)
 	}
 	var evs []PodEvent
-	waitFor(t, "the watched manifest", func() bool {
+	bustest.WaitFor(t, "the watched manifest", func() bool {
 		evs = append(evs, pub.take(t)...)
 		return len(evs) > 0
 	})
@@ -342,7 +343,7 @@ func TestStaticSourceResumesOnABusyNode(t *testing.T) {
 		t.Fatal(err)
 	}
 	etcdName := "etcd-" + testNode
-	waitFor(t, "the static pods applied", func() bool {
+	bustest.WaitFor(t, "the static pods applied", func() bool {
 		_, ok := s.State().Index.getPodByName("kube-system", etcdName)
 		return ok && s.State().Applied() > last
 	})
@@ -365,7 +366,7 @@ func TestStaticSourceResumesOnABusyNode(t *testing.T) {
 	if err := second.syncManifests(t.Context()); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the removed manifest's pod deleted", func() bool {
+	bustest.WaitFor(t, "the removed manifest's pod deleted", func() bool {
 		_, ok := s.State().Index.getPodByName("kube-system", etcdName)
 		return !ok
 	})

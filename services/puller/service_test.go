@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"log/slog"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -35,25 +34,7 @@ func startService(t *testing.T, b *bus.Bus, rt imageService, cfg Config) (s *Ser
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- s.Run(ctx) }()
-	var once sync.Once
-	stop = func() {
-		once.Do(func() {
-			cancel()
-			select {
-			case err := <-done:
-				if err != nil {
-					t.Errorf("Run: %v", err)
-				}
-			case <-time.After(10 * time.Second):
-				t.Error("Run did not return after cancel")
-			}
-		})
-	}
-	t.Cleanup(stop)
-	return s, stop
+	return s, bustest.RunService(t, s)
 }
 
 func subscribePull(t *testing.T, b *bus.Bus) *bus.Subscription {
@@ -136,17 +117,6 @@ func publishPull(t *testing.T, b *bus.Bus, req events.PullRequest) error {
 	return err
 }
 
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
 func TestServicePullEvents(t *testing.T) {
 	bustest.VerifyNoLeaks(t)
 	_, b := bustest.Start(t)
@@ -218,7 +188,7 @@ func TestSerialQueueFull(t *testing.T) {
 			t.Fatalf("request %d: %v", i, err)
 		}
 	}
-	waitFor(t, "the first pull", func() bool { return rt.inFlight.Load() == 1 })
+	bustest.WaitFor(t, "the first pull", func() bool { return rt.inFlight.Load() == 1 })
 	start := time.Now()
 	err := publishPull(t, b, events.PullRequest{ID: "r-over", Image: "img-over", Policy: events.PullAlways})
 	if !errors.Is(err, ErrPullQueueFull) {
@@ -274,7 +244,7 @@ func TestTokensAcrossReplicas(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	waitFor(t, "two pulls", func() bool { return rt.inFlight.Load() == 2 })
+	bustest.WaitFor(t, "two pulls", func() bool { return rt.inFlight.Load() == 2 })
 	// Give a third pull every chance to start if the limit were per replica.
 	time.Sleep(300 * time.Millisecond)
 	if got := rt.inFlight.Load(); got != 2 {
@@ -302,7 +272,7 @@ func TestTokensAcrossReplicas(t *testing.T) {
 	if got := rt.maxInFlight.Load(); got != 2 {
 		t.Errorf("max in flight %d, want 2", got)
 	}
-	waitFor(t, "no request in flight", func() bool { return s1.InFlight()+s2.InFlight() == 0 })
+	bustest.WaitFor(t, "no request in flight", func() bool { return s1.InFlight()+s2.InFlight() == 0 })
 }
 
 // TestRequestSurvivesRestart: a puller stopped in the middle of a pull hands the request back; the next
@@ -317,7 +287,7 @@ func TestRequestSurvivesRestart(t *testing.T) {
 	if err := publishPull(t, b, events.PullRequest{ID: "survivor", Image: "img", Policy: events.PullIfNotPresent}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the pull", func() bool { return rt.inFlight.Load() == 1 })
+	bustest.WaitFor(t, "the pull", func() bool { return rt.inFlight.Load() == 1 })
 	stop1()
 	if rt.inFlight.Load() != 0 {
 		t.Fatal("the stopped puller left its runtime pull running")
@@ -359,7 +329,7 @@ func TestPodDeletedCancelsPull(t *testing.T) {
 	if err := publishPull(t, b, events.PullRequest{ID: "c1", Image: "big", Policy: events.PullAlways, Pod: pod}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the pull", func() bool { return rt.inFlight.Load() == 1 })
+	bustest.WaitFor(t, "the pull", func() bool { return rt.inFlight.Load() == 1 })
 	podJSON, _ := json.Marshal(map[string]any{"metadata": map[string]any{"uid": "uid-doomed", "name": "doomed", "namespace": "ns"}})
 	if err := b.PublishRaw(events.EventSubject(testNode, events.EntityPod, events.ActionDeleted), podJSON); err != nil {
 		t.Fatal(err)
@@ -368,7 +338,7 @@ func TestPodDeletedCancelsPull(t *testing.T) {
 	if !r.Cancelled || r.Error != events.ErrKindImagePull || ev.Reason != "Failed" || !strings.Contains(r.Message, "pod deleted") {
 		t.Fatalf("cancelled result %+v (%s %q)", r, ev.Reason, ev.Message)
 	}
-	waitFor(t, "the runtime pull to stop", func() bool { return rt.inFlight.Load() == 0 })
+	bustest.WaitFor(t, "the runtime pull to stop", func() bool { return rt.inFlight.Load() == 0 })
 	pulls := rt.pulls.Load()
 	if err := publishPull(t, b, events.PullRequest{ID: "c2", Image: "big", Policy: events.PullAlways, Pod: pod}); err != nil {
 		t.Fatal(err)
@@ -384,7 +354,7 @@ func TestPodDeletedCancelsPull(t *testing.T) {
 	if err := publishPull(t, b, events.PullRequest{ID: "c3", Image: "big2", Policy: events.PullAlways, Pod: other}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the pull", func() bool { return rt.inFlight.Load() == 1 })
+	bustest.WaitFor(t, "the pull", func() bool { return rt.inFlight.Load() == 1 })
 	cancelJSON, _ := json.Marshal(events.PullCancel{RequestID: "c3"})
 	if err := b.PublishRaw(events.CommandSubject(testNode, events.VerbPullCancel), cancelJSON); err != nil {
 		t.Fatal(err)
@@ -444,7 +414,7 @@ func TestMalformedRequests(t *testing.T) {
 		t.Fatalf("good request after bad ones: %+v", r)
 	}
 	var dl []bus.DeadLetter
-	waitFor(t, "dead letters", func() bool {
+	bustest.WaitFor(t, "dead letters", func() bool {
 		var err error
 		dl, err = b.DeadLetters(t.Context(), "")
 		return err == nil && len(dl) == len(bodies)
@@ -522,7 +492,7 @@ func TestKilledPullerRedelivered(t *testing.T) {
 	if err := publishPull(t, b, events.PullRequest{ID: "crash", Image: "img", Policy: events.PullAlways}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the first pull", func() bool { return rt1.inFlight.Load() == 1 })
+	bustest.WaitFor(t, "the first pull", func() bool { return rt1.inFlight.Load() == 1 })
 	b1.Close() // the first puller is gone for the server: no ack, no progress
 	rt2 := newFakeImages()
 	startService(t, b, rt2, Config{AckWait: ackWait, Registerer: prometheus.NewRegistry()})
@@ -556,7 +526,7 @@ func TestLongPullNotRedelivered(t *testing.T) {
 	if err := publishPull(t, b, events.PullRequest{ID: "long", Image: "img", Policy: events.PullAlways}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the pull", func() bool { return rt.inFlight.Load() == 1 })
+	bustest.WaitFor(t, "the pull", func() bool { return rt.inFlight.Load() == 1 })
 	time.Sleep(2 * time.Second) // over three AckWaits
 	if got := rt.pulls.Load(); got != 1 {
 		t.Fatalf("%d runtime pulls during one long request: it was redelivered", got)

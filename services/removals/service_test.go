@@ -1,7 +1,6 @@
 package removals
 
 import (
-	"context"
 	"strings"
 	"testing"
 	"time"
@@ -64,15 +63,7 @@ func TestForeignRemovals(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		ctx, cancel := context.WithCancel(context.Background())
-		done := make(chan error, 1)
-		go func() { done <- s.Run(ctx) }()
-		return func() {
-			cancel()
-			if err := <-done; err != nil {
-				t.Errorf("Run = %v", err)
-			}
-		}
+		return bustest.RunService(t, s)
 	}
 	stop := run()
 	time.Sleep(500 * time.Millisecond)

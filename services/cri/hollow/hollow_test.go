@@ -5,6 +5,7 @@ import (
 	"encoding/base64"
 	"errors"
 	"fmt"
+	"github.com/imagefleet/imagefleet/bus/bustest"
 	"net"
 	"os"
 	"path/filepath"
@@ -54,18 +55,6 @@ func rawClients(t *testing.T, r *hollow.Runtime) (runtimeapi.RuntimeServiceClien
 	}
 	t.Cleanup(func() { conn.Close() })
 	return runtimeapi.NewRuntimeServiceClient(conn), runtimeapi.NewImageServiceClient(conn)
-}
-
-// eventually polls cond until it holds or 10 s pass.
-func eventually(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(time.Millisecond)
-	}
 }
 
 func mustAdd(t testing.TB, r *hollow.Runtime, img cri.Image) cri.Image {
@@ -551,13 +540,13 @@ func TestBlockedPulls(t *testing.T) {
 			_, errs[i] = c.PullImage(t.Context(), fmt.Sprintf("example.com/app%d:v1", i), nil, nil, nil)
 		})
 	}
-	eventually(t, "5 held pulls", func() bool { return r.BlockedPulls() == n })
+	bustest.WaitFor(t, "5 held pulls", func() bool { return r.BlockedPulls() == n })
 	if got := r.InFlightPulls(); got != n {
 		t.Fatalf("InFlightPulls = %d, want %d", got, n)
 	}
 	r.UnblockPulls(2)
 	// A pull that stored its image leaves the in-flight count a moment later, when its handler returns.
-	eventually(t, "2 pulls through", func() bool {
+	bustest.WaitFor(t, "2 pulls through", func() bool {
 		return len(r.Images()) == 2 && r.BlockedPulls() == n-2 && r.InFlightPulls() == n-2
 	})
 	r.UnblockAllPulls()
@@ -578,7 +567,7 @@ func TestBlockedPulls(t *testing.T) {
 	if _, err := c.PullImage(ctx, "example.com/late:v1", nil, nil, nil); !errors.Is(err, cri.ErrTimeout) {
 		t.Fatalf("held pull past its deadline = %v, want ErrTimeout", err)
 	}
-	eventually(t, "the gate to empty", func() bool { return r.BlockedPulls() == 0 && r.InFlightPulls() == 0 })
+	bustest.WaitFor(t, "the gate to empty", func() bool { return r.BlockedPulls() == 0 && r.InFlightPulls() == 0 })
 	r.UnblockAllPulls()
 }
 
@@ -624,7 +613,7 @@ func TestServeStopsHeldPulls(t *testing.T) {
 		_, err := c.PullImage(t.Context(), "nginx", nil, nil, nil)
 		pullErr <- err
 	}()
-	eventually(t, "a held pull", func() bool { return r.BlockedPulls() == 1 })
+	bustest.WaitFor(t, "a held pull", func() bool { return r.BlockedPulls() == 1 })
 	cancel()
 	stop() // returns only after the held pull was cancelled and its handler returned
 	if err := <-pullErr; err == nil {
