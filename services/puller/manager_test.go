@@ -7,6 +7,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -345,6 +346,12 @@ func TestDefaultPullPolicy(t *testing.T) {
 // TestMaxParallelImagePullsLimit is the kubelet's test with one difference: its seven calls pull one image,
 // which imagefleet's single-flight would make one pull, so here each call pulls its own image.
 func TestMaxParallelImagePullsLimit(t *testing.T) {
+	synctest.Test(t, testMaxParallelImagePullsLimit)
+}
+
+// testMaxParallelImagePullsLimit runs in a synctest bubble: synctest.Wait returns when every call is blocked
+// (in the runtime or at a token), so the count it then reads is final, not a guess after a sleep.
+func testMaxParallelImagePullsLimit(t *testing.T) {
 	const maxParallel = 5
 	h := newHarness(harnessOpts{maxParallel: maxParallel})
 	h.rt.block = true
@@ -363,10 +370,7 @@ func TestMaxParallelImagePullsLimit(t *testing.T) {
 	}
 	waitPulls := func(want int64) {
 		t.Helper()
-		deadline := time.Now().Add(5 * time.Second)
-		for h.rt.pulls.Load() != want && time.Now().Before(deadline) {
-			time.Sleep(5 * time.Millisecond)
-		}
+		synctest.Wait()
 		if got := h.rt.pulls.Load(); got != want {
 			t.Fatalf("PullImage calls %d, want %d", got, want)
 		}
@@ -374,8 +378,8 @@ func TestMaxParallelImagePullsLimit(t *testing.T) {
 	start(0, maxParallel)
 	waitPulls(5)
 	start(maxParallel, maxParallel+2)
-	// The two extra calls stay at the token: give them time to (wrongly) reach the runtime.
-	time.Sleep(200 * time.Millisecond)
+	// The two extra calls stay at the token: every goroutine is blocked before the count is read.
+	synctest.Wait()
 	if got := h.rt.pulls.Load(); got != 5 {
 		t.Fatalf("PullImage calls %d after 7 requests with 5 tokens, want 5", got)
 	}
@@ -399,7 +403,9 @@ func TestMaxParallelImagePullsLimit(t *testing.T) {
 
 // TestSingleFlight: concurrent requests for one image with the same credentials make one runtime pull;
 // a request with other credentials does not join it.
-func TestSingleFlight(t *testing.T) {
+func TestSingleFlight(t *testing.T) { synctest.Test(t, testSingleFlight) }
+
+func testSingleFlight(t *testing.T) {
 	h := newHarness(harnessOpts{})
 	h.rt.block = true
 	var wg sync.WaitGroup
@@ -412,12 +418,11 @@ func TestSingleFlight(t *testing.T) {
 				Pod: events.PodRef{Namespace: "ns", Name: fmt.Sprintf("p%d", i), UID: fmt.Sprintf("uid-%d", i)}})
 		}()
 	}
-	deadline := time.Now().Add(5 * time.Second)
-	for h.rt.pulls.Load() < 1 && time.Now().Before(deadline) {
-		time.Sleep(5 * time.Millisecond)
+	// One pull is in the runtime and the other three wait on its flight once every goroutine is blocked.
+	synctest.Wait()
+	if got := h.rt.pulls.Load(); got != 1 {
+		t.Fatalf("runtime pulls %d while the requests wait, want 1", got)
 	}
-	// Let the other three join (they are past their inspection once they wait on the flight).
-	time.Sleep(200 * time.Millisecond)
 	h.rt.release <- nil
 	wg.Wait()
 	if got := h.rt.pulls.Load(); got != 1 {
@@ -439,7 +444,9 @@ func TestSingleFlight(t *testing.T) {
 
 // TestCancelLastWaiterCancelsPull: a pull whose only requester goes away is cancelled in the runtime;
 // one still wanted by another requester goes on (kubernetes/kubernetes#88662).
-func TestCancelLastWaiterCancelsPull(t *testing.T) {
+func TestCancelLastWaiterCancelsPull(t *testing.T) { synctest.Test(t, testCancelLastWaiterCancelsPull) }
+
+func testCancelLastWaiterCancelsPull(t *testing.T) {
 	h := newHarness(harnessOpts{})
 	h.rt.block = true
 	ctx1, cancel1 := context.WithCancelCause(t.Context())
@@ -448,14 +455,14 @@ func TestCancelLastWaiterCancelsPull(t *testing.T) {
 	go func() {
 		res <- h.m.EnsureImageExists(ctx1, Request{Image: "missing_image", Policy: events.PullAlways, Pod: events.PodRef{UID: "a"}})
 	}()
-	deadline := time.Now().Add(5 * time.Second)
-	for h.rt.inFlight.Load() < 1 && time.Now().Before(deadline) {
-		time.Sleep(5 * time.Millisecond)
+	synctest.Wait() // the pull is in the runtime
+	if h.rt.inFlight.Load() != 1 {
+		t.Fatalf("runtime pulls in flight %d, want 1", h.rt.inFlight.Load())
 	}
 	go func() {
 		res <- h.m.EnsureImageExists(ctx2, Request{Image: "missing_image", Policy: events.PullAlways, Pod: events.PodRef{UID: "b"}})
 	}()
-	time.Sleep(100 * time.Millisecond)
+	synctest.Wait() // pod b waits on the same flight
 	cancel1(errPodDeleted)
 	o := <-res
 	if !o.Cancelled || !errors.Is(o.Err, ErrImagePull) || !strings.Contains(o.Message, "pod deleted") {
@@ -466,10 +473,7 @@ func TestCancelLastWaiterCancelsPull(t *testing.T) {
 	}
 	cancel2(errPodDeleted)
 	<-res
-	deadline = time.Now().Add(5 * time.Second)
-	for h.rt.inFlight.Load() != 0 && time.Now().Before(deadline) {
-		time.Sleep(5 * time.Millisecond)
-	}
+	synctest.Wait()
 	if h.rt.inFlight.Load() != 0 {
 		t.Fatal("runtime pull not cancelled after its last requester left")
 	}
