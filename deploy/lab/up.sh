@@ -31,6 +31,26 @@ alive() {
 	pid_alive "$pid" && tr '\0' ' ' 2>/dev/null <"/proc/$pid/cmdline" | grep -qF "$LAB_DIR/"
 }
 
+# start_daemon NAME CMD...: starts CMD in its own session with its output in LAB_DIR/NAME.log and its pid in
+# LAB_DIR/NAME.pid, then waits until the new process has exec'd CMD. Until then its command line is still
+# this script's (the forked subshell before setsid's exec), which alive, looking for LAB_DIR in it, would
+# take for a dead or foreign process: the lab's first run failed that way 34 times in 50.
+start_daemon() {
+	local name=$1 pid i
+	shift
+	setsid "$@" >>"$LAB_DIR/$name.log" 2>&1 </dev/null &
+	pid=$!
+	echo "$pid" >"$LAB_DIR/$name.pid"
+	for ((i = 0; i < 100; i++)); do
+		alive "$LAB_DIR/$name.pid" && return 0
+		pid_alive "$pid" || break
+		sleep 0.05
+	done
+	echo "up.sh: $name (pid $pid) exited or did not start within 5s:" >&2
+	tail -n 20 "$LAB_DIR/$name.log" >&2
+	return 1
+}
+
 # http_status HOST:PORT PATH prints the status code of a GET, with bash's /dev/tcp (a fresh machine may
 # have no curl). It runs in a subshell: a failed connect ends only that.
 http_status() (
@@ -51,7 +71,7 @@ lab up:
   registry       $LAB_REGISTRY   (log: $LAB_DIR/registry.log)
   sandbox image  $LAB_REGISTRY/$LAB_SANDBOX_REPO
   push images    $LAB_DIR/labctl push -registry $LAB_REGISTRY -size 20m lab/filler-1:1
-  run the agent  imagefleet agent --node lab --cri unix://$LAB_DIR/containerd.sock
+  run the agent  imagefleet agent --node lab --cri unix://$LAB_DIR/containerd.sock --pinned-images $LAB_REGISTRY/$LAB_SANDBOX_REPO
   stop           $here/down.sh
 EOF
 }
@@ -115,8 +135,8 @@ storage:
 http:
   addr: $LAB_REGISTRY
 EOF
-setsid docker-registry serve "$LAB_DIR/registry.yml" >"$LAB_DIR/registry.log" 2>&1 </dev/null &
-echo $! >"$LAB_DIR/registry.pid"
+: >"$LAB_DIR/registry.log"
+start_daemon registry docker-registry serve "$LAB_DIR/registry.yml"
 for ((i = 0; i < 100; i++)); do
 	[[ $(http_status "$LAB_REGISTRY" /v2/ 2>/dev/null) == 200 ]] && break
 	alive "$LAB_DIR/registry.pid" || { tail -n 20 "$LAB_DIR/registry.log" >&2; false; }
@@ -132,8 +152,7 @@ sed -e "s|@LAB_DIR@|$LAB_DIR|g" \
 	-e "s|@SNAPSHOTTER@|$LAB_SNAPSHOTTER|g" \
 	-e "s|@STATS_PERIOD@|$LAB_STATS_PERIOD|g" \
 	"$here/containerd.toml.tmpl" >"$LAB_DIR/containerd.toml"
-setsid containerd --config "$LAB_DIR/containerd.toml" >>"$LAB_DIR/containerd.log" 2>&1 </dev/null &
-echo $! >"$LAB_DIR/containerd.pid"
+start_daemon containerd containerd --config "$LAB_DIR/containerd.toml"
 if ! "$LAB_DIR/labctl" wait -cri "unix://$LAB_DIR/containerd.sock" -timeout 30s; then
 	tail -n 30 "$LAB_DIR/containerd.log" >&2
 	false
