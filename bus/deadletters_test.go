@@ -45,14 +45,13 @@ func TestReplayDeadLetter(t *testing.T) {
 	}
 	first := wait()
 	var dls []bus.DeadLetter
-	deadline := time.Now().Add(5 * time.Second)
-	for len(dls) == 0 && time.Now().Before(deadline) {
+	bustest.WaitWithin(t, "a dead letter", 5*time.Second, func() bool {
 		var err error
 		if dls, err = b.DeadLetters(ctx, ""); err != nil {
 			t.Fatal(err)
 		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return len(dls) != 0
+	})
 	if len(dls) != 1 || dls[0].Subject != subject || dls[0].Reason != "poison" {
 		t.Fatalf("dead letters = %+v, want one of %s with reason poison", dls, subject)
 	}

@@ -17,7 +17,13 @@ var errNotYet = errors.New("condition still false")
 // WaitFor polls cond until it holds; after Timeout it fails the test with what was awaited.
 func WaitFor(t testing.TB, what string, cond func() bool) {
 	t.Helper()
-	Eventually(t, what, Timeout, func() error {
+	WaitWithin(t, what, Timeout, cond)
+}
+
+// WaitWithin is WaitFor with its own timeout, for a test whose assertion is the time ("within a second").
+func WaitWithin(t testing.TB, what string, timeout time.Duration, cond func() bool) {
+	t.Helper()
+	Eventually(t, what, timeout, func() error {
 		if cond() {
 			return nil
 		}

@@ -1,6 +1,7 @@
 package cache_test
 
 import (
+	"fmt"
 	"github.com/imagefleet/imagefleet/services/cri/critest"
 	"strings"
 	"testing"
@@ -35,30 +36,17 @@ func TestQueryAnswersSortedCappedListAndRefreshes(t *testing.T) {
 	bustest.RunService(t, svc)
 	query := func(limit int) events.ImagesReply {
 		var rep events.ImagesReply
-		deadline := time.Now().Add(10 * time.Second)
-		for {
-			err := b.Request(t.Context(), events.QuerySubject("n1", events.QryImages), events.QueryRequest{Limit: limit}, &rep)
-			if err == nil {
-				return rep
-			}
-			if time.Now().After(deadline) {
-				t.Fatal(err)
-			}
-			time.Sleep(10 * time.Millisecond)
-		}
+		bustest.Eventually(t, "the images query answered", 10*time.Second, func() error {
+			return b.Request(t.Context(), events.QuerySubject("n1", events.QryImages), events.QueryRequest{Limit: limit}, &rep)
+		})
+		return rep
 	}
 	rep := query(2)
 	if len(rep.Images) != 2 || rep.Images[0].ID != "big" || rep.Images[1].ID != "mid" {
 		t.Fatalf("images = %+v", rep.Images)
 	}
 	rt.SetImages(cri.Image{ID: "small", Size: 1}, cri.Image{ID: "big", Size: 100}, cri.Image{ID: "mid", Size: 50}, cri.Image{ID: "huge", Size: 1000})
-	deadline := time.Now().Add(10 * time.Second)
-	for query(1).Images[0].ID != "huge" {
-		if time.Now().After(deadline) {
-			t.Fatal("cache did not refresh")
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	bustest.WaitWithin(t, "the cache refreshed with huge first", 10*time.Second, func() bool { return query(1).Images[0].ID == "huge" })
 	bad, err := b.RequestRaw(t.Context(), events.QuerySubject("n1", events.QryImages), []byte(`{"limit":-5}`))
 	if err != nil || !strings.Contains(bad.Error, "must not be negative") {
 		t.Fatalf("negative limit: %+v %v", bad, err)
@@ -86,34 +74,29 @@ func TestListFollowsPullsAndRemovals(t *testing.T) {
 	}
 	waitList := func(want string) {
 		t.Helper()
-		deadline := time.Now().Add(time.Second)
-		for ids() != want {
-			if time.Now().After(deadline) {
-				t.Fatalf("list %q, want %q within a second", ids(), want)
+		bustest.Eventually(t, fmt.Sprintf("list %q", want), time.Second, func() error {
+			if got := ids(); got != want {
+				return fmt.Errorf("list %q", got)
 			}
-			time.Sleep(10 * time.Millisecond)
-		}
+			return nil
+		})
 	}
-	deadline := time.Now().Add(10 * time.Second)
-	for ids() != "a" && time.Now().Before(deadline) {
-		time.Sleep(10 * time.Millisecond) // serving
-	}
+	bustest.WaitWithin(t, "the cache serving", 10*time.Second, func() bool { return ids() == "a" })
 	// The cache subscribes as Run starts: a first pull event is published until it has.
 	rt.SetImages(cri.Image{ID: "a", Size: 1}, cri.Image{ID: "c", Size: 3})
 	first, err := events.New("n1", events.EntityPull, events.ActionPulled, events.PullResult{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	deadline = time.Now().Add(10 * time.Second)
-	for ids() != "c,a" {
-		if time.Now().After(deadline) {
-			t.Fatalf("list %q: the first pull event never refreshed it", ids())
+	bustest.Eventually(t, "the first pull event to refresh the list", 10*time.Second, func() error {
+		if got := ids(); got != "c,a" {
+			if err := b.Publish(t.Context(), first); err != nil {
+				t.Fatal(err)
+			}
+			return fmt.Errorf("list %q", got)
 		}
-		if err := b.Publish(t.Context(), first); err != nil {
-			t.Fatal(err)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+		return nil
+	})
 	for _, step := range []struct {
 		images         []cri.Image
 		entity, action string

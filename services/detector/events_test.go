@@ -1,6 +1,7 @@
 package detector_test
 
 import (
+	"fmt"
 	"github.com/imagefleet/imagefleet/services/cri/critest"
 	"slices"
 	"testing"
@@ -27,16 +28,10 @@ func recordIDs(t *testing.T, b *bus.Bus) []string {
 	return ids
 }
 
-// within polls cond for one second: records follow events within a second.
+// within waits for cond for one second: records follow events within a second.
 func within(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("not within a second: %s", what)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	bustest.WaitWithin(t, what, time.Second, cond)
 }
 
 func TestRecordsFollowPullsAndRemovals(t *testing.T) {
@@ -55,16 +50,15 @@ func TestRecordsFollowPullsAndRemovals(t *testing.T) {
 		t.Fatal(err)
 	}
 	// The detector subscribes as Run starts: publish again until it has (then the removal below is timed).
-	deadline := time.Now().Add(10 * time.Second)
-	for !slices.Equal(recordIDs(t, b), []string{"sha256:a", "sha256:b"}) {
-		if time.Now().After(deadline) {
-			t.Fatalf("records %v: the pulled image's record never came", recordIDs(t, b))
+	bustest.Eventually(t, "the pulled image's record", 10*time.Second, func() error {
+		if got := recordIDs(t, b); !slices.Equal(got, []string{"sha256:a", "sha256:b"}) {
+			if err := b.Publish(t.Context(), pulled); err != nil {
+				t.Fatal(err)
+			}
+			return fmt.Errorf("records %v", got)
 		}
-		if err := b.Publish(t.Context(), pulled); err != nil {
-			t.Fatal(err)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+		return nil
+	})
 
 	// A removal by GC: the record goes with it, although the runtime (here) still lists the image, and no
 	// image.vanished event is published for it.

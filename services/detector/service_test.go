@@ -39,19 +39,11 @@ func start(t *testing.T, b *bus.Bus, rt *critest.Runtime, now func() time.Time) 
 
 func waitServing(t *testing.T, b *bus.Bus) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
+	bustest.Eventually(t, "the detector serving", 10*time.Second, func() error {
 		ctx, cancel := context.WithTimeout(t.Context(), time.Second)
-		err := b.Request(ctx, events.QuerySubject(node, events.QryRecords), events.QueryRequest{}, nil)
-		cancel()
-		if err == nil {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("detector not serving: %v", err)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+		defer cancel()
+		return b.Request(ctx, events.QuerySubject(node, events.QryRecords), events.QueryRequest{}, nil)
+	})
 }
 
 func detect(t *testing.T, b *bus.Bus, at time.Time) events.DetectReply {

@@ -3,6 +3,7 @@ package podsource
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"net"
 	"os"
 	"path/filepath"
@@ -289,28 +290,22 @@ func indexUIDs(t testing.TB, b *bus.Bus) []string {
 func waitUIDs(t *testing.T, b *bus.Bus, want ...string) {
 	t.Helper()
 	sort.Strings(want)
-	deadline := time.Now().Add(15 * time.Second)
-	for {
-		got := indexUIDs(t, b)
-		if slices.Equal(got, want) {
-			return
+	bustest.Eventually(t, fmt.Sprintf("index pods %v", want), 15*time.Second, func() error {
+		if got := indexUIDs(t, b); !slices.Equal(got, want) {
+			return fmt.Errorf("index pods %v", got)
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("index pods %v, want %v", got, want)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return nil
+	})
 }
 
 func waitHealth(t *testing.T, what string, f func() error, healthy bool) {
 	t.Helper()
-	deadline := time.Now().Add(15 * time.Second)
-	for (f() == nil) != healthy {
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: health %v after 15s, want healthy=%v", what, f(), healthy)
+	bustest.Eventually(t, fmt.Sprintf("%s: healthy=%v", what, healthy), 15*time.Second, func() error {
+		if err := f(); (err == nil) != healthy {
+			return fmt.Errorf("health %v", err)
 		}
-		time.Sleep(10 * time.Millisecond)
-	}
+		return nil
+	})
 }
 
 func wantCounts(t *testing.T, what string, got map[string]int, added, updated, deleted int) {
