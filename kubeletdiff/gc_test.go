@@ -279,6 +279,7 @@ type attempt struct {
 type gcOutcome struct {
 	attempts []attempt
 	err      string
+	freed    int64 // imagefleet's FreedBytes (the kubelet returns none: its removals' sizes)
 }
 
 func (o gcOutcome) String() string {
@@ -459,8 +460,16 @@ func imagefleetGC(t *testing.T, b *bus.Bus, c *gcCase) (dry, real gcOutcome) {
 				t.Errorf("result error %q, returned error %q", res.Error, o.err)
 			}
 		}
+		var sum int64
 		for _, r := range res.Removed {
 			o.attempts = append(o.attempts, attempt{id: r.ID, reason: r.Reason, ok: r.Error == ""})
+			if r.Error == "" {
+				sum += c.size(r.ID)
+			}
+		}
+		o.freed = res.FreedBytes
+		if o.freed != sum {
+			t.Errorf("FreedBytes %d, but the removed images' sizes add up to %d (dry run %v)", o.freed, sum, dryRun)
 		}
 		return o
 	}
@@ -640,7 +649,8 @@ func casesFromEnv(t *testing.T, name string, def int) int {
 
 // TestImageGCMatchesKubelet runs seeded random cases through the kubelet's image GC manager
 // (pkg/kubelet/images, v1.37.2) and imagefleet's GC executor and compares which images each removes, in which
-// order (ties as sets), for which reason, and the error and FreeDiskSpaceFailed texts. A dry run must
+// order (ties as sets), for which reason, the bytes freed (FreedBytes must be the removed images' sizes) and
+// the error and FreeDiskSpaceFailed texts (with the freed bytes and usage in them). A dry run must
 // remove, in the same order, what the real pass then removes when no removal fails.
 func TestImageGCMatchesKubelet(t *testing.T) {
 	_, b := bustest.Start(t)
@@ -689,7 +699,7 @@ func TestImageGCMatchesKubelet(t *testing.T) {
 			failures++
 			continue
 		}
-		if !slices.Equal(dry.attempts, ours.attempts) || dry.err != ours.err {
+		if !slices.Equal(dry.attempts, ours.attempts) || dry.err != ours.err || dry.freed != ours.freed {
 			t.Fatalf("the dry run is not the pass\ncase:\n%s\ndry run:\n%s\npass:\n%s", c, dry, ours)
 		}
 		if len(groups(c, kube.attempts)) > 0 && !slices.Equal(kube.attempts, ours.attempts) {
