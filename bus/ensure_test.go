@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"github.com/imagefleet/imagefleet/bus/bustest"
 	"os"
 	"path/filepath"
 	"testing"
@@ -109,11 +110,7 @@ func TestEnsureWaitsForTheServer(t *testing.T) {
 	}
 	t.Cleanup(b.Close)
 	r.stop()
-	for deadline := time.Now().Add(10 * time.Second); b.Connected(); time.Sleep(10 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatal("the client did not notice the server stopped")
-		}
-	}
+	bustest.WaitWithin(t, "the client to notice the server stopped", 10*time.Second, func() bool { return !b.Connected() })
 	// No deadline, as an agent's: each JetStream call then times out after 5 s by itself.
 	ctx := t.Context()
 	done := make(chan error, 1)

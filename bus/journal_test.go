@@ -108,30 +108,27 @@ func storedIDs(t *testing.T, b *bus.Bus, node string) map[string]int {
 // waitStored polls until every id is stored, then checks none is stored twice.
 func waitStored(t *testing.T, b *bus.Bus, node string, ids []string) {
 	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for {
-		got := storedIDs(t, b, node)
+	var got map[string]int
+	bustest.Eventually(t, fmt.Sprintf("%d events stored", len(ids)), 20*time.Second, func() error {
+		got = storedIDs(t, b, node)
 		missing := 0
 		for _, id := range ids {
 			if got[id] == 0 {
 				missing++
 			}
 		}
-		if missing == 0 {
-			for id, n := range got {
-				if n > 1 {
-					t.Errorf("event %s stored %d times", id, n)
-				}
-			}
-			if len(got) != len(ids) {
-				t.Errorf("stored %d events, want %d", len(got), len(ids))
-			}
-			return
+		if missing != 0 {
+			return fmt.Errorf("%d of %d events not stored", missing, len(ids))
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%d of %d events not stored after 20s", missing, len(ids))
+		return nil
+	})
+	for id, n := range got {
+		if n > 1 {
+			t.Errorf("event %s stored %d times", id, n)
 		}
-		time.Sleep(50 * time.Millisecond)
+	}
+	if len(got) != len(ids) {
+		t.Errorf("stored %d events, want %d", len(got), len(ids))
 	}
 }
 
@@ -241,10 +238,7 @@ func TestJournalSurvivesOutageAndProcessRestart(t *testing.T) {
 	r.start()
 	b2 := connectJournaled(t, r, bus.JournalConfig{Dir: dir})
 	waitStored(t, b2, node, ids)
-	deadline := time.Now().Add(10 * time.Second)
-	for b2.JournalStats().Pending != 0 && time.Now().Before(deadline) {
-		time.Sleep(20 * time.Millisecond)
-	}
+	bustest.WaitWithin(t, "no journaled event pending", 10*time.Second, func() bool { return b2.JournalStats().Pending == 0 })
 	if st := b2.JournalStats(); st.Pending != 0 || st.Acked != 20 {
 		t.Errorf("after restart: %+v, want the 20 pending events acked", st)
 	}
@@ -365,11 +359,7 @@ func TestJournalDropsTheOldestWhenFull(t *testing.T) {
 	r.stop()
 	// Until the client sees the server gone, the sender would hand the first event to the connection, which
 	// delivers it after the restart although the journal later drops it as the oldest.
-	for deadline := time.Now().Add(10 * time.Second); b.Connected(); time.Sleep(10 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatal("the client did not notice the server stopped")
-		}
-	}
+	bustest.WaitWithin(t, "the client to notice the server stopped", 10*time.Second, func() bool { return !b.Connected() })
 	var all []string
 	for i := range n {
 		ev := newEvent(t, node, i)

@@ -76,11 +76,10 @@ func TestAsyncPublishIsJournaled(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitStored(t, b, node, []string{evs[0].ID, evs[1].ID})
-	deadline := time.Now().Add(10 * time.Second)
-	for publishedSecretRegistered(t)-before != 2 {
-		if time.Now().After(deadline) {
-			t.Fatalf("counted %v secret.registered events, want 2", publishedSecretRegistered(t)-before)
+	bustest.Eventually(t, "2 secret.registered events counted", 10*time.Second, func() error {
+		if n := publishedSecretRegistered(t) - before; n != 2 {
+			return fmt.Errorf("counted %v secret.registered events, want 2", n)
 		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return nil
+	})
 }
