@@ -72,6 +72,7 @@ type Cluster struct {
 
 	etcd, apiserver, kubelet *proc
 	stopped                  bool
+	lock                     *os.File // kubeletLock, held while this cluster's kubelet runs
 }
 
 // state is what a detached lab records in DIR/state.json for Down.
@@ -415,6 +416,9 @@ func (c *Cluster) Stop() error {
 	if c.kubelet != nil {
 		c.kubelet.stop(10 * time.Second)
 		errs = append(errs, cleanKubelet(c.opts.CRIEndpoint, c.KubeletRoot(), c.dir)...)
+	}
+	if c.lock != nil {
+		c.lock.Close() // releases the flock
 	}
 	if c.apiserver != nil {
 		c.apiserver.stop(5 * time.Second)

@@ -97,7 +97,46 @@ func nodeIP() (string, error) {
 	return "", errors.New("kubelab: no non-loopback IPv4 address for the kubelet's node IP")
 }
 
+// kubeletLock is held while a lab kubelet runs: two kubelets on one machine share the kubepods cgroups (each
+// removes pod cgroups it does not know), /var/lib/kubelet/device-plugins/kubelet.sock and
+// /var/log/containers, so test packages that run at once (go test -p) take turns.
+const kubeletLock = "/tmp/ifl-kubelet.lock"
+
+// lockKubelet waits (up to 15 minutes) for the machine's lab kubelet lock.
+func (c *Cluster) lockKubelet(ctx context.Context) error {
+	f, err := os.OpenFile(kubeletLock, os.O_CREATE|os.O_RDWR, 0o644)
+	if err != nil {
+		return fmt.Errorf("kubelab: kubelet lock: %w", err)
+	}
+	deadline := time.Now().Add(15 * time.Minute)
+	for waited := false; ; waited = true {
+		err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
+		if err == nil {
+			c.lock = f
+			return nil
+		}
+		if !errors.Is(err, syscall.EWOULDBLOCK) || time.Now().After(deadline) {
+			f.Close()
+			return fmt.Errorf("kubelab: kubelet lock %s: %w", kubeletLock, err)
+		}
+		if !waited {
+			c.logf("another lab kubelet runs on this machine; waiting for it to stop")
+		}
+		select {
+		case <-ctx.Done():
+			f.Close()
+			return ctx.Err()
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
+}
+
 func (c *Cluster) startKubelet(ctx context.Context) error {
+	if !c.opts.Detach {
+		if err := c.lockKubelet(ctx); err != nil {
+			return err
+		}
+	}
 	ip, err := nodeIP()
 	if err != nil {
 		return err
