@@ -84,6 +84,11 @@ type PullRequest struct {
 	Annotations map[string]string `json:"annotations,omitempty"`
 	// RuntimeHandler is the pod's runtime handler (RuntimeClassInImageCriAPI), usually empty.
 	RuntimeHandler string `json:"runtimeHandler,omitempty"`
+	// AllowPrivate lets a pull without a pod (a pre-pull) use the node's registry credentials (the node
+	// keyring). Without it such a pull is refused: an image pulled through CRI has no kubelet pull record, so
+	// under the kubelet's default imagePullCredentialsVerificationPolicy NeverVerifyPreloadedImages every pod
+	// on the node could use the private image without credentials (KEP-2535; docs/kubernetes.md).
+	AllowPrivate bool `json:"allowPrivate,omitempty"`
 	// Enqueued is when the publisher queued the request (optional; gives the result's queueWait).
 	Enqueued time.Time `json:"enqueued,omitempty"`
 }

@@ -392,6 +392,7 @@ func newFleetGCCmd(cl *cli) *cobra.Command {
 func newFleetPullCmd(cl *cli) *cobra.Command {
 	var f rolloutFlags
 	var policy string
+	var allowPrivate bool
 	cmd := &cobra.Command{
 		Use:   "pull IMAGE [--selector k=v] [--initial-batch 1]",
 		Short: "Pre-pull an image on the chosen nodes in slow-start batches",
@@ -415,11 +416,13 @@ func newFleetPullCmd(cl *cli) *cobra.Command {
 				return err
 			}
 			defer w.Stop()
+			w.AllowPrivate = allowPrivate
 			return cl.runRollout(cmd, b, cfg, w.Action())
 		},
 	}
 	f.register(cmd)
 	cmd.Flags().StringVar(&policy, "policy", events.PullIfNotPresent, "pull policy: Always, IfNotPresent or Never")
+	cmd.Flags().BoolVar(&allowPrivate, "allow-private", false, "let the pre-pull use the nodes' registry credentials (--node-keyring): pulled without the kubelet, the image has no kubelet pull record and, under the kubelet's default NeverVerifyPreloadedImages, every pod on the node may use it (docs/kubernetes.md)")
 	return cmd
 }
 

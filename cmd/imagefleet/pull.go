@@ -28,7 +28,7 @@ func newPullCmd(cl *cli) *cobra.Command {
 	var (
 		node, policy, pod, requestID string
 		secrets                      []string
-		wait                         bool
+		wait, allowPrivate           bool
 		waitTimeout                  time.Duration
 	)
 	cmd := &cobra.Command{
@@ -43,7 +43,8 @@ and ten waiting in serial mode) is refused at once.`,
 			if err := requireNode(node); err != nil {
 				return err
 			}
-			req := events.PullRequest{ID: requestID, Image: args[0], Policy: policy, Secrets: secrets, Enqueued: time.Now().UTC()}
+			req := events.PullRequest{ID: requestID, Image: args[0], Policy: policy, Secrets: secrets, AllowPrivate: allowPrivate,
+				Enqueued: time.Now().UTC()}
 			if req.ID == "" {
 				req.ID = events.NewID()
 			}
@@ -72,6 +73,7 @@ and ten waiting in serial mode) is refused at once.`,
 	f.StringVar(&pod, "pod", "", "the pod pulling, NAMESPACE/NAME/UID (keys the backoff; needed for --secret)")
 	f.StringSliceVar(&secrets, "secret", nil, "name of an image pull secret in the pod's namespace (repeatable)")
 	f.BoolVar(&wait, "wait", false, "wait for the result and print it")
+	f.BoolVar(&allowPrivate, "allow-private", false, "without --pod: let the pull use the node's registry credentials (--node-keyring); the image then has no kubelet pull record and any pod on the node may use it (docs/kubernetes.md)")
 	f.DurationVar(&waitTimeout, "wait-timeout", 10*time.Minute, "how long --wait waits for the result")
 	f.StringVar(&requestID, "request-id", "", "request id (default: random); a retried publish with the same id is stored once")
 	return cmd

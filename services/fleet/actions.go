@@ -90,6 +90,9 @@ type PullWatch struct {
 	rolloutID string
 	image     string
 	policy    string
+	// AllowPrivate lets the pre-pull use each node's registry credentials (events.PullRequest.AllowPrivate);
+	// set it before Action runs.
+	AllowPrivate bool
 
 	mu      sync.Mutex
 	results map[string]events.PullResult
@@ -216,7 +219,7 @@ func (w *PullWatch) Action() NodeAction {
 	return func(ctx context.Context, node string) events.RolloutNodeResult {
 		id := PullRequestID(w.rolloutID, node)
 		ch := w.wait(id)
-		req := events.PullRequest{ID: id, Image: w.image, Policy: w.policy, Enqueued: time.Now().UTC()}
+		req := events.PullRequest{ID: id, Image: w.image, Policy: w.policy, AllowPrivate: w.AllowPrivate, Enqueued: time.Now().UTC()}
 		if err := retryTransient(ctx, func(ctx context.Context) error {
 			_, err := w.b.PublishCommand(ctx, events.CommandSubject(node, events.VerbPull), id, req, nil)
 			return err

@@ -94,7 +94,7 @@ func (s *Service) HandlePull(ctx context.Context, data []byte, d Delivery) error
 	}()
 	defer func() { close(hbDone); <-hbStopped }()
 
-	mreq := Request{Image: req.Image, Policy: req.Policy, Pod: pod, Secrets: req.Secrets, Annotations: req.Annotations,
+	mreq := Request{Image: req.Image, Policy: req.Policy, Pod: pod, Secrets: req.Secrets, Annotations: req.Annotations, AllowPrivate: req.AllowPrivate,
 		RuntimeHandler: req.RuntimeHandler}
 	mreq.OnEvent = func(ev KubeEvent) {
 		if ev.Reason != ReasonPulling {

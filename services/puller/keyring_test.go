@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -201,5 +202,44 @@ func TestSecretKeyringNeedsTypeAndKey(t *testing.T) {
 				t.Errorf("secret used = %v, want %v", got, c.used)
 			}
 		})
+	}
+}
+
+// TestPrePullOfPrivateImagesNeedsOptIn: a pull without a pod that would use the node keyring's credentials is
+// refused (ErrImagePull, no runtime pull) unless the request allows it: pulled through CRI, the image would
+// have no kubelet pull record, and under the kubelet's default NeverVerifyPreloadedImages every pod on the
+// node could use it. An image of a registry the keyring does not know is pre-pulled as before.
+func TestPrePullOfPrivateImagesNeedsOptIn(t *testing.T) {
+	nodeCfg := filepath.Join(t.TempDir(), "config.json")
+	if err := os.WriteFile(nodeCfg, []byte(dockerConfig(map[string][2]string{"registry.local:5000": {"node", "n0de-password"}})), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	node, err := loadNodeKeyring(nodeCfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := newHarness(harnessOpts{serial: true})
+	h.m.creds = &fileCredentials{node: node, log: h.m.cfg.log}
+
+	out := h.m.EnsureImageExists(t.Context(), Request{Image: "registry.local:5000/private:1", Policy: events.PullIfNotPresent})
+	if out.Kind() != events.ErrKindImagePull || !strings.Contains(out.Message, "--allow-private") || len(h.rt.auths) != 0 {
+		t.Fatalf("pre-pull of a private image: %+v, credentials tried %v: want a refusal before any pull", out, h.rt.auths)
+	}
+	if calls := h.rt.resetCalls(); slices.Contains(calls, "PullImage") {
+		t.Fatalf("runtime calls %v: want no pull", calls)
+	}
+	out = h.m.EnsureImageExists(t.Context(), Request{Image: "registry.local:5000/private:1", Policy: events.PullIfNotPresent, AllowPrivate: true})
+	if out.Err != nil || len(h.rt.auths) != 1 || h.rt.auths[0].Username != "node" {
+		t.Fatalf("pre-pull with allowPrivate: %+v, credentials %v: want pulled with the node's", out, h.rt.auths)
+	}
+	out = h.m.EnsureImageExists(t.Context(), Request{Image: "public.example/app:1", Policy: events.PullIfNotPresent})
+	if out.Err != nil {
+		t.Fatalf("pre-pull of a public image: %+v", out)
+	}
+	// A pod's pull with the node's credentials is the kubelet's case: a pull record is written for it.
+	out = h.m.EnsureImageExists(t.Context(), Request{Image: "registry.local:5000/private:2", Policy: events.PullIfNotPresent,
+		Pod: events.PodRef{Namespace: "ns", Name: "p", UID: "uid-p"}})
+	if out.Err != nil {
+		t.Fatalf("a pod's pull with the node keyring: %+v", out)
 	}
 }

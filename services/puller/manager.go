@@ -50,6 +50,8 @@ type Request struct {
 	// OnEvent, when set, receives each event as it happens (Pulling before the pull, so a watcher sees
 	// progress); Outcome.Events has them all afterwards.
 	OnEvent func(KubeEvent)
+	// AllowPrivate: a request without a pod may use the node keyring's credentials (events.PullRequest).
+	AllowPrivate bool
 }
 
 // Outcome is what EnsureImageExists returns: the kubelet's (imageRef, message, err) plus what it observed.
@@ -228,6 +230,12 @@ func (m *manager) EnsureImageExists(ctx context.Context, req Request) (out Outco
 	cs, err := lookup()
 	if err != nil {
 		return fail(err.Error(), fmt.Errorf("%w: %w", ErrImagePull, err))
+	}
+	if req.Pod.UID == "" && len(cs) > 0 && !req.AllowPrivate {
+		// A pre-pull of a private image: pulled through CRI it has no kubelet pull record, and the kubelet's
+		// default NeverVerifyPreloadedImages would let every pod on the node use it. Only on request.
+		return fail(fmt.Sprintf("Pre-pull of %q refused: it needs the node's registry credentials, and an image pulled without the kubelet has no pull record, so any pod on the node could use it (KubeletEnsureSecretPulledImages, NeverVerifyPreloadedImages); ask with --allow-private to pull it anyway", req.Image),
+			ErrImagePull)
 	}
 	return m.pullImage(ctx, req, image, cs, emit, &out)
 }
