@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
+	"github.com/imagefleet/imagefleet/bus/journal"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -52,7 +53,7 @@ type Bus struct {
 
 	replicas   int
 	reconnects atomic.Int64
-	journal    atomic.Pointer[journal]
+	journal    atomic.Pointer[journal.Journal]
 	perms      violations
 }
 

@@ -52,28 +52,11 @@ var (
 		Name: "imagefleet_nats_reconnects_total",
 		Help: "Reconnections to NATS.",
 	})
-	journalAppended = prometheus.NewCounter(prometheus.CounterOpts{
-		Name: "imagefleet_journal_appended_total",
-		Help: "Events appended to the local event journal.",
-	})
-	journalPending = prometheus.NewGauge(prometheus.GaugeOpts{
-		Name: "imagefleet_journal_pending_events",
-		Help: "Journaled events not yet acked by the server.",
-	})
-	journalDropped = prometheus.NewCounter(prometheus.CounterOpts{
-		Name: "imagefleet_journal_dropped_total",
-		Help: "Pending events dropped because the journal reached its size bound.",
-	})
-	journalFailedAttempts = prometheus.NewCounter(prometheus.CounterOpts{
-		Name: "imagefleet_journal_failed_attempts_total",
-		Help: "Publish attempts of journaled events that failed (the events stay pending).",
-	})
 )
 
 func init() {
 	prometheus.MustRegister(eventsPublished, msgsConsumed, msgsAcked, msgsNaked, msgsTerminated, handlerErrors,
-		deadLetters, requestsServed, requestErrors, natsReconnects, journalAppended, journalPending,
-		journalDropped, journalFailedAttempts)
+		deadLetters, requestsServed, requestErrors, natsReconnects)
 	for _, t := range publishedTypes {
 		eventsPublished.WithLabelValues(t[0], t[1])
 	}

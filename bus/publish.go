@@ -74,9 +74,9 @@ func (b *Bus) PublishAll(ctx context.Context, evs []events.Event, opts ...Publis
 	if j := b.journal.Load(); j != nil {
 		if o.pending != nil {
 			*o.pending = Pending{}
-			return j.enqueue(evs)
+			return j.Enqueue(evs)
 		}
-		return j.publish(ctx, evs)
+		return j.Publish(ctx, evs)
 	}
 	if len(msgs) == 1 && o.pending == nil {
 		if _, err := b.js.PublishMsg(ctx, msgs[0]); err != nil {

@@ -1,4 +1,4 @@
-package bus
+package journal
 
 import (
 	"encoding/json"
@@ -29,13 +29,13 @@ func FuzzJournalRecovery(f *testing.F) {
 	f.Add([]byte{}, []byte(`garbage`))
 	f.Fuzz(func(t *testing.T, file, cursor []byte) {
 		dir := t.TempDir()
-		if err := os.WriteFile(filepath.Join(dir, JournalFile), file, 0o600); err != nil {
+		if err := os.WriteFile(filepath.Join(dir, File), file, 0o600); err != nil {
 			t.Fatal(err)
 		}
-		if err := os.WriteFile(filepath.Join(dir, journalCursorFile), cursor, 0o600); err != nil {
+		if err := os.WriteFile(filepath.Join(dir, cursorFile), cursor, 0o600); err != nil {
 			t.Fatal(err)
 		}
-		j := &journal{cfg: JournalConfig{Dir: dir}, log: slog.New(slog.NewTextHandler(io.Discard, nil))}
+		j := &Journal{cfg: Config{Dir: dir}, log: slog.New(slog.NewTextHandler(io.Discard, nil))}
 		if err := j.load(); err != nil {
 			return // an error is a clear refusal; a panic is the bug
 		}
