@@ -20,7 +20,7 @@ var eventGaps = prometheus.NewCounterVec(prometheus.CounterOpts{
 func init() { prometheus.MustRegister(eventGaps) }
 
 // gapHealth is how long /healthz reports a gap: the kubelet pod source's periodic reconcile (5 min)
-// repairs it within that time, the API server source's (1 min) sooner, and both at once when they see the
+// repairs it within that time (the API server source's too), and both at once when they see the
 // gap count of a pods reply change.
 const gapHealth = 5 * time.Minute
 

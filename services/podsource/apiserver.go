@@ -27,8 +27,9 @@ type APIServerConfig struct {
 	// REST is the API server's client configuration (required): the agent's --kubeconfig, or the in-cluster
 	// config of its pod. The identity needs list and watch on pods (a node's own identity is enough).
 	REST *rest.Config
-	// ResyncPeriod is how often the source compares the index with its cache of the node's pods and publishes
-	// the differences (default 1m; the informer's own relists after a watch expiry also resync).
+	// ResyncPeriod is how often the source reads the index's listing of its pods again and publishes the
+	// differences from the informer's store (default 5m: a listing of every pod of the node; reconnects and
+	// the index's gap count trigger one at once).
 	ResyncPeriod time.Duration
 	// Logger (default slog.Default()).
 	Logger *slog.Logger
@@ -57,7 +58,7 @@ func NewAPIServerSource(cfg APIServerConfig, pub publisher, req requester) (*API
 		return nil, fmt.Errorf("apiserver pod source: resync period %v must not be negative", cfg.ResyncPeriod)
 	}
 	if cfg.ResyncPeriod == 0 {
-		cfg.ResyncPeriod = time.Minute
+		cfg.ResyncPeriod = 5 * time.Minute
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
