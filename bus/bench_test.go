@@ -130,9 +130,7 @@ func BenchmarkRequestReply(b *testing.B) {
 			return q, events.DecodeStrict(data, &q)
 		})
 	}()
-	for bb.Request(ctx, "bus.echo", events.QueryRequest{}, nil) != nil {
-		time.Sleep(time.Millisecond)
-	}
+	bustest.WaitFor(b, "the echo responder", func() bool { return bb.Request(ctx, "bus.echo", events.QueryRequest{}, nil) == nil })
 	const n = 2000
 	t0 := time.Now()
 	for range n {

@@ -3,6 +3,7 @@ package bus_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"testing"
 	"time"
 
@@ -82,20 +83,16 @@ func TestCountersExportedAtZero(t *testing.T) {
 		"imagefleet_bus_requests_served_total":     {"subject": "zero.subject"},
 		"imagefleet_bus_request_errors_total":      {"subject": "zero.subject"},
 	}
-	deadline := time.Now().Add(10 * time.Second)
 	for name, labels := range want {
-		for {
-			v, ok := series(t, name, labels)
-			if ok {
-				if v != 0 {
-					t.Errorf("%s%v = %v before any message, want 0", name, labels, v)
-				}
-				break
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("%s%v is not exported after the consumer and the server started", name, labels)
-			}
-			time.Sleep(10 * time.Millisecond)
+		var v float64
+		bustest.WaitWithin(t, fmt.Sprintf("%s%v exported after the consumer and the server started", name, labels), 10*time.Second,
+			func() bool {
+				var ok bool
+				v, ok = series(t, name, labels)
+				return ok
+			})
+		if v != 0 {
+			t.Errorf("%s%v = %v before any message, want 0", name, labels, v)
 		}
 	}
 	cancel()

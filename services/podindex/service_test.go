@@ -562,20 +562,20 @@ func TestQueriesWaitForCatchUp(t *testing.T) {
 		}
 	}()
 	// Ask over NATS while it catches up: every answer is either "catching up" or the whole state.
-	for {
+	bustest.Eventually(t, "the in-use query answered", bustest.Timeout, func() error {
 		var inuse events.InUseReply
 		err := b.Request(t.Context(), events.QuerySubject(testNode, events.QryInUse), nil, &inuse)
 		if err == nil {
 			if len(inuse.Images) != len(pods) {
 				t.Fatalf("answered with %d images in use before catching up, want %d", len(inuse.Images), len(pods))
 			}
-			break
+			return nil
 		}
 		if !IsCatchingUp(err) && !errors.Is(err, bus.ErrNoResponders) {
 			t.Fatal(err)
 		}
-		time.Sleep(time.Millisecond)
-	}
+		return err
+	})
 	select {
 	case <-s.Ready():
 	case <-time.After(15 * time.Second):

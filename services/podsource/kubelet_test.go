@@ -379,10 +379,7 @@ func TestKubeletSource(t *testing.T) {
 
 	// A reconnect with nothing changed publishes nothing.
 	srv.breakStreams()
-	deadline := time.Now().Add(15 * time.Second)
-	for srv.streamCount() <= n+1 && time.Now().Before(deadline) {
-		time.Sleep(10 * time.Millisecond)
-	}
+	bustest.WaitFor(t, "the source to open a new stream", func() bool { return srv.streamCount() > n+1 })
 	waitHealth(t, "after a broken stream", src.Health, true)
 	time.Sleep(100 * time.Millisecond) // let a wrongly published event reach the counter
 	wantCounts(t, "resync with nothing changed", pub.take(), 0, 0, 0)
@@ -410,9 +407,7 @@ func TestKubeletSource(t *testing.T) {
 	srv.del("uid-c", true)
 	n = srv.streamCount()
 	srv.breakStreams()
-	for srv.streamCount() <= n && time.Now().Before(deadline.Add(15*time.Second)) {
-		time.Sleep(10 * time.Millisecond)
-	}
+	bustest.WaitFor(t, "the source to open a new stream", func() bool { return srv.streamCount() > n })
 	waitHealth(t, "after malformed pods", src.Health, true)
 	time.Sleep(100 * time.Millisecond)
 	if got := indexUIDs(t, b); !slices.Equal(got, []string{"hash-s", "uid-c"}) {

@@ -3,6 +3,7 @@ package puller
 import (
 	"context"
 	"errors"
+	"github.com/imagefleet/imagefleet/bus/bustest"
 	"io"
 	"log"
 	"log/slog"
@@ -159,10 +160,7 @@ func TestConcurrentPullsShareOnePass(t *testing.T) {
 	for range 5 {
 		wg.Go(func() { errs <- r.make(t.Context(), sized, nil) })
 	}
-	deadline := time.Now().Add(10 * time.Second)
-	for d.passes.Load() == 0 && time.Now().Before(deadline) {
-		time.Sleep(5 * time.Millisecond)
-	}
+	bustest.WaitWithin(t, "a GC pass", 10*time.Second, func() bool { return d.passes.Load() != 0 })
 	time.Sleep(100 * time.Millisecond) // the other pulls reach the shared pass
 	close(d.gate)
 	wg.Wait()
