@@ -119,7 +119,7 @@ func (f *feed) readIndex(ctx context.Context, noIndexBy time.Time) (map[types.UI
 			rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 			err := f.req.Request(rctx, events.QuerySubject(f.node, events.QryPods), q, &rep)
 			cancel()
-			if err == nil && q.After == "" && rep.AppliedSeq < f.lastSeq.Load() {
+			if err == nil && q.After == "" && rep.AppliedSeq < f.lastSeq.Load() && !f.gone(ctx, f.lastSeq.Load()) {
 				if time.Now().After(appliedBy) {
 					return nil, fmt.Errorf("the index applied up to %d, not yet the source's last event %d", rep.AppliedSeq, f.lastSeq.Load())
 				}
@@ -159,6 +159,22 @@ func (f *feed) readIndex(ctx context.Context, noIndexBy time.Time) (map[types.UI
 		}
 	}
 	return known, nil
+}
+
+// streamer tells the events stream's state (bus.Bus).
+type streamer interface {
+	Stream(ctx context.Context, name string) (bus.StreamInfo, error)
+}
+
+// gone reports whether the event at seq has left the events stream (dropped as the oldest): the index can
+// then never apply it, and waiting for it is pointless. Every event before it is gone too.
+func (f *feed) gone(ctx context.Context, seq uint64) bool {
+	st, ok := f.req.(streamer)
+	if !ok {
+		return false
+	}
+	info, err := st.Stream(ctx, events.EventsStream)
+	return err == nil && info.FirstSeq > seq
 }
 
 // errBehind: the index has not applied the source's last event yet.
@@ -391,9 +407,13 @@ func (f *feed) gapsGrew(ctx context.Context) bool {
 	if err := f.req.Request(ctx, events.QuerySubject(f.node, events.QryPods), events.PodsQuery{Limit: 1}, &rep); err != nil {
 		return false
 	}
+	// A count that changed (a restarted index counts from 0 again) and is not 0.
 	prev := f.indexGaps.Swap(rep.Gaps)
-	return rep.Gaps > prev && prev != noGaps
+	return prev != noGaps && rep.Gaps != prev && rep.Gaps > 0
 }
 
 // noGaps marks indexGaps as not read yet (the first reading is the baseline).
 const noGaps = ^uint64(0)
+
+// gapCheckPeriod is how often the kubelet source asks the index for its gap count (a variable for tests).
+var gapCheckPeriod = 10 * time.Second

@@ -159,7 +159,7 @@ func (s *KubeletSource) watch(ctx context.Context, client podsv1alpha1.PodsClien
 	resync := time.AfterFunc(s.cfg.ResyncPeriod, again)
 	defer resync.Stop()
 	go func() {
-		t := time.NewTicker(10 * time.Second)
+		t := time.NewTicker(gapCheckPeriod)
 		defer t.Stop()
 		for {
 			select {

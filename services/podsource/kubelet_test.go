@@ -485,3 +485,76 @@ func TestNewKubeletSourceValidates(t *testing.T) {
 		t.Fatal("nil publisher accepted")
 	}
 }
+
+// TestKubeletSourceRepairsAnIndexGap: while the pod index is down, the source publishes a new pod and the
+// events stream (capped at 256 KiB here) drops that event under other nodes' events. The restarted index
+// counts a gap; the source sees the count in a pods reply, reconciles with the index and publishes the pod
+// again.
+func TestKubeletSourceRepairsAnIndexGap(t *testing.T) {
+	old := gapCheckPeriod
+	gapCheckPeriod = 50 * time.Millisecond
+	defer func() { gapCheckPeriod = old }()
+	srv := bustest.Server(t)
+	b, err := bus.Connect(context.Background(), srv.ClientURL(), bus.Options{Name: t.Name()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(b.Close)
+	if err := b.EnsureStreams(context.Background(), bus.StreamsConfig{EventsMaxBytes: 256 << 10}); err != nil {
+		t.Fatal(err)
+	}
+	ix, err := podindex.New(podindex.Config{Node: testNode}, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stopIndex := run(t, ix.Run)
+	ps, sock, _ := startPodsServer(t)
+	ps.set(t, apiPod("ns1", "a", "uid-a"), true)
+	src, err := NewKubeletSource(KubeletConfig{Node: testNode, Socket: sock, RetryMin: 20 * time.Millisecond, RetryMax: 100 * time.Millisecond}, b, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	run(t, src.Run)
+	waitUIDs(t, b, "uid-a")
+	time.Sleep(200 * time.Millisecond) // the source reads the index's gap count (0) as its baseline
+
+	stopIndex()
+	ps.set(t, apiPod("ns1", "b", "uid-b"), false) // published while no index runs
+	deadline := time.Now().Add(15 * time.Second)
+	for src.lastSeq.Load() == 0 || len(ps.pods) < 2 {
+		if time.Now().After(deadline) {
+			t.Fatal("pod b not published")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	seqB := src.lastSeq.Load()
+	for i := 0; ; i++ {
+		info, err := b.Stream(context.Background(), events.EventsStream)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if info.FirstSeq > seqB {
+			break
+		}
+		var filler []bus.RawMsg
+		for j := range 100 {
+			m, err := podindex.PodEventMsg("other-node", events.ActionAdded, apiPod("ns", fmt.Sprintf("f-%d-%d", i, j), fmt.Sprintf("f-%d-%d", i, j)), "", time.Now())
+			if err != nil {
+				t.Fatal(err)
+			}
+			filler = append(filler, m)
+		}
+		if _, err := b.PublishMsgs(context.Background(), filler); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ix2, err := podindex.New(podindex.Config{Node: testNode}, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	run(t, ix2.Run)
+	waitUIDs(t, b, "uid-a", "uid-b")
+	if ix2.Gaps() != 1 {
+		t.Fatalf("index gaps %d, want 1", ix2.Gaps())
+	}
+}
