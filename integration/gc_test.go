@@ -22,54 +22,25 @@ import (
 
 const gcMiB = 1 << 20
 
-// gcWorker runs a worker until the test ends (or stop is called) and checks it returns nil.
-type gcWorker struct {
-	cancel context.CancelFunc
-	done   chan error
-}
+// gcWorker runs a worker until the test ends (or stop is called) and checks it returns nil (bustest.RunFunc).
+type gcWorker struct{ stopFn func() }
 
 func gcStartWorker(t testing.TB, name string, run func(context.Context) error) *gcWorker {
 	t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	w := &gcWorker{cancel: cancel, done: make(chan error, 1)}
-	go func() { w.done <- run(ctx) }()
-	t.Cleanup(func() { w.stop(t, name) })
-	return w
+	return &gcWorker{stopFn: bustest.RunFunc(t, name, run)}
 }
 
-func (w *gcWorker) stop(t testing.TB, name string) {
-	t.Helper()
-	if w.cancel == nil {
-		return
-	}
-	w.cancel()
-	w.cancel = nil
-	select {
-	case err := <-w.done:
-		if err != nil {
-			t.Errorf("%s: Run = %v", name, err)
-		}
-	case <-time.After(30 * time.Second):
-		t.Errorf("%s: Run did not return after cancel", name)
-	}
-}
+// stop stops the worker now; the name was given at start.
+func (w *gcWorker) stop(testing.TB, string) { w.stopFn() }
 
 // gcRequest sends a request, retrying while nobody serves the subject yet.
 func gcRequest(t testing.TB, b *bus.Bus, subject string, req, resp any) {
 	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for {
+	bustest.Eventually(t, "an answer on "+subject, 30*time.Second, func() error {
 		ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
-		err := b.Request(ctx, subject, req, resp)
-		cancel()
-		if err == nil {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("request %s: %v", subject, err)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+		defer cancel()
+		return b.Request(ctx, subject, req, resp)
+	})
 }
 
 func gcUsage(t testing.TB, mountpoint string) (capacity, available int64, percent int) {

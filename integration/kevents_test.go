@@ -43,17 +43,13 @@ func keBridge(t *testing.T, b *bus.Bus, kube kubernetes.Interface, durable strin
 // keDrained waits until durable has handled every stored event.
 func keDrained(t *testing.T, b *bus.Bus, durable string, within time.Duration) {
 	t.Helper()
-	deadline := time.Now().Add(within)
-	for {
+	bustest.Eventually(t, "consumer "+durable+" drained", within, func() error {
 		st, err := b.Consumer(t.Context(), events.EventsStream, durable)
-		if err == nil && st.NumPending == 0 && st.NumAckPending == 0 {
-			return
+		if err == nil && (st.NumPending != 0 || st.NumAckPending != 0) {
+			err = fmt.Errorf("%+v", st)
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("consumer %s not drained after %v: %+v %v", durable, within, st, err)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+		return err
+	})
 }
 
 // keEvents lists the Events of namespace ns (admin) as "<object> <fieldPath> <type> <reason> x<count>: <message>".

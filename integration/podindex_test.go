@@ -3,6 +3,7 @@ package integration_test
 import (
 	"context"
 	"fmt"
+	"github.com/imagefleet/imagefleet/bus/bustest"
 	"log/slog"
 	"math/rand/v2"
 	"reflect"
@@ -91,7 +92,7 @@ func TestPodIndexSurvivesNATSAndWorkerRestarts(t *testing.T) {
 	// 1. The index runs; the first third is published.
 	s1, b1, cancel1, done1 := start("index-1")
 	publish(msgs[:1000])
-	piWaitUntil(t, "some of the first third applied", func() bool { return s1.State().Applied() > 0 })
+	bustest.WaitWithin(t, "some of the first third applied", time.Minute, func() bool { return s1.State().Applied() > 0 })
 
 	// 2. NATS restarts (same store, same port) while the index is busy; the second third follows.
 	srv.Shutdown()
@@ -100,7 +101,7 @@ func TestPodIndexSurvivesNATSAndWorkerRestarts(t *testing.T) {
 		t.Fatal(err)
 	}
 	publish(msgs[1000:2000])
-	piWaitUntil(t, "the second third applied", func() bool { return s1.State().Applied() >= lastSeq })
+	bustest.WaitWithin(t, "the second third applied", time.Minute, func() bool { return s1.State().Applied() >= lastSeq })
 
 	// 3. The index is killed: its connection goes first, so its final flush fails (as a crash). The last
 	//    third is published while it is down.
@@ -121,7 +122,7 @@ func TestPodIndexSurvivesNATSAndWorkerRestarts(t *testing.T) {
 		}
 		b2.Close()
 	}()
-	piWaitUntil(t, "every event applied after the restarts", func() bool { return s2.State().Applied() >= lastSeq })
+	bustest.WaitWithin(t, "every event applied after the restarts", time.Minute, func() bool { return s2.State().Applied() >= lastSeq })
 
 	want, got := piDescribe(expected), piDescribe(s2.State())
 	if !reflect.DeepEqual(want, got) {
@@ -255,17 +256,6 @@ func piDescribe(s *podindex.State) map[string][]string {
 		sort.Strings(out[k])
 	}
 	return out
-}
-
-func piWaitUntil(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(60 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: not reached within 60s", what)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
 }
 
 type piLogWriter struct{ t *testing.T }

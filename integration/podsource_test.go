@@ -180,17 +180,6 @@ func psStartIndex(t testing.TB, b *bus.Bus, node string, log *slog.Logger) {
 	}
 }
 
-func psWait(t *testing.T, what string, limit time.Duration, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(limit)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: not within %s", what, limit)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-}
-
 // TestAPIServerPodSource runs the API server pod source as node-1 (its own identity: Node authorizer and
 // NodeRestriction, as a node agent in a cluster) against a real kube-apiserver and etcd, with a real NATS and
 // pod index:
@@ -225,7 +214,7 @@ func TestAPIServerPodSource(t *testing.T) {
 		}
 		w := gcStartWorker(t, "apiserver pod source", src.Run)
 		health = src.Health
-		psWait(t, "source synced", 30*time.Second, func() bool { return src.Health() == nil })
+		bustest.WaitWithin(t, "source synced", 30*time.Second, func() bool { return src.Health() == nil })
 		return w
 	}
 	src := newSource()
@@ -244,7 +233,7 @@ func TestAPIServerPodSource(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		psWait(t, "pod "+p.Name+" in the index", time.Second, func() bool {
+		bustest.WaitWithin(t, "pod "+p.Name+" in the index", time.Second, func() bool {
 			pods, _ := psIndex(t, b, node)
 			return pods[ns+"/"+p.Name] == string(created.UID)
 		})
@@ -291,7 +280,7 @@ func TestAPIServerPodSource(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	psWait(t, "p0's and p1's secrets and configmaps unregistered", 5*time.Second, func() bool { return slices.Equal(refs(), wantRefs(2)) })
+	bustest.WaitWithin(t, "p0's and p1's secrets and configmaps unregistered", 5*time.Second, func() bool { return slices.Equal(refs(), wantRefs(2)) })
 	gcRequest(t, b, events.QuerySubject(node, events.QryInUse), nil, &inUse)
 	if slices.Contains(inUse.Images, "registry.example/app-0:1") {
 		t.Fatalf("in-use images %v still hold a deleted pod's image", inUse.Images)
@@ -325,7 +314,7 @@ func TestAPIServerPodSource(t *testing.T) {
 	time.Sleep(300 * time.Millisecond)
 	c.StopAPIServer(5 * time.Second)
 	// Unreachable: the source says so (it probes every 15 s while synced).
-	psWait(t, "the source reports the API server unreachable", 30*time.Second, func() bool { return health() != nil })
+	bustest.WaitWithin(t, "the source reports the API server unreachable", 30*time.Second, func() bool { return health() != nil })
 	t.Logf("health while the API server is down: %v", health())
 	if err := c.StartAPIServer(ctx); err != nil {
 		t.Fatal(err)
@@ -360,8 +349,8 @@ func TestAPIServerPodSource(t *testing.T) {
 		pods, _ := psIndex(t, b, node)
 		return maps.Equal(pods, psAPIPods(t, admin, node))
 	}
-	psWait(t, "index equal to the API server's pods after the restart", 30*time.Second, same)
-	psWait(t, "the source synced again", 30*time.Second, func() bool { return health() == nil })
+	bustest.WaitWithin(t, "index equal to the API server's pods after the restart", 30*time.Second, same)
+	bustest.WaitWithin(t, "the source synced again", 30*time.Second, func() bool { return health() == nil })
 	if bad := ledger.check(); len(bad) > 0 {
 		t.Fatalf("after the restart: %d wrong events, first: %v", len(bad), bad[:min(len(bad), 5)])
 	}
@@ -376,7 +365,7 @@ func TestAPIServerPodSource(t *testing.T) {
 		t.Fatal(err)
 	}
 	newSource()
-	psWait(t, "index equal to the API server's pods after an agent restart", 30*time.Second, same)
+	bustest.WaitWithin(t, "index equal to the API server's pods after an agent restart", 30*time.Second, same)
 	time.Sleep(200 * time.Millisecond)
 	if n := ledger.count() - before; n != 2 {
 		t.Fatalf("after an agent restart %d events published, want 2 (p3 deleted, while-down added)", n)

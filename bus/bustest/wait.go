@@ -3,13 +3,17 @@ package bustest
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
 )
 
-// Timeout is how long WaitFor waits for a condition, and RunService for Run to return after it is stopped.
+// Timeout is how long WaitFor waits for a condition.
 const Timeout = 15 * time.Second
+
+// StopTimeout is how long RunService waits for Run to return after its context is cancelled.
+const StopTimeout = 30 * time.Second
 
 // errNotYet is what WaitFor reports when the condition was simply false.
 var errNotYet = errors.New("condition still false")
@@ -60,27 +64,33 @@ type Service interface {
 
 // RunService runs svc.Run in a goroutine until stop is called or the test ends: then it cancels Run's context
 // and fails the test if Run returned an error (a Run that returned early is reported when it is stopped) or
-// did not return within Timeout. stop may be called more than once; call RunService after bustest.Start (and
-// after VerifyNoLeaks), so the worker stops before the bus closes and before leaks are counted.
+// did not return within StopTimeout. stop may be called more than once; call RunService after bustest.Start
+// (and after VerifyNoLeaks), so the worker stops before the bus closes and before leaks are counted.
 func RunService(t testing.TB, svc Service) (stop func()) {
+	t.Helper()
+	return RunFunc(t, fmt.Sprintf("%T", svc), svc.Run)
+}
+
+// RunFunc is RunService for a run function; name says which worker in a failure.
+func RunFunc(t testing.TB, name string, run func(context.Context) error) (stop func()) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- svc.Run(ctx) }()
+	go func() { done <- run(ctx) }()
 	var once sync.Once
 	stop = func() {
 		once.Do(func() {
 			t.Helper()
 			cancel()
-			timer := time.NewTimer(Timeout)
+			timer := time.NewTimer(StopTimeout)
 			defer timer.Stop()
 			select {
 			case err := <-done:
 				if err != nil {
-					t.Errorf("%T.Run returned %v", svc, err)
+					t.Errorf("%s: Run returned %v", name, err)
 				}
 			case <-timer.C:
-				t.Errorf("%T.Run did not return within %v of its context's cancel", svc, Timeout)
+				t.Errorf("%s: Run did not return within %v of its context's cancel", name, StopTimeout)
 			}
 		})
 	}
