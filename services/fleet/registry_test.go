@@ -1,7 +1,6 @@
 package fleet_test
 
 import (
-	"context"
 	"github.com/imagefleet/imagefleet/services/cri/critest"
 	"slices"
 	"strings"
@@ -53,15 +52,14 @@ func TestHeartbeatRegistryAndLostDetection(t *testing.T) {
 	clock := func() time.Time { return now }
 	rt := critest.NewRuntime()
 	statfs := func(string) (int64, int64, error) { return 100 << 30, 60 << 30, nil }
-	ctx, cancel := context.WithCancel(t.Context())
-	done := make(chan error, 2)
+	var stops []func()
 	for _, n := range []struct{ name, zone string }{{"node-a.example", "a"}, {"node-b", "b"}} {
 		hb, err := fleet.NewHeartbeat(fleet.HeartbeatConfig{Node: n.name, Labels: map[string]string{"zone": n.zone},
 			Period: 10 * time.Second, Workers: []string{"heartbeat"}, Statfs: statfs, Clock: clock}, rt, b)
 		if err != nil {
 			t.Fatal(err)
 		}
-		go func() { done <- hb.Run(ctx) }()
+		stops = append(stops, bustest.RunService(t, hb))
 	}
 	var reg *fleet.Registry
 	bustest.WaitFor(t, "both nodes registered", func() bool {
@@ -83,11 +81,8 @@ func TestHeartbeatRegistryAndLostDetection(t *testing.T) {
 	if !slices.Equal(chosen, []string{"node-a.example"}) || len(skipped) != 0 {
 		t.Fatalf("chosen %v skipped %v", chosen, skipped)
 	}
-	cancel()
-	for range 2 {
-		if err := <-done; err != nil {
-			t.Fatal(err)
-		}
+	for _, stop := range stops {
+		stop()
 	}
 	// Time passes without heartbeats: a reader 31 s later shows both nodes as lost, not gone.
 	later := func() time.Time { return now.Add(31 * time.Second) }

@@ -1,7 +1,6 @@
 package kevents
 
 import (
-	"context"
 	"fmt"
 	"testing"
 	"time"
@@ -53,9 +52,7 @@ func TestRunSkipsWhatItCannotPost(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- s.Run(ctx) }()
+	stop := bustest.RunService(t, s)
 	bustest.Eventually(t, "the consumer drained", 10*time.Second, func() error {
 		st, err := b.Consumer(t.Context(), events.EventsStream, Durable("node-1"))
 		if err == nil && (st.NumPending != 0 || st.NumAckPending != 0) {
@@ -63,10 +60,7 @@ func TestRunSkipsWhatItCannotPost(t *testing.T) {
 		}
 		return err
 	})
-	cancel()
-	if err := <-done; err != nil {
-		t.Fatalf("Run = %v", err)
-	}
+	stop()
 	for result, want := range map[string]float64{"ignored": 2, "malformed": 1, "created": 0} {
 		if got := testutil.ToFloat64(s.m.results.WithLabelValues(result)); got != want {
 			t.Errorf("result %s = %v, want %v", result, got, want)

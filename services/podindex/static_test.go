@@ -215,9 +215,7 @@ func TestStaticSourceRunWatchesAndStops(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(t.Context())
-	done := make(chan error, 1)
-	go func() { done <- src.Run(ctx) }()
+	stop := bustest.RunService(t, src)
 	if err := os.WriteFile(filepath.Join(dir, "etcd.yaml"), []byte(etcdYAML), 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -229,10 +227,7 @@ func TestStaticSourceRunWatchesAndStops(t *testing.T) {
 	if evs[0].Action != events.ActionAdded || evs[0].Pod.Name != "etcd-node-a" {
 		t.Fatalf("event %s %s", evs[0].Action, evs[0].Pod.Name)
 	}
-	cancel()
-	if err := <-done; err != nil {
-		t.Fatal(err)
-	}
+	stop()
 }
 
 // FuzzDecodeManifest feeds decodeManifest any bytes as a manifest: it must not panic; an error must name the
