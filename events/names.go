@@ -40,6 +40,11 @@ const (
 	KubeEventsBucket = "imagefleet-kube-events"
 )
 
+// GCLeaseBucket holds each node's image GC pass lease, one key per node (its node token), with a TTL: the GC
+// executor replica that creates the key runs the node's pass, renews the key while the pass runs and marks it
+// released at its end; a holder that dies stops renewing and its key expires.
+const GCLeaseBucket = "imagefleet-gc-lease"
+
 // Queue groups of the request/reply subjects: the replicas of a worker share its requests.
 const (
 	CacheQueue     = "cache"           // imagefleet.qry.<node>.images

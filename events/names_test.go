@@ -29,7 +29,7 @@ func wireNames() [][2]string {
 		c("RecordsBucket", RecordsBucket), c("RecordsBucketDescription", RecordsBucketDescription),
 		c("PodsBucket", PodsBucket), c("PullBackoffBucket", PullBackoffBucket), c("PullRecordsBucket", PullRecordsBucket),
 		c("NodesBucket", NodesBucket), c("NodesSeenBucket", NodesSeenBucket), c("InventoryBucket", InventoryBucket),
-		c("KubeEventsBucket", KubeEventsBucket),
+		c("KubeEventsBucket", KubeEventsBucket), c("GCLeaseBucket", GCLeaseBucket),
 		// Queue groups and durable consumers.
 		c("CacheQueue", CacheQueue), c("DetectorQueue", DetectorQueue), c("GCQueue", GCQueue),
 		c("PodIndexQueue", PodIndexQueue), c("InventoryQueue", InventoryQueue),

@@ -24,6 +24,7 @@ import (
 	"github.com/imagefleet/imagefleet/events"
 	"github.com/imagefleet/imagefleet/services/cri"
 	"github.com/imagefleet/imagefleet/services/cri/hollow"
+	"github.com/imagefleet/imagefleet/services/gc"
 	"github.com/imagefleet/imagefleet/services/puller"
 )
 
@@ -301,6 +302,50 @@ func TestSecurityNodeIsolation(t *testing.T) {
 		}
 		waitViolation(t, a, "$KV.imagefleet-records."+other)
 	})
+	t.Run("own GC pass lease only", func(t *testing.T) {
+		if err := gc.EnsureLeaseBucket(ctx, admin); err != nil {
+			t.Fatal(err)
+		}
+		kvA, err := a.KVExisting(ctx, events.GCLeaseBucket)
+		if err != nil {
+			t.Fatal(err)
+		}
+		kvB, err := bb.KVExisting(ctx, events.GCLeaseBucket)
+		if err != nil {
+			t.Fatal(err)
+		}
+		own, other := events.NodeToken(nodeA), events.NodeToken(nodeB)
+		// Each node takes, reads, renews (compare and set) its own lease.
+		rev, err := kvA.Create(ctx, own, []byte(`{"holder":"a"}`))
+		if err != nil {
+			t.Fatalf("A takes its own lease: %v", err)
+		}
+		if v, _, err := kvA.Get(ctx, own); err != nil || string(v) != `{"holder":"a"}` {
+			t.Fatalf("A reads its own lease: %q %v", v, err)
+		}
+		if _, err := kvA.Update(ctx, own, []byte(`{"holder":"a","renewed":true}`), rev); err != nil {
+			t.Fatalf("A renews its own lease: %v", err)
+		}
+		bRev, err := kvB.Create(ctx, other, []byte(`{"holder":"b"}`))
+		if err != nil {
+			t.Fatalf("B takes its own lease: %v", err)
+		}
+		// A can neither take B's lease over B's revision, nor create it, nor release it.
+		c, cancel := short(t)
+		defer cancel()
+		if _, err := kvA.Update(c, other, []byte(`{"holder":"a"}`), bRev); err == nil {
+			t.Fatal("A took B's GC pass lease")
+		}
+		waitViolation(t, a, "$KV."+events.GCLeaseBucket+"."+other)
+		c2, cancel2 := short(t)
+		defer cancel2()
+		if err := kvA.Delete(c2, other); err == nil {
+			t.Error("A released B's GC pass lease")
+		}
+		if v, r, err := kvB.Get(ctx, other); err != nil || r != bRev || string(v) != `{"holder":"b"}` {
+			t.Errorf("B's lease after A's attempts: %q rev %d (want %d) %v", v, r, bRev, err)
+		}
+	})
 	t.Run("no stream changes", func(t *testing.T) {
 		c, cancel := short(t)
 		defer cancel()
@@ -562,7 +607,7 @@ func TestSecurityAgentRunsWithANodeIdentity(t *testing.T) {
 	if err != nil {
 		t.Fatalf("bus init with the admin identity: %v\n%s", err, out)
 	}
-	for _, s := range []string{events.EventsStream, events.PullStream, events.DeadLetterStream, "KV_" + events.RecordsBucket, "KV_" + events.PodsBucket, "KV_" + events.KubeEventsBucket} {
+	for _, s := range []string{events.EventsStream, events.PullStream, events.DeadLetterStream, "KV_" + events.RecordsBucket, "KV_" + events.PodsBucket, "KV_" + events.KubeEventsBucket, "KV_" + events.GCLeaseBucket} {
 		if !strings.Contains(string(out), s) {
 			t.Errorf("bus init output lacks %s:\n%s", s, out)
 		}
@@ -605,9 +650,15 @@ func TestSecurityAgentRunsWithANodeIdentity(t *testing.T) {
 		}
 		return nil
 	})
+	// A GC pass takes the node's GC pass lease with the node's identity (create, renew, release).
+	if out, err := cli(ctx, bin, as(natsconf.RoleAdmin, "gc", "--node", node)...); err != nil {
+		t.Fatalf("gc: %v\n%s", err, out)
+	}
 	if log, err := os.ReadFile(agent.log); err != nil {
 		t.Fatal(err)
 	} else if bytes.Contains(bytes.ToLower(log), []byte("permissions violation")) {
 		t.Errorf("the agent hit a permissions violation:\n%s", tail(agent.log, 40))
+	} else if bytes.Contains(log, []byte("lease unavailable")) {
+		t.Errorf("the agent's GC pass ran without its lease:\n%s", tail(agent.log, 40))
 	}
 }

@@ -10,6 +10,7 @@ import (
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/internal/records"
 	"github.com/imagefleet/imagefleet/services/fleet"
+	"github.com/imagefleet/imagefleet/services/gc"
 	"github.com/imagefleet/imagefleet/services/kevents"
 	"github.com/imagefleet/imagefleet/services/podindex"
 	"github.com/imagefleet/imagefleet/services/puller"
@@ -77,6 +78,7 @@ admin identity (--nkey admin.nk). Agents that find them open them as they are.`,
 				{"puller", func() error { return puller.EnsureBuckets(ctx, b, puller.Config{}) }},
 				{"fleet", func() error { return fleet.EnsureBuckets(ctx, b, 0) }},
 				{"kube-events", func() error { return kevents.EnsureBucket(ctx, b) }},
+				{"gc lease", func() error { return gc.EnsureLeaseBucket(ctx, b) }},
 			}
 			for _, s := range steps {
 				if err := s.ensure(); err != nil {

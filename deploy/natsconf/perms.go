@@ -25,6 +25,10 @@ var NodeBuckets = []string{
 // NodeKeyBuckets are buckets where a node owns exactly one key, its node token (heartbeats).
 var NodeKeyBuckets = []string{events.NodesBucket, events.NodesSeenBucket}
 
+// NodeLeaseBuckets are buckets where a node owns exactly one key, its node token, that only the node reads
+// and writes (the GC pass lease): unlike NodeKeyBuckets the fleet does not read them.
+var NodeLeaseBuckets = []string{events.GCLeaseBucket}
+
 // Permissions of one user: what it may publish and subscribe to. AllowResponses lets it answer requests
 // (publish once to the reply subject of a request it received) without a publish permission on inboxes.
 type Permissions struct {
@@ -83,7 +87,9 @@ func NodePermissions(node, pub string) Permissions {
 			"$JS.API.CONSUMER.DELETE.KV_"+b+".*",
 		)
 	}
-	for _, b := range NodeKeyBuckets {
+	// Its own key in the key buckets: create, compare-and-set updates and deletes are publishes to the key's
+	// subject (with expected-revision headers the server checks), reads a direct get of that key only.
+	for _, b := range append(append([]string{}, NodeKeyBuckets...), NodeLeaseBuckets...) {
 		pub1 = append(pub1, "$KV."+b+"."+t, "$JS.API.DIRECT.GET.KV_"+b+".$KV."+b+"."+t)
 	}
 	return Permissions{

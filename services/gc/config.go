@@ -75,6 +75,12 @@ type Config struct {
 	DetectTimeout time.Duration
 	// InUseTimeout bounds the in-use query sent to the pod index before each removal batch (default 5s).
 	InUseTimeout time.Duration
+	// LeaseTTL is the TTL of the node's GC pass lease when this executor creates its bucket (default
+	// DefaultLeaseTTL; keep the default: `imagefleet bus init` creates the bucket with it). Tests shorten it.
+	LeaseTTL time.Duration
+	// LeaseWait bounds how long a manual or pull-triggered request waits for another replica's pass (default
+	// DefaultLeaseWait).
+	LeaseWait time.Duration
 	// Registerer receives kubelet_image_garbage_collected_total (default prometheus.DefaultRegisterer).
 	Registerer prometheus.Registerer
 	// Logger (default slog.Default()).
@@ -151,6 +157,12 @@ func (c *Config) setDefaults() {
 	}
 	if c.InUseTimeout <= 0 {
 		c.InUseTimeout = 5 * time.Second
+	}
+	if c.LeaseTTL <= 0 {
+		c.LeaseTTL = DefaultLeaseTTL
+	}
+	if c.LeaseWait <= 0 {
+		c.LeaseWait = DefaultLeaseWait
 	}
 	if c.Registerer == nil {
 		c.Registerer = prometheus.DefaultRegisterer

@@ -53,6 +53,10 @@ type Service struct {
 
 	// recent answers repeats of a GC request id (handleGC).
 	recent recentRequests
+
+	// lease serialises passes across the node's executor replicas (lease.go); leaseMetrics counts its outcomes.
+	lease        *leaser
+	leaseMetrics *leaseMetrics
 }
 
 // New validates cfg (see Config.Validate for the messages) and builds the executor.
@@ -81,9 +85,14 @@ func New(cfg Config, deps Deps) (*Service, error) {
 	if err != nil {
 		return nil, fmt.Errorf("register image gc metrics: %w", err)
 	}
+	lm, err := newLeaseMetrics(cfg.Registerer)
+	if err != nil {
+		return nil, fmt.Errorf("register image gc lease metrics: %w", err)
+	}
 	pinned, _ := newRefMatcher(cfg.PinnedImages, true) // validated above
 	log := cfg.Logger.With("worker", events.GCQueue, "node", cfg.Node)
-	s := &Service{cfg: cfg, bus: deps.Bus, log: log, beganGC: deps.Now(), checkNow: make(chan struct{}, 1), metrics: m}
+	s := &Service{cfg: cfg, bus: deps.Bus, log: log, beganGC: deps.Now(), checkNow: make(chan struct{}, 1), metrics: m,
+		lease: newLeaser(deps.Bus, cfg.Node, cfg.LeaseTTL, log), leaseMetrics: lm}
 	s.c = &collector{
 		node: cfg.Node, capacity: cfg.CapacityBytes, pinned: pinned, parallelism: cfg.RemovalParallelism,
 		rt: deps.Runtime, records: deps.Records, bus: deps.Bus, inUseTimeout: cfg.InUseTimeout,
@@ -198,7 +207,11 @@ func (s *Service) checkUsage(ctx context.Context, timed bool) {
 	}
 	s.log.Info("image fs usage reached the high threshold between periods, running image GC",
 		"usage", usage, "high_threshold", s.cfg.Policy.HighThresholdPercent)
-	if _, err := s.garbageCollect(ctx, events.GCRequest{}, events.GCTriggerUsage); err != nil && ctx.Err() == nil {
+	_, err = s.garbageCollect(ctx, events.GCRequest{}, events.GCTriggerUsage)
+	if errors.Is(err, errLeaseHeld) {
+		return // another replica's pass runs; the next check looks again
+	}
+	if err != nil && ctx.Err() == nil {
 		s.log.Warn("image garbage collection on high usage failed", "err", err)
 		s.quietUntil = time.Now().Add(s.cfg.Period)
 		return
@@ -210,8 +223,8 @@ func (s *Service) checkUsage(ctx context.Context, timed bool) {
 // one also posts the ImageGCFailed Warning with the error's text.
 func (s *Service) periodic(ctx context.Context) {
 	_, err := s.garbageCollect(ctx, events.GCRequest{}, events.GCTriggerPeriodic)
-	if ctx.Err() != nil {
-		return
+	if ctx.Err() != nil || errors.Is(err, errLeaseHeld) {
+		return // another replica's pass runs: neither a success nor a failure of this loop
 	}
 	if err != nil {
 		if s.prevFailed {
@@ -252,12 +265,105 @@ func (s *Service) garbageCollect(ctx context.Context, req events.GCRequest, trig
 	defer s.mu.Unlock()
 	s.running.Store(true)
 	defer s.running.Store(false)
+	if req.DryRun || s.lease == nil {
+		return s.runPass(ctx, req, trigger, policy) // a dry run removes nothing: no lease
+	}
+	return s.leasedPass(ctx, req, trigger, policy)
+}
+
+// leasedPass takes the node's GC pass lease and runs the pass under it (see lease.go for what happens when
+// another replica holds it). It returns errLeaseHeld, without running a pass, to a periodic or usage
+// trigger that found the lease held.
+func (s *Service) leasedPass(ctx context.Context, req events.GCRequest, trigger string, policy Policy) (events.GCResult, error) {
+	waits := trigger == events.GCTriggerManual || trigger == events.GCTriggerPull
+	var began time.Time
+	outcome := leaseAcquired
+	for {
+		v := leaseValue{Pass: randomID(8), Holder: s.lease.holder, Trigger: trigger, AllUnused: req.AllUnused,
+			Overrides: hasOverrides(req), Started: time.Now().UTC()}
+		rev, held, err := s.lease.acquire(ctx, v)
+		if err != nil {
+			if ctx.Err() != nil {
+				return events.GCResult{}, ctx.Err()
+			}
+			s.log.Warn("image GC pass lease unavailable, running the pass without it (passes of this node's other executor replicas may overlap it)", "err", err)
+			s.leaseMetrics.total.WithLabelValues(trigger, leaseUnavailable).Inc()
+			return s.runPass(ctx, req, trigger, policy)
+		}
+		if held == nil {
+			s.leaseMetrics.total.WithLabelValues(trigger, outcome).Inc()
+			return s.passUnderLease(ctx, req, trigger, policy, rev, v)
+		}
+		if !waits {
+			s.log.Info("image GC pass skipped: another executor replica's pass runs on the node",
+				"trigger", trigger, "holder", held.Holder, "holder_trigger", held.Trigger, "since", held.Started)
+			s.leaseMetrics.total.WithLabelValues(trigger, leaseSkipped).Inc()
+			return events.GCResult{}, errLeaseHeld
+		}
+		if began.IsZero() {
+			began = time.Now()
+			s.log.Info("image GC request waits for another executor replica's pass",
+				"trigger", trigger, "holder", held.Holder, "holder_trigger", held.Trigger, "since", held.Started)
+		}
+		done, err := s.lease.wait(ctx, *held, began.Add(s.cfg.LeaseWait), began)
+		s.leaseMetrics.wait.WithLabelValues(trigger).Observe(time.Since(began).Seconds())
+		if err != nil {
+			if errors.As(err, new(*LeaseHeldError)) {
+				s.leaseMetrics.total.WithLabelValues(trigger, leaseTimeout).Inc()
+			}
+			return events.GCResult{}, err
+		}
+		if done != nil && done.Result != nil && shareable(req, trigger, *done) {
+			s.leaseMetrics.total.WithLabelValues(trigger, leaseShared).Inc()
+			res := *done.Result
+			if res.Error != "" {
+				return res, errors.New(res.Error)
+			}
+			return res, nil
+		}
+		outcome = leaseWaited // the pass ended (or its holder died): take the lease
+	}
+}
+
+// passUnderLease runs the pass while renewing the lease, and releases it with the result. A pass whose lease
+// could not be renewed is stopped (its context cancelled) and fails with errLeaseLost.
+func (s *Service) passUnderLease(ctx context.Context, req events.GCRequest, trigger string, policy Policy, rev uint64, v leaseValue) (events.GCResult, error) {
+	pctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	kctx, stopKeep := context.WithCancel(ctx)
+	kept := make(chan uint64, 1)
+	go func() {
+		kept <- s.lease.keep(kctx, rev, v, func() {
+			s.leaseMetrics.total.WithLabelValues(trigger, leaseLost).Inc()
+			cancel(errLeaseLost)
+		})
+	}()
+	res, err := s.runPassCtx(pctx, ctx, req, trigger, policy)
+	stopKeep()
+	rev = <-kept
+	if context.Cause(pctx) != errLeaseLost {
+		s.lease.release(ctx, rev, v, res)
+	}
+	return res, err
+}
+
+// runPass runs one pass (without the lease) and publishes its result.
+func (s *Service) runPass(ctx context.Context, req events.GCRequest, trigger string, policy Policy) (events.GCResult, error) {
+	return s.runPassCtx(ctx, ctx, req, trigger, policy)
+}
+
+// runPassCtx runs the pass under pctx (cancelled when the lease is lost) and publishes under ctx.
+func (s *Service) runPassCtx(pctx, ctx context.Context, req events.GCRequest, trigger string, policy Policy) (events.GCResult, error) {
+	var err error
 	p := &pass{policy: policy, dryRun: req.DryRun, res: events.GCResult{Node: s.cfg.Node, DryRun: req.DryRun, Trigger: trigger}}
 	start := time.Now()
 	if req.AllUnused {
-		err = s.c.deleteUnusedImages(ctx, p)
+		err = s.c.deleteUnusedImages(pctx, p)
 	} else {
-		err = s.c.garbageCollect(ctx, p, s.beganGC)
+		err = s.c.garbageCollect(pctx, p, s.beganGC)
+	}
+	if err != nil && context.Cause(pctx) == errLeaseLost && ctx.Err() == nil {
+		err = fmt.Errorf("%w: %w", errLeaseLost, err)
 	}
 	res := p.res
 	if res.Removed == nil {

@@ -284,6 +284,10 @@ func TestRunReturnsAfterCancelWithoutLeaks(t *testing.T) {
 	if err := b.PublishAll(t.Context(), []events.Event{warm}); err != nil {
 		t.Fatal(err)
 	}
+	// The lease bucket's stream lives in the server until it shuts down: create it before the snapshot.
+	if err := EnsureLeaseBucket(t.Context(), b); err != nil {
+		t.Fatal(err)
+	}
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 	rt := critest.NewRuntime(makeImage(0, 100))
 	s := newService(t, b, Config{Period: 10 * time.Millisecond}, rt, gctest.NewRecords(rt, nil),
