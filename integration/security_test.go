@@ -623,8 +623,9 @@ func TestSecurityAgentRunsWithANodeIdentity(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(stop)
+	// A byte quota: the hollow runtime's image filesystem is not a real one (the gc pass below measures it).
 	agent := startProc(t, "agent", bin, as(node, "agent", "--node", node, "--cri", endpoint,
-		"--data-dir", filepath.Join(dir, "agent"))...)
+		"--data-dir", filepath.Join(dir, "agent"), "--image-fs-capacity", "1Gi")...)
 	defer agent.stop(syscall.SIGTERM)
 
 	bustest.Eventually(t, "the agent's records over its node identity", time.Minute, func() error {

@@ -173,8 +173,22 @@ func (l *leaser) open(ctx context.Context) (*bus.KV, error) {
 	return kv, nil
 }
 
-// acquire takes the lease with v, or returns the value of the pass holding it.
+// acquire takes the lease with v, or returns the value of the pass holding it. It gives up after 5 s; after
+// a failure (other than the caller's context) the lease is not tried again for a minute, so a server that
+// refuses it (an old permission set) delays one pass, not each.
 func (l *leaser) acquire(ctx context.Context, v leaseValue) (uint64, *leaseValue, error) {
+	actx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	rev, held, err := l.tryAcquire(actx, v)
+	if err != nil && ctx.Err() == nil {
+		l.mu.Lock()
+		l.kv, l.nextOpen = nil, time.Now().Add(time.Minute)
+		l.mu.Unlock()
+	}
+	return rev, held, err
+}
+
+func (l *leaser) tryAcquire(ctx context.Context, v leaseValue) (uint64, *leaseValue, error) {
 	kv, err := l.open(ctx)
 	if err != nil {
 		return 0, nil, err
