@@ -182,7 +182,7 @@ func TestLeaseWaiterSharesTheRunningPass(t *testing.T) {
 		res, _ := s1.GarbageCollect(t.Context(), events.GCRequest{AllUnused: true})
 		first <- res
 	}()
-	waitFor(t, "the first pass to remove", func() bool { now, _ := rt.InFlight(); return now > 0 })
+	bustest.WaitFor(t, "the first pass to remove", func() bool { now, _ := rt.InFlight(); return now > 0 })
 	if _, err := s2.garbageCollect(t.Context(), events.GCRequest{}, events.GCTriggerPeriodic); !errors.Is(err, errLeaseHeld) {
 		t.Errorf("periodic pass while the other replica holds the lease: err %v, want errLeaseHeld", err)
 	}
@@ -217,7 +217,7 @@ func TestLeaseWaiterSharesTheRunningPass(t *testing.T) {
 		res, _ := s1.GarbageCollect(t.Context(), events.GCRequest{AllUnused: true})
 		first <- res
 	}()
-	waitFor(t, "the first pass to remove", func() bool { now, _ := rt.InFlight(); return now > 0 })
+	bustest.WaitFor(t, "the first pass to remove", func() bool { now, _ := rt.InFlight(); return now > 0 })
 	high := 0
 	go func() {
 		res, _ := s2.GarbageCollect(t.Context(), events.GCRequest{HighThresholdPercent: &high, LowThresholdPercent: &high, MinAge: &events.Duration{}})
@@ -249,7 +249,7 @@ func TestLeaseOfADeadHolderExpires(t *testing.T) {
 		t.Fatalf("dead holder's acquire: held %v err %v", held, err)
 	}
 	// Over the bus, a manual request with LeaseWait 300ms: the clear error.
-	runService(t, s1)
+	bustest.RunService(t, s1)
 	rep := request(t, b, []byte(`{}`))
 	want := "a GC pass is already running on node " + testNode + " (held by dead-host/1/ffff, manual pass started "
 	if !strings.HasPrefix(rep.Error, want) || len(rt.Images()) != 3 {
