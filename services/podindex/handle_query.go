@@ -228,8 +228,8 @@ func podLess(a, b *v1.Pod) bool {
 
 // rawPod is the JSON of one pod: as received when the index has it, else encoded.
 func rawPod(ix *Index, p *v1.Pod) (json.RawMessage, error) {
-	if e, ok := ix.get(p.UID); ok && e.pod == p && e.raw != nil {
-		return e.raw, nil
+	if raw := ix.rawOf(p); raw != nil {
+		return raw, nil
 	}
 	raw, err := json.Marshal(p)
 	if err != nil {

@@ -445,6 +445,21 @@ func (ix *Index) get(uid types.UID) (*entry, bool) {
 	return e, ok
 }
 
+// rawOf is the JSON the index received for pod, when pod is still the indexed pod of its UID (read under
+// the lock: an apply replaces an entry's pod and raw in place).
+func (ix *Index) rawOf(p *v1.Pod) []byte {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	e, ok := ix.pods[p.UID]
+	if !ok {
+		e, ok = ix.mirrors[p.UID]
+	}
+	if ok && e.pod == p {
+		return e.raw
+	}
+	return nil
+}
+
 func metaOf(namespace, name string) metav1.ObjectMeta {
 	return metav1.ObjectMeta{Namespace: namespace, Name: name}
 }

@@ -158,7 +158,13 @@ func (s *KubeletSource) watch(ctx context.Context, client podsv1alpha1.PodsClien
 	}
 	resync := time.AfterFunc(s.cfg.ResyncPeriod, again)
 	defer resync.Stop()
+	gapDone := make(chan struct{})
+	defer func() {
+		cancel()
+		<-gapDone // no goroutine outlives the stream
+	}()
 	go func() {
+		defer close(gapDone)
 		t := time.NewTicker(gapCheckPeriod)
 		defer t.Stop()
 		for {

@@ -493,7 +493,7 @@ func TestNewKubeletSourceValidates(t *testing.T) {
 func TestKubeletSourceRepairsAnIndexGap(t *testing.T) {
 	old := gapCheckPeriod
 	gapCheckPeriod = 50 * time.Millisecond
-	defer func() { gapCheckPeriod = old }()
+	t.Cleanup(func() { gapCheckPeriod = old }) // first registered: runs after the source has stopped
 	srv := bustest.Server(t)
 	b, err := bus.Connect(context.Background(), srv.ClientURL(), bus.Options{Name: t.Name()})
 	if err != nil {
@@ -521,7 +521,7 @@ func TestKubeletSourceRepairsAnIndexGap(t *testing.T) {
 	stopIndex()
 	ps.set(t, apiPod("ns1", "b", "uid-b"), false) // published while no index runs
 	deadline := time.Now().Add(15 * time.Second)
-	for src.lastSeq.Load() == 0 || len(ps.pods) < 2 {
+	for src.lastSeq.Load() < 2 {
 		if time.Now().After(deadline) {
 			t.Fatal("pod b not published")
 		}
