@@ -9,7 +9,10 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"strconv"
+	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -43,7 +46,7 @@ const DefaultLeaseWait = 5 * time.Minute
 // leaseValue is the value of a node's key in events.GCLeaseBucket (JSON).
 type leaseValue struct {
 	Pass      string    `json:"pass"`                // random id of the pass
-	Holder    string    `json:"holder"`              // the replica: host/pid/random
+	Holder    string    `json:"holder"`              // the replica: host@pidns/pid/random
 	Trigger   string    `json:"trigger"`             // periodic, usage, pull, manual
 	AllUnused bool      `json:"allUnused,omitempty"` // gc --all-unused
 	Overrides bool      `json:"overrides,omitempty"` // the request changed the policy
@@ -130,9 +133,36 @@ type leaser struct {
 }
 
 func newLeaser(b *bus.Bus, node string, ttl time.Duration, log *slog.Logger) *leaser {
-	host, _ := os.Hostname()
 	return &leaser{bus: b, node: node, key: events.NodeToken(node), ttl: ttl, poll: min(ttl/10, 100*time.Millisecond),
-		holder: fmt.Sprintf("%s/%d/%s", host, os.Getpid(), randomID(4)), log: log}
+		holder: fmt.Sprintf("%s/%d/%s", processSpace(), os.Getpid(), randomID(4)), log: log}
+}
+
+// processSpace names where this process's pid means something: the host name and the pid namespace
+// ("host@pid:[4026531836]"); "" parts when unknown.
+func processSpace() string {
+	host, _ := os.Hostname()
+	ns, _ := os.Readlink("/proc/self/ns/pid")
+	return host + "@" + ns
+}
+
+// deadHere reports whether holder (host@pidns/pid/random) is a process of this host and pid namespace that
+// no longer runs: a replica restarted after SIGKILL takes its own dead predecessor's lease at once instead of
+// waiting out the TTL. A holder elsewhere, or one whose namespace is unknown, is never judged dead here.
+func (l *leaser) deadHere(holder string) bool {
+	space, rest, ok := strings.Cut(holder, "/")
+	if !ok || !strings.Contains(space, "@pid:") || space != processSpace() || holder == l.holder {
+		return false
+	}
+	pidText, _, ok := strings.Cut(rest, "/")
+	pid, err := strconv.Atoi(pidText)
+	if !ok || err != nil || pid <= 0 {
+		return false
+	}
+	if pid == os.Getpid() {
+		return false // another executor in this process (a restarted container has a new pid namespace)
+	}
+	err = syscall.Kill(pid, 0)
+	return errors.Is(err, syscall.ESRCH)
 }
 
 func randomID(n int) string {
@@ -211,11 +241,14 @@ func (l *leaser) tryAcquire(ctx context.Context, v leaseValue) (uint64, *leaseVa
 			continue // expired in between
 		case err != nil:
 			return 0, nil, err
-		case !cur.Released:
+		case !cur.Released && !l.deadHere(cur.Holder):
 			return 0, &cur, nil
 		}
 		rev, err = kv.Update(ctx, l.key, data, crev)
 		if err == nil {
+			if !cur.Released {
+				l.log.Warn("image GC pass lease taken over from a dead holder on this host", "holder", cur.Holder, "since", cur.Started)
+			}
 			return rev, nil, nil
 		}
 		if !errors.Is(err, bus.ErrConflict) {

@@ -3,7 +3,9 @@ package gc
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
+	"os/exec"
 	"slices"
 	"strings"
 	"sync"
@@ -286,5 +288,41 @@ func TestLeaseMetricsExportedAtZero(t *testing.T) {
 	}
 	if n := testutil.CollectAndCount(reg, "imagefleet_gc_lease_total"); n != 4*len(leaseOutcomes) {
 		t.Errorf("%d series, want %d", n, 4*len(leaseOutcomes))
+	}
+}
+
+// TestLeaseOfADeadProcessOnThisHostIsTakenAtOnce: a replica restarted after SIGKILL (the holder is a process
+// of this host and pid namespace that no longer runs) takes the lease at once; a holder process that still
+// runs here is respected.
+func TestLeaseOfADeadProcessOnThisHostIsTakenAtOnce(t *testing.T) {
+	srv, b := bustest.Start(t)
+	rt := critest.NewRuntime(images(3)...)
+	s1, _, regs := replicas(t, srv, Config{LeaseWait: 200 * time.Millisecond}, rt)
+	other := newLeaser(b, testNode, DefaultLeaseTTL, slog.New(slog.DiscardHandler))
+
+	alive := exec.Command("sleep", "30")
+	if err := alive.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = alive.Process.Kill(); _ = alive.Wait() })
+	other.holder = fmt.Sprintf("%s/%d/alive", processSpace(), alive.Process.Pid)
+	if _, held, err := other.acquire(t.Context(), leaseValue{Pass: "p-alive", Holder: other.holder, Started: time.Now()}); err != nil || held != nil {
+		t.Fatalf("acquire: held %v err %v", held, err)
+	}
+	if _, err := s1.garbageCollect(t.Context(), events.GCRequest{}, events.GCTriggerPeriodic); !errors.Is(err, errLeaseHeld) {
+		t.Fatalf("a running holder on this host: err %v, want errLeaseHeld", err)
+	}
+	_ = alive.Process.Kill()
+	_ = alive.Wait() // reaped: its pid no longer runs
+	start := time.Now()
+	res, err := s1.GarbageCollect(t.Context(), events.GCRequest{AllUnused: true})
+	if err != nil || len(res.Succeeded()) != 3 {
+		t.Fatalf("pass after the holder died: %+v, %v", res, err)
+	}
+	if d := time.Since(start); d > 2*time.Second {
+		t.Errorf("the dead holder on this host blocked the pass for %v", d)
+	}
+	if n := leaseCount(regs[0], events.GCTriggerManual, leaseAcquired); n != 1 {
+		t.Errorf("acquired = %v, want 1 (taken over without waiting)", n)
 	}
 }
