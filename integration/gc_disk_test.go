@@ -178,17 +178,12 @@ func (l *diskLab) passes(t testing.TB) []events.GCResult {
 // waitIdle waits until a usage check would find nothing to do: usage under the high threshold.
 func (l *diskLab) waitIdle(t *testing.T) {
 	t.Helper()
-	deadline := time.Now().Add(time.Minute)
-	for {
-		_, _, usage := gcUsage(t, l.mount)
-		if usage < l.high {
-			return
+	bustest.Eventually(t, fmt.Sprintf("usage under the high threshold %d%%", l.high), time.Minute, func() error {
+		if _, _, usage := gcUsage(t, l.mount); usage >= l.high {
+			return fmt.Errorf("usage %d%%", usage)
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("usage %d%% still at or above the high threshold %d%% after a minute", usage, l.high)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+		return nil
+	})
 }
 
 // TestGCOnARealDiskBetweenPeriods is issue 13's lab run: images of 10 MiB (about 20 MiB on the disk: content
@@ -224,13 +219,7 @@ func TestGCOnARealDiskBetweenPeriods(t *testing.T) {
 		if r.Error != "" {
 			t.Fatalf("pull %d of %s failed: %s: %s", i, p.Ref, r.Error, r.Message)
 		}
-		pulledAt := time.Now()
-		for !l.listed(t)[p.ID] {
-			if time.Since(pulledAt) > 2*time.Second {
-				t.Fatalf("%s not listed by the images query 2 s after its pull", p.Ref)
-			}
-			time.Sleep(20 * time.Millisecond)
-		}
+		bustest.WaitWithin(t, p.Ref+" listed by the images query", 2*time.Second, func() bool { return l.listed(t)[p.ID] })
 	}
 	l.waitIdle(t)
 
@@ -273,18 +262,13 @@ func TestGCOnARealDiskBetweenPeriods(t *testing.T) {
 		t.Errorf("node warnings %v (%v), want none", warnings, err)
 	}
 	// Records and the image list follow the removals within a second.
-	deadline := time.Now().Add(time.Second)
-	for {
+	bustest.Eventually(t, "records and images without the removed images", time.Second, func() error {
 		recs, listed := l.records(t), l.listed(t)
-		stale := slices.ContainsFunc(removed, func(id string) bool { return recs[id] || listed[id] })
-		if !stale {
-			break
+		if slices.ContainsFunc(removed, func(id string) bool { return recs[id] || listed[id] }) {
+			return fmt.Errorf("records %v, images %v", recs, listed)
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("records or images still list removed images a second after the last pass: records %v, images %v", recs, listed)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return nil
+	})
 
 	// A dry run and the next pass agree: thresholds that make about two images go.
 	cl := l.ctrd.Client()
@@ -321,17 +305,13 @@ func waitFsUsedFresh(t *testing.T, cl interface {
 }, limit time.Duration) {
 	t.Helper()
 	start := time.Now()
-	for time.Since(start) < limit {
+	bustest.WaitWithin(t, "containerd's image fs usage refreshed", limit, func() bool {
 		fss, err := cl.ImageFsInfo(t.Context())
 		if err != nil || len(fss) == 0 {
 			t.Fatalf("ImageFsInfo: %v", err)
 		}
-		if fss[0].Timestamp.After(start) {
-			return
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
-	t.Fatalf("containerd's image fs usage not refreshed within %v", limit)
+		return fss[0].Timestamp.After(start)
+	})
 }
 
 // TestGCKeepsTheRuntimesSandboxImage: containerd 1.6 does not report its sandbox image pinned; with no

@@ -141,8 +141,7 @@ func TestKubeEventsBridge(t *testing.T) {
 			t.Fatal(err)
 		}
 		var res events.PullResult
-		deadline := time.Now().Add(60 * time.Second)
-		for {
+		bustest.WaitWithin(t, "the result of pull "+id, 60*time.Second, func() bool {
 			var found bool
 			_ = b.ReadStream(ctx, events.EventsStream, events.EventSubject(keNode, events.EntityPull, ">"), 0, func(m bus.StreamMsg) bool {
 				ev, err := events.DecodeEvent(m.Data)
@@ -151,14 +150,9 @@ func TestKubeEventsBridge(t *testing.T) {
 				}
 				return !found
 			})
-			if found {
-				return res
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("no result of pull %s", id)
-			}
-			time.Sleep(100 * time.Millisecond)
-		}
+			return found
+		})
+		return res
 	}
 	okPull := pull("ke-app", app.Ref, events.PullAlways, ref("spec.containers{app}"))
 	failPull := pull("ke-missing", missing, events.PullIfNotPresent, ref("spec.initContainers{init}"))

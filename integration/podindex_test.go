@@ -62,20 +62,15 @@ func TestPodIndexSurvivesNATSAndWorkerRestarts(t *testing.T) {
 	var lastSeq uint64
 	publish := func(batch []bus.RawMsg) {
 		t.Helper()
-		deadline := time.Now().Add(30 * time.Second)
-		for {
+		bustest.Eventually(t, "the batch published", 30*time.Second, func() error {
 			pctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+			defer cancel()
 			seq, err := pubBus.PublishMsgs(pctx, batch)
-			cancel()
 			if err == nil {
 				lastSeq = max(lastSeq, seq)
-				return
 			}
-			if time.Now().After(deadline) {
-				t.Fatalf("publish: %v", err)
-			}
-			time.Sleep(50 * time.Millisecond)
-		}
+			return err
+		})
 	}
 	start := func(name string) (*podindex.Service, *bus.Bus, context.CancelFunc, chan error) {
 		b := connect(name)

@@ -316,13 +316,7 @@ func TestPullSurvivesRestart(t *testing.T) {
 	stop := pullStartPuller(t, b, rt, puller.Config{})
 	sub := pullSubscribe(t, b)
 	pullPublish(t, b, events.PullRequest{ID: "restart", Image: p.Ref, Policy: events.PullIfNotPresent})
-	deadline := time.Now().Add(30 * time.Second)
-	for rt.inFlight.Load() == 0 && time.Now().Before(deadline) {
-		time.Sleep(10 * time.Millisecond)
-	}
-	if rt.inFlight.Load() == 0 {
-		t.Fatal("the pull never started")
-	}
+	bustest.WaitWithin(t, "the pull to start", 30*time.Second, func() bool { return rt.inFlight.Load() != 0 })
 	stop()
 	reg.SetDelay(0)
 	pullStartPuller(t, b, rt, puller.Config{})

@@ -385,19 +385,14 @@ func TestSecurityFleetAndInventory(t *testing.T) {
 // waitServing polls until a request to subject is answered.
 func waitServing(t *testing.T, b *bus.Bus, subject string) {
 	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for {
+	bustest.Eventually(t, subject+" served", 5*time.Second, func() error {
 		c, cancel := context.WithTimeout(t.Context(), 500*time.Millisecond)
-		err := b.Request(c, subject, nil, nil)
-		cancel()
-		if err == nil || errors.Is(err, bus.ErrRemote) {
-			return
+		defer cancel()
+		if err := b.Request(c, subject, nil, nil); err != nil && !errors.Is(err, bus.ErrRemote) {
+			return err
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%s not served: %v", subject, err)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return nil
+	})
 }
 
 // TestSecurityNoSecretLeaks runs the puller (real NATS with a journal, the hollow CRI runtime requiring
@@ -470,9 +465,8 @@ func TestSecurityNoSecretLeaks(t *testing.T) {
 		}
 	}
 	// Wait for a terminal event of every request.
-	deadline := time.Now().Add(20 * time.Second)
 	var stored []string
-	for {
+	bustest.Eventually(t, "a terminal event of every request", 20*time.Second, func() error {
 		stored = stored[:0]
 		terminal := map[string]bool{}
 		err := b.ReadStream(ctx, events.EventsStream, events.NodeEvents(node), 0, func(m bus.StreamMsg) bool {
@@ -488,14 +482,11 @@ func TestSecurityNoSecretLeaks(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if len(terminal) >= len(reqs) {
-			break
+		if len(terminal) < len(reqs) {
+			return fmt.Errorf("results for %d of %d requests", len(terminal), len(reqs))
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("results for %d of %d requests after 20s", len(terminal), len(reqs))
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+		return nil
+	})
 	dls, err := b.DeadLetters(ctx, "")
 	if err != nil {
 		t.Fatal(err)

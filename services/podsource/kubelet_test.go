@@ -520,13 +520,7 @@ func TestKubeletSourceRepairsAnIndexGap(t *testing.T) {
 
 	stopIndex()
 	ps.set(t, apiPod("ns1", "b", "uid-b"), false) // published while no index runs
-	deadline := time.Now().Add(15 * time.Second)
-	for src.lastSeq.Load() < 2 {
-		if time.Now().After(deadline) {
-			t.Fatal("pod b not published")
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	bustest.WaitFor(t, "pod b published", func() bool { return src.lastSeq.Load() >= 2 })
 	seqB := src.lastSeq.Load()
 	for i := 0; ; i++ {
 		info, err := b.Stream(context.Background(), events.EventsStream)
