@@ -234,31 +234,12 @@ func startIndex(t *testing.T, b *bus.Bus) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	run(t, ix.Run)
+	bustest.RunFunc(t, "ix", ix.Run)
 	select {
 	case <-ix.Ready():
 	case <-time.After(15 * time.Second):
 		t.Fatal("pod index not ready after 15s")
 	}
-}
-
-// run runs f until the test ends, and fails the test if f returns an error.
-func run(t *testing.T, f func(context.Context) error) (stop func()) {
-	t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- f(ctx) }()
-	var once sync.Once
-	stop = func() {
-		once.Do(func() {
-			cancel()
-			if err := <-done; err != nil {
-				t.Errorf("run: %v", err)
-			}
-		})
-	}
-	t.Cleanup(stop)
-	return stop
 }
 
 // indexUIDs lists the UIDs of the index's pods (non-mirror), sorted.
@@ -351,7 +332,7 @@ func TestKubeletSource(t *testing.T) {
 		return src
 	}
 	src := newSource()
-	stop := run(t, src.Run)
+	stop := bustest.RunFunc(t, "src", src.Run)
 	waitUIDs(t, b, "uid-a", "hash-s")
 	waitHealth(t, "first sync", src.Health, true)
 	wantCounts(t, "first sync", pub.take(), 2, 0, 0)
@@ -421,7 +402,7 @@ func TestKubeletSource(t *testing.T) {
 	srv.junk = nil
 	srv.mu.Unlock()
 	src = newSource()
-	run(t, src.Run)
+	bustest.RunFunc(t, "src", src.Run)
 	waitUIDs(t, b, "hash-s")
 	waitHealth(t, "after an agent restart", src.Health, true)
 	wantCounts(t, "agent restart", pub.take(), 0, 0, 1)
@@ -442,7 +423,7 @@ func TestKubeletSourceUnreachable(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	run(t, src.Run)
+	bustest.RunFunc(t, "src", src.Run)
 	time.Sleep(200 * time.Millisecond)
 	if err := src.Health(); err == nil {
 		t.Fatal("healthy with no kubelet")
@@ -507,14 +488,14 @@ func TestKubeletSourceRepairsAnIndexGap(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	stopIndex := run(t, ix.Run)
+	stopIndex := bustest.RunFunc(t, "ix", ix.Run)
 	ps, sock, _ := startPodsServer(t)
 	ps.set(t, apiPod("ns1", "a", "uid-a"), true)
 	src, err := NewKubeletSource(KubeletConfig{Node: testNode, Socket: sock, RetryMin: 20 * time.Millisecond, RetryMax: 100 * time.Millisecond}, b, b)
 	if err != nil {
 		t.Fatal(err)
 	}
-	run(t, src.Run)
+	bustest.RunFunc(t, "src", src.Run)
 	waitUIDs(t, b, "uid-a")
 	time.Sleep(200 * time.Millisecond) // the source reads the index's gap count (0) as its baseline
 
@@ -546,7 +527,7 @@ func TestKubeletSourceRepairsAnIndexGap(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	run(t, ix2.Run)
+	bustest.RunFunc(t, "ix2", ix2.Run)
 	waitUIDs(t, b, "uid-a", "uid-b")
 	if ix2.Gaps() != 1 {
 		t.Fatalf("index gaps %d, want 1", ix2.Gaps())
