@@ -40,6 +40,9 @@ import (
 // DefaultLeaseTTL is the lease's TTL (the bucket's max age): how long a dead holder blocks the node's passes.
 const DefaultLeaseTTL = 30 * time.Second
 
+// maxLeaseValue bounds the released value (NATS's default max payload is 1 MiB).
+const maxLeaseValue = 512 << 10
+
 // DefaultLeaseWait bounds how long a manual or pull-triggered request waits for another replica's pass.
 const DefaultLeaseWait = 5 * time.Minute
 
@@ -309,6 +312,14 @@ func (l *leaser) release(ctx context.Context, rev uint64, v leaseValue, res even
 	defer cancel()
 	v.Released, v.Result = true, &res
 	data, err := json.Marshal(v)
+	if err == nil && len(data) > maxLeaseValue {
+		// A node with thousands of images: the kept images are left out of the shared result (the pass's
+		// own answer and its gc.finished event carry them).
+		short := res
+		short.Skipped = []events.GCSkipped{}
+		v.Result = &short
+		data, err = json.Marshal(v)
+	}
 	if err == nil {
 		if _, err = l.kv.Update(ctx, l.key, data, rev); err == nil {
 			return

@@ -326,3 +326,27 @@ func TestLeaseOfADeadProcessOnThisHostIsTakenAtOnce(t *testing.T) {
 		t.Errorf("acquired = %v, want 1 (taken over without waiting)", n)
 	}
 }
+
+// TestLeaseReleaseOfALargeResult: a result too large for the lease value is released without its kept images
+// (the removed ones stay), so waiting requests still share it.
+func TestLeaseReleaseOfALargeResult(t *testing.T) {
+	_, b := bustest.Start(t)
+	l := newLeaser(b, testNode, DefaultLeaseTTL, slog.New(slog.DiscardHandler))
+	v := leaseValue{Pass: "p-large", Holder: l.holder, Trigger: events.GCTriggerManual, Started: time.Now()}
+	rev, held, err := l.acquire(t.Context(), v)
+	if err != nil || held != nil {
+		t.Fatalf("acquire: held %v err %v", held, err)
+	}
+	res := events.GCResult{Node: testNode, Removed: []events.GCRemoved{{ID: "sha256:removed"}}}
+	for i := range 10000 {
+		res.Skipped = append(res.Skipped, events.GCSkipped{ID: fmt.Sprintf("sha256:%064d", i), Why: WhyInUse})
+	}
+	l.release(t.Context(), rev, v, res)
+	got, _, err := l.get(t.Context(), l.kv)
+	if err != nil || !got.Released || got.Result == nil {
+		t.Fatalf("after release: %+v %v", got, err)
+	}
+	if len(got.Result.Skipped) != 0 || len(got.Result.Removed) != 1 || got.Result.Removed[0].ID != "sha256:removed" {
+		t.Errorf("released result: %d skipped, removed %+v; want no skipped, the removed image", len(got.Result.Skipped), got.Result.Removed)
+	}
+}
