@@ -7,6 +7,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"github.com/imagefleet/imagefleet/bus/bustest"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -383,19 +384,11 @@ func TestClusterTLSConfigs(t *testing.T) {
 		t.Fatalf("connect with the client certificate: %v", err)
 	}
 	defer b.Close()
-	deadline := time.Now().Add(time.Minute)
-	for {
+	bustest.Eventually(t, "R3 streams over the TLS cluster", time.Minute, func() error {
 		ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
-		err := b.EnsureStreams(ctx, bus.StreamsConfig{Replicas: 3})
-		cancel()
-		if err == nil {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("R3 streams over the TLS cluster: %v", err)
-		}
-		time.Sleep(250 * time.Millisecond)
-	}
+		defer cancel()
+		return b.EnsureStreams(ctx, bus.StreamsConfig{Replicas: 3})
+	})
 	info, err := b.Stream(t.Context(), "IMAGEFLEET_EVENTS")
 	if err != nil {
 		t.Fatal(err)
