@@ -497,7 +497,7 @@ func TestKubeletSourceRepairsAnIndexGap(t *testing.T) {
 	}
 	bustest.RunFunc(t, "src", src.Run)
 	waitUIDs(t, b, "uid-a")
-	time.Sleep(200 * time.Millisecond) // the source reads the index's gap count (0) as its baseline
+	bustest.WaitFor(t, "the source to read the index's gap count as its baseline", func() bool { return src.indexGaps.Load() != noGaps })
 
 	stopIndex()
 	ps.set(t, apiPod("ns1", "b", "uid-b"), false) // published while no index runs

@@ -323,7 +323,7 @@ func TestPodDeletedCancelsPull(t *testing.T) {
 	_, b := bustest.Start(t)
 	rt := newFakeImages()
 	rt.block = true
-	startService(t, b, rt, Config{MaxParallelImagePulls: ptr(int32(4))})
+	s, _ := startService(t, b, rt, Config{MaxParallelImagePulls: ptr(int32(4))})
 	sub := subscribePull(t, b)
 	pod := &events.PodRef{Namespace: "ns", Name: "doomed", UID: "uid-doomed"}
 	if err := publishPull(t, b, events.PullRequest{ID: "c1", Image: "big", Policy: events.PullAlways, Pod: pod}); err != nil {
@@ -368,12 +368,13 @@ func TestPodDeletedCancelsPull(t *testing.T) {
 	if err := b.PublishRaw(events.CommandSubject(testNode, events.VerbPullCancel), cancelJSON); err != nil {
 		t.Fatal(err)
 	}
-	fctx, fcancel := context.WithTimeout(t.Context(), 5*time.Second)
-	defer fcancel()
-	if err := b.Flush(fctx); err != nil {
-		t.Fatal(err)
-	}
-	time.Sleep(100 * time.Millisecond) // core NATS: the cancellation must reach the puller before the request
+	// Core NATS: the cancellation must reach the puller before the request.
+	bustest.WaitFor(t, "the puller to record c4 as withdrawn", func() bool {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		_, ok := s.withdrawn["c4"]
+		return ok
+	})
 	if err := publishPull(t, b, events.PullRequest{ID: "c4", Image: "big3", Policy: events.PullAlways, Pod: other}); err != nil {
 		t.Fatal(err)
 	}
