@@ -38,6 +38,9 @@ type Options struct {
 	// JournalMaxBytes bounds the journal file (default 64 MiB).
 	JournalDir      string
 	JournalMaxBytes int64
+	// EventVersion is the type version events are written in: events.V1 or events.V2 (see
+	// SetEventVersion; "" is events.V1).
+	EventVersion string
 	// Replicas is the replica count of the streams and buckets this connection creates or ensures when
 	// their own config leaves it at 0 (3 on a three-server cluster): one setting (`--stream-replicas`) puts
 	// every worker's state on as many servers. 0: new streams and buckets get 1, existing ones keep theirs
@@ -54,7 +57,9 @@ type Bus struct {
 	replicas   int
 	reconnects atomic.Int64
 	journal    atomic.Pointer[journal.Journal]
-	perms      violations
+	// eventVersion is the type version events are written in (SetEventVersion; nil = events.V1).
+	eventVersion atomic.Pointer[string]
+	perms        violations
 }
 
 // Connect connects to url, retrying with exponential backoff (cenkalti/backoff) until ConnectTimeout or ctx
@@ -147,6 +152,12 @@ func Connect(ctx context.Context, url string, o Options) (*Bus, error) {
 		return nil, fmt.Errorf("jetstream: %w", err)
 	}
 	b.nc, b.js = nc, js
+	if o.EventVersion != "" {
+		if err := b.SetEventVersion(o.EventVersion); err != nil {
+			nc.Close()
+			return nil, err
+		}
+	}
 	if o.JournalDir != "" {
 		if err := b.OpenJournal(JournalConfig{Dir: o.JournalDir, MaxBytes: o.JournalMaxBytes}); err != nil {
 			nc.Close()

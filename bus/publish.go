@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -13,26 +14,45 @@ import (
 	"github.com/imagefleet/imagefleet/events"
 )
 
-// EventMsg builds the NATS message of an event: JSON body, Nats-Msg-Id = event id, CloudEvents binary headers.
+// EventMsg builds the NATS message of an event as its type's version writes it (events.EncodeEvent):
+// the body and CloudEvents binary headers, Nats-Msg-Id = event id.
 func EventMsg(ev events.Event) (*nats.Msg, error) {
-	if err := ev.Validate(); err != nil {
-		return nil, err
-	}
 	subject, err := ev.Subject()
 	if err != nil {
 		return nil, err
 	}
-	body, err := json.Marshal(ev)
+	header, body, err := events.EncodeEvent(ev)
 	if err != nil {
-		return nil, fmt.Errorf("marshal event %s: %w", ev.ID, err)
+		return nil, err
 	}
 	m := nats.NewMsg(subject)
 	m.Data = body
 	m.Header.Set(jetstream.MsgIDHeader, ev.ID)
-	for k, v := range events.CloudEventHeader(ev.Type, ev.ID, ev.Node, ev.Time) {
+	for k, v := range header {
 		m.Header.Set(k, v)
 	}
 	return m, nil
+}
+
+// SetEventVersion sets the type version the bus writes events in (events.V1, the default, or events.V2):
+// PublishAll converts each v1 event to it before it is journaled and sent. See docs/events.md for the
+// upgrade order.
+func (b *Bus) SetEventVersion(version string) error {
+	v, err := events.ParseEventVersion(version)
+	if err != nil {
+		return err
+	}
+	b.eventVersion.Store(&v)
+	return nil
+}
+
+// writeVersion converts ev to the bus's writer version.
+func (b *Bus) writeVersion(ev events.Event) (events.Event, error) {
+	v := b.eventVersion.Load()
+	if v == nil || *v == ev.Version() || ev.Version() != events.V1 {
+		return ev, nil
+	}
+	return ev.AsVersion(*v)
 }
 
 // PublishOpt is an option of Publish and PublishAll (as nats.go's jetstream.PublishOpt).
@@ -64,6 +84,15 @@ func (b *Bus) PublishAll(ctx context.Context, evs []events.Event, opts ...Publis
 		opt(&o)
 	}
 	msgs := make([]*nats.Msg, len(evs))
+	if v := b.eventVersion.Load(); v != nil && *v != events.V1 {
+		evs = slices.Clone(evs) // the caller's events stay as they were
+		for i, ev := range evs {
+			var err error
+			if evs[i], err = b.writeVersion(ev); err != nil {
+				return err
+			}
+		}
+	}
 	for i, ev := range evs {
 		m, err := EventMsg(ev)
 		if err != nil {

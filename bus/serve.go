@@ -209,5 +209,14 @@ func (s *Subscription) Next(ctx context.Context) (subject string, data []byte, e
 	return m.Subject, m.Data, nil
 }
 
+// NextMsg waits for the next message until ctx ends, with its headers.
+func (s *Subscription) NextMsg(ctx context.Context) (subject string, header map[string][]string, data []byte, err error) {
+	m, err := s.sub.NextMsgWithContext(ctx)
+	if err != nil {
+		return "", nil, nil, err
+	}
+	return m.Subject, m.Header, m.Data, nil
+}
+
 // Close unsubscribes.
 func (s *Subscription) Close() { _ = s.sub.Unsubscribe() }

@@ -50,6 +50,10 @@ func wireNames() [][2]string {
 		// CloudEvents headers and the pod event's rejection reasons (metric label values).
 		c("HeaderSpecVersion", HeaderSpecVersion), c("HeaderType", HeaderType), c("HeaderSource", HeaderSource),
 		c("HeaderID", HeaderID), c("HeaderTime", HeaderTime), c("HeaderContentType", HeaderContentType),
+		c("HeaderDataContentType", HeaderDataContentType), c("HeaderNode", HeaderNode), c("HeaderReason", HeaderReason),
+		c("HeaderMessage", HeaderMessage), c("HeaderSeverity", HeaderSeverity), c("HeaderInvolvedKind", HeaderInvolvedKind),
+		c("HeaderInvolvedNS", HeaderInvolvedNS), c("HeaderInvolvedName", HeaderInvolvedName),
+		c("HeaderInvolvedUID", HeaderInvolvedUID), c("HeaderInvolvedField", HeaderInvolvedField),
 		c("SourcePrefix", SourcePrefix), c("HeaderErrorCode", HeaderErrorCode),
 		// The pod annotations sources set and the index reads (the kubelet's), and the config sources.
 		c("ConfigSourceAnnotationKey", ConfigSourceAnnotationKey), c("ConfigMirrorAnnotationKey", ConfigMirrorAnnotationKey),

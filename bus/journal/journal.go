@@ -30,7 +30,8 @@ import (
 //
 // Files in Dir:
 //
-//	events.jsonl     the active journal: one event per line, the same JSON as the message body
+//	events.jsonl     the active journal: one event per line, its envelope as JSON (the v1 body; the type keeps
+//	                 the version the event is sent in, and the sender encodes it as that version)
 //	events.jsonl.1   the previous journal, kept after a rotation (read-only)
 //	cursor           {"offset":N,"first":ID}: every event before byte N of events.jsonl is acked; ID is the
 //	                 id of the first event of events.jsonl, so a cursor of an older file is never applied

@@ -51,6 +51,7 @@ type agentConfig struct {
 	Workers      string
 	CRITimeout   time.Duration
 	Replicas     int
+	EventVersion string
 
 	NoJournal       bool
 	JournalMaxBytes int64
@@ -381,6 +382,7 @@ func (c *agentConfig) flags(fs *pflag.FlagSet) {
 	fs.DurationVar(&c.CRITimeout, "runtime-request-timeout", 2*time.Minute, "timeout of every CRI call but pulls")
 	fs.StringVar(&c.Kubeconfig, "kubeconfig", "", "kubeconfig file of the workers that talk to the Kubernetes API server (kube-events, --pod-source apiserver); empty: the in-cluster config of the agent's pod")
 	fs.IntVar(&c.Replicas, "stream-replicas", 0, "replicas of the JetStream streams and buckets the agent creates or ensures (3 on a 3-server cluster; 0: 1 for new ones, existing ones keep theirs)")
+	fs.StringVar(&c.EventVersion, "event-version", events.V1, "type version of the events the agent writes: v1 (the default of this release, read by every release) or v2 (payload-only body, attributes as CloudEvents extensions; set it once every reader runs this release or later: see docs/events.md)")
 	for _, w := range agentWorkers {
 		if w.Flags != nil {
 			w.Flags(fs, c)
@@ -496,6 +498,7 @@ func runAgent(ctx context.Context, cl *cli, cmd *cobra.Command, c agentConfig) e
 	opts := cl.busOptions("imagefleet-agent-" + c.Node)
 	opts.Replicas = c.Replicas
 	opts.JournalDir, opts.JournalMaxBytes = c.agentJournal(), c.JournalMaxBytes
+	opts.EventVersion = c.EventVersion
 	b, err := bus.Connect(ctx, url, opts)
 	if err != nil {
 		return err

@@ -214,7 +214,7 @@ func runDemo(ctx context.Context, w io.Writer, f demoFlags) error {
 	counts := map[string]int{}
 	var warnings []string
 	err = b.ReadStream(rc, events.EventsStream, events.NodeEvents(f.node), 0, func(m bus.StreamMsg) bool {
-		ev, err := events.DecodeEvent(m.Data)
+		ev, err := events.DecodeEventMsg(m.Header, m.Data)
 		if err != nil {
 			return true
 		}
@@ -264,12 +264,12 @@ func demoPull(ctx context.Context, b *bus.Bus, node, image, policy string) (even
 		return events.PullResult{}, "", err
 	}
 	for {
-		_, data, err := sub.Next(ctx)
+		_, header, data, err := sub.NextMsg(ctx)
 		if err != nil {
 			return events.PullResult{}, "", err
 		}
-		ev, err := events.DecodeEvent(data)
-		if err != nil || ev.Type == events.TypeName(events.EntityPull, events.ActionPulling) {
+		ev, err := events.DecodeEventMsg(header, data)
+		if err != nil || ev.Is(events.EntityPull, events.ActionPulling) {
 			continue
 		}
 		var r events.PullResult

@@ -181,7 +181,7 @@ func (cl *cli) runEvents(cmd *cobra.Command, f eventsFlags) error {
 // itself (the binary mode of CloudEvents: type, id, source and time in the ce- headers), shown as an event
 // about that pod with the Pod as its data.
 func streamEvent(m bus.StreamMsg) (events.Event, error) {
-	ev, err := events.DecodeEvent(m.Data)
+	ev, err := events.DecodeEventMsg(m.Header, m.Data)
 	if err == nil || m.Header.Get(events.HeaderType) == "" {
 		return ev, err
 	}

@@ -109,11 +109,11 @@ func (cl *cli) runPull(ctx context.Context, cmd *cobra.Command, b *bus.Bus, node
 	wctx, wcancel := context.WithTimeout(ctx, waitTimeout)
 	defer wcancel()
 	for {
-		_, data, err := sub.Next(wctx)
+		_, header, data, err := sub.NextMsg(wctx)
 		if err != nil {
 			return fmt.Errorf("waiting for the result of request %s on %s: %w", req.ID, node, err)
 		}
-		ev, err := events.DecodeEvent(data)
+		ev, err := events.DecodeEventMsg(header, data)
 		if err != nil {
 			continue
 		}
@@ -121,7 +121,7 @@ func (cl *cli) runPull(ctx context.Context, cmd *cobra.Command, b *bus.Bus, node
 		if err := ev.DecodeData(&r); err != nil || r.RequestID != req.ID {
 			continue
 		}
-		if ev.Type == events.TypeName(events.EntityPull, events.ActionPulling) {
+		if ev.Is(events.EntityPull, events.ActionPulling) {
 			if !cl.jsonOutput() {
 				fmt.Fprintf(cmd.ErrOrStderr(), "%s: %s\n", ev.Reason, ev.Message)
 			}

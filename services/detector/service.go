@@ -74,17 +74,17 @@ func (s *Service) Run(ctx context.Context) error {
 	}
 	serve(events.CommandSubject(s.cfg.Node, events.VerbDetect), s.handleDetect)
 	serve(events.QuerySubject(s.cfg.Node, events.QryRecords), s.handleRecords)
-	follow := func(subject string, fn func([]byte)) {
+	follow := func(subject string, fn func(map[string][]string, []byte)) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if err := s.bus.Subscribe(ctx, subject, func(_ string, _ map[string][]string, data []byte) { fn(data) }); err != nil && ctx.Err() == nil {
+			if err := s.bus.Subscribe(ctx, subject, func(_ string, h map[string][]string, data []byte) { fn(h, data) }); err != nil && ctx.Err() == nil {
 				errs <- err
 			}
 		}()
 	}
 	follow(events.EventSubject(s.cfg.Node, events.EntityImage, events.ActionRemoved), s.onRemoved)
-	follow(events.EventSubject(s.cfg.Node, events.EntityPull, events.ActionPulled), func([]byte) { s.onPulled() })
+	follow(events.EventSubject(s.cfg.Node, events.EntityPull, events.ActionPulled), func(map[string][]string, []byte) { s.onPulled() })
 
 	tick := time.NewTicker(s.cfg.Period)
 	defer tick.Stop()
@@ -112,8 +112,8 @@ func (s *Service) Run(ctx context.Context) error {
 }
 
 // onRemoved queues the record of an image GC removed for deletion.
-func (s *Service) onRemoved(data []byte) {
-	ev, err := events.DecodeEvent(data)
+func (s *Service) onRemoved(header map[string][]string, data []byte) {
+	ev, err := events.DecodeEventMsg(header, data)
 	if err != nil {
 		return
 	}

@@ -149,7 +149,7 @@ func (w *PullWatch) follow(ctx context.Context, next uint64) {
 
 // pullResult decodes a terminal pull result event.
 func pullResult(m bus.StreamMsg) (events.PullResult, bool) {
-	ev, err := events.DecodeEvent(m.Data)
+	ev, err := events.DecodeEventMsg(m.Header, m.Data)
 	if err != nil {
 		return events.PullResult{}, false
 	}

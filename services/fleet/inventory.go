@@ -193,7 +193,7 @@ func keyToken(id string) string {
 // reflects (same or later stream sequence) is acked without change; a compare-and-set conflict with another
 // replica is retried.
 func (s *Inventory) Apply(ctx context.Context, m *bus.Msg) error {
-	ev, err := events.DecodeEvent(m.Data)
+	ev, err := events.DecodeEventMsg(m.Header, m.Data)
 	if err != nil {
 		return bus.Permanent(fmt.Errorf("decode image event: %w", err))
 	}

@@ -100,7 +100,9 @@ func (s *Service) Run(ctx context.Context) error {
 		// Failures are retried inside the handler (an outage must not exhaust deliveries); what reaches the
 		// consumer's redelivery is a bucket failure or a stop.
 		MaxDeliver: 1 << 30, Backoff: []time.Duration{time.Second, 5 * time.Second},
-	}, func(ctx context.Context, m *bus.Msg) error { return s.Handle(ctx, m.Subject, m.Data, m.InProgress) })
+	}, func(ctx context.Context, m *bus.Msg) error {
+		return s.Handle(ctx, m.Subject, m.Header, m.Data, m.InProgress)
+	})
 	if ctx.Err() != nil {
 		return nil
 	}
@@ -110,12 +112,12 @@ func (s *Service) Run(ctx context.Context) error {
 // Handle handles one message of the events stream: nil when it is done (posted, or not one to post), a
 // bus.Permanent error when its Event can never be accepted, another error to have it delivered again.
 // progress (may be nil) tells the stream the handler is still at work.
-func (s *Service) Handle(ctx context.Context, subject string, data []byte, progress func() error) error {
+func (s *Service) Handle(ctx context.Context, subject string, header map[string][]string, data []byte, progress func() error) error {
 	// Pod events carry a Pod, not an envelope; only node, pull and image events can carry a kubelet Event.
 	if !postable(subject) {
 		return nil
 	}
-	ev, err := events.DecodeEvent(data)
+	ev, err := events.DecodeEventMsg(header, data)
 	if err != nil {
 		s.m.result("malformed")
 		s.log.Warn("event not decoded; not posted", "subject", subject, "err", err)

@@ -85,7 +85,7 @@ func New(cfg Config, b *bus.Bus) (*Service, error) {
 // ends.
 func (s *Service) Run(ctx context.Context) error {
 	if err := s.bus.ReadStream(ctx, events.EventsStream, s.subject(events.ActionRemoved), 0, func(m bus.StreamMsg) bool {
-		s.noteRemoved(m.Data, m.Time)
+		s.noteRemoved(m.Header, m.Data, m.Time)
 		return true
 	}); err != nil && ctx.Err() == nil {
 		return fmt.Errorf("removals: read past removals: %w", err)
@@ -95,7 +95,7 @@ func (s *Service) Run(ctx context.Context) error {
 		FilterSubjects: []string{events.NodeEvents(s.cfg.Node)},
 		Concurrency:    1, MaxAckPending: 256, AckWait: 2*s.cfg.Grace + 30*time.Second,
 	}, func(ctx context.Context, m *bus.Msg) error {
-		return s.Handle(ctx, m.Subject, m.Data, m.StreamSeq, m.InProgress)
+		return s.Handle(ctx, m.Subject, m.Header, m.Data, m.StreamSeq, m.InProgress)
 	})
 	if ctx.Err() != nil {
 		return nil
@@ -107,8 +107,8 @@ func (s *Service) subject(action string) string {
 	return events.EventSubject(s.cfg.Node, events.EntityImage, action)
 }
 
-func (s *Service) noteRemoved(data []byte, at time.Time) {
-	ev, err := events.DecodeEvent(data)
+func (s *Service) noteRemoved(header map[string][]string, data []byte, at time.Time) {
+	ev, err := events.DecodeEventMsg(header, data)
 	if err != nil {
 		return
 	}
@@ -129,15 +129,15 @@ func (s *Service) noteRemoved(data []byte, at time.Time) {
 
 // Handle handles one event of the node (seq is its stream sequence): image.removed is remembered;
 // image.vanished of an image imagefleet did not remove is reported. Anything else is acked untouched.
-func (s *Service) Handle(ctx context.Context, subject string, data []byte, seq uint64, progress func() error) error {
+func (s *Service) Handle(ctx context.Context, subject string, header map[string][]string, data []byte, seq uint64, progress func() error) error {
 	switch {
 	case strings.HasSuffix(subject, "."+events.EntityImage+"."+events.ActionRemoved):
-		s.noteRemoved(data, time.Time{})
+		s.noteRemoved(header, data, time.Time{})
 		return nil
 	case !strings.HasSuffix(subject, "."+events.EntityImage+"."+events.ActionVanished):
 		return nil
 	}
-	ev, err := events.DecodeEvent(data)
+	ev, err := events.DecodeEventMsg(header, data)
 	if err != nil {
 		s.log.Warn("vanished event not decoded", "subject", subject, "err", err)
 		return nil
@@ -156,7 +156,7 @@ func (s *Service) Handle(ctx context.Context, subject string, data []byte, seq u
 	for {
 		found := false
 		err := s.bus.ReadStream(ctx, events.EventsStream, s.subject(events.ActionRemoved), seq, func(m bus.StreamMsg) bool {
-			s.noteRemoved(m.Data, m.Time)
+			s.noteRemoved(m.Header, m.Data, m.Time)
 			_, found = s.removed[rec.ID]
 			return !found
 		})
