@@ -414,6 +414,3 @@ func (f *feed) gapsGrew(ctx context.Context) bool {
 
 // noGaps marks indexGaps as not read yet (the first reading is the baseline).
 const noGaps = ^uint64(0)
-
-// gapCheckPeriod is how often the kubelet source asks the index for its gap count (a variable for tests).
-var gapCheckPeriod = 10 * time.Second

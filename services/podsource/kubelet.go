@@ -31,6 +31,9 @@ type KubeletConfig struct {
 	ResyncPeriod time.Duration
 	// RetryMin and RetryMax bound the backoff between reconnects (defaults 500ms and 30s).
 	RetryMin, RetryMax time.Duration
+	// GapCheckPeriod is how often the source asks the pod index for its gap count, to reconcile at once
+	// when the index lost pod events (default 10s).
+	GapCheckPeriod time.Duration
 	// Logger (default slog.Default()).
 	Logger *slog.Logger
 }
@@ -59,6 +62,9 @@ func NewKubeletSource(cfg KubeletConfig, pub publisher, req requester) (*Kubelet
 	}
 	if cfg.ResyncPeriod <= 0 {
 		cfg.ResyncPeriod = 5 * time.Minute
+	}
+	if cfg.GapCheckPeriod <= 0 {
+		cfg.GapCheckPeriod = 10 * time.Second
 	}
 	if cfg.RetryMin <= 0 {
 		cfg.RetryMin = 500 * time.Millisecond
@@ -165,7 +171,7 @@ func (s *KubeletSource) watch(ctx context.Context, client podsv1alpha1.PodsClien
 	}()
 	go func() {
 		defer close(gapDone)
-		t := time.NewTicker(gapCheckPeriod)
+		t := time.NewTicker(s.cfg.GapCheckPeriod)
 		defer t.Stop()
 		for {
 			select {

@@ -472,9 +472,6 @@ func TestNewKubeletSourceValidates(t *testing.T) {
 // counts a gap; the source sees the count in a pods reply, reconciles with the index and publishes the pod
 // again.
 func TestKubeletSourceRepairsAnIndexGap(t *testing.T) {
-	old := gapCheckPeriod
-	gapCheckPeriod = 50 * time.Millisecond
-	t.Cleanup(func() { gapCheckPeriod = old }) // first registered: runs after the source has stopped
 	srv := bustest.Server(t)
 	b, err := bus.Connect(context.Background(), srv.ClientURL(), bus.Options{Name: t.Name()})
 	if err != nil {
@@ -491,7 +488,7 @@ func TestKubeletSourceRepairsAnIndexGap(t *testing.T) {
 	stopIndex := bustest.RunFunc(t, "ix", ix.Run)
 	ps, sock, _ := startPodsServer(t)
 	ps.set(t, apiPod("ns1", "a", "uid-a"), true)
-	src, err := NewKubeletSource(KubeletConfig{Node: testNode, Socket: sock, RetryMin: 20 * time.Millisecond, RetryMax: 100 * time.Millisecond}, b, b)
+	src, err := NewKubeletSource(KubeletConfig{Node: testNode, Socket: sock, RetryMin: 20 * time.Millisecond, RetryMax: 100 * time.Millisecond, GapCheckPeriod: 50 * time.Millisecond}, b, b)
 	if err != nil {
 		t.Fatal(err)
 	}
