@@ -358,9 +358,12 @@ func (c *collector) freeSpace(ctx context.Context, p *pass, bytesToFree int64, f
 		i          int
 	)
 	m := p.meter
+	// As the kubelet, the stop is checked only after a removal: a pass that starts over the high threshold
+	// with nothing to free by its rounded target (usage and the target's bytes are both rounded down) still
+	// removes the first eligible image, or every usage check would start a pass that removes nothing.
 	enough := func() bool {
 		if m != nil {
-			return m.avail >= m.target
+			return removedAny && m.avail >= m.target
 		}
 		return removedAny && freed >= bytesToFree
 	}
