@@ -472,6 +472,9 @@ func runAgent(ctx context.Context, cl *cli, cmd *cobra.Command, c agentConfig) e
 	if err := events.ValidateNodeName(c.Node); err != nil {
 		return err
 	}
+	if _, err := events.ParseEventVersion(c.EventVersion); err != nil {
+		return fmt.Errorf("--event-version: %w", err)
+	}
 	defs, err := selectWorkers(c.Workers)
 	if err != nil {
 		return err

@@ -242,6 +242,7 @@ func TestBadFlagsExitNonZero(t *testing.T) {
 	}{
 		{[]string{"agent", "--node", "Bad_Name"}, "not a DNS-1123 subdomain"},
 		{[]string{"agent", "--node", "n1", "--workers", "bogus"}, `unknown worker "bogus"`},
+		{[]string{"agent", "--node", "n1", "--event-version", "v3"}, `--event-version: event version "v3" is neither v1 nor v2`},
 		{[]string{"records"}, "--node is required"},
 		{append(slices.Clone(agentGC), "--kubelet-config", filepath.Join(dataDir, "kubelet.yaml")), "kubelet config: open " + filepath.Join(dataDir, "kubelet.yaml")},
 		{append(slices.Clone(agentGC), "--kubelet-coexistence", "both"), `--kubelet-coexistence "both" is neither first-responder nor takeover`},
