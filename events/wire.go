@@ -183,30 +183,31 @@ func DecodeEventMsg(header map[string][]string, data []byte) (Event, error) {
 	if ct := headerGet(header, HeaderDataContentType); ct != "" && !strings.HasPrefix(ct, "application/json") {
 		return Event{}, fmt.Errorf("%w: %s event has ce-datacontenttype %q, want application/json", ErrMalformed, ceType, ct)
 	}
+	// Values as a NATS header carries them (headerSafe), so a header map built in memory reads as the wire.
+	get := func(k string) string { return headerSafe(headerGet(header, k)) }
 	ev := Event{
 		Type:     ceType,
-		ID:       headerGet(header, HeaderID),
-		Node:     headerGet(header, HeaderNode),
-		Reason:   headerGet(header, HeaderReason),
-		Message:  headerGet(header, HeaderMessage),
-		Severity: headerGet(header, HeaderSeverity),
+		ID:       get(HeaderID),
+		Node:     get(HeaderNode),
+		Reason:   get(HeaderReason),
+		Message:  get(HeaderMessage),
+		Severity: get(HeaderSeverity),
 	}
 	if ev.Node == "" {
-		ev.Node, _ = strings.CutPrefix(headerGet(header, HeaderSource), SourcePrefix)
+		ev.Node, _ = strings.CutPrefix(get(HeaderSource), SourcePrefix)
 	}
-	if t := headerGet(header, HeaderTime); t != "" {
+	if t := get(HeaderTime); t != "" {
 		at, err := time.Parse(time.RFC3339Nano, t)
 		if err != nil {
 			return Event{}, fmt.Errorf("%w: %s event has ce-time %q, not RFC 3339", ErrMalformed, ceType, t)
 		}
 		ev.Time = at.UTC()
 	}
-	if kind, name := headerGet(header, HeaderInvolvedKind), headerGet(header, HeaderInvolvedName); kind != "" || name != "" {
-		if kind == "" || name == "" {
-			return Event{}, fmt.Errorf("%w: %s event names an involved object without both %s and %s", ErrMalformed, ceType, HeaderInvolvedKind, HeaderInvolvedName)
-		}
-		ev.Object = &ObjectRef{Kind: kind, Name: name, Namespace: headerGet(header, HeaderInvolvedNS),
-			UID: headerGet(header, HeaderInvolvedUID), FieldPath: headerGet(header, HeaderInvolvedField)}
+	// Any involved-object header makes an object, as v1's "object" does (its readers check what they need).
+	obj := ObjectRef{Kind: get(HeaderInvolvedKind), Namespace: get(HeaderInvolvedNS), Name: get(HeaderInvolvedName),
+		UID: get(HeaderInvolvedUID), FieldPath: get(HeaderInvolvedField)}
+	if obj != (ObjectRef{}) {
+		ev.Object = &obj
 	}
 	if len(data) > 0 {
 		if !json.Valid(data) {
