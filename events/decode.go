@@ -56,7 +56,9 @@ func describeJSONError(err error) string {
 	}
 }
 
-// DecodeEvent decodes and validates an event envelope (lenient about unknown fields: events evolve additively).
+// DecodeEvent decodes and validates an event envelope (lenient about unknown fields: events evolve additively):
+// a v1 message's body, a journal line, `imagefleet events -o json` output. A message read from NATS may be v2,
+// whose body is the payload alone: decode those with DecodeEventMsg, which reads both versions.
 func DecodeEvent(data []byte) (Event, error) {
 	if len(data) > MaxMessageBytes {
 		return Event{}, fmt.Errorf("%w: event of %d bytes is over the limit of %d", ErrMalformed, len(data), MaxMessageBytes)
