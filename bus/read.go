@@ -20,6 +20,9 @@ type StreamMsg struct {
 	// Pending is, for a message read by Tail, how many messages matching its filter followed it in the
 	// stream when it was delivered (the reader's backlog then); 0 elsewhere.
 	Pending uint64
+	// Origin is, for a message read by Tail from a stream that sources another, its sequence in the stream
+	// it was copied from (the server's Nats-Stream-Source header); 0 when the message was not sourced.
+	Origin uint64
 }
 
 // ReadStream reads the stored messages of stream matching filter from startSeq (0: the first) and calls fn

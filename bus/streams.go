@@ -18,6 +18,10 @@ type StreamsConfig struct {
 	EventsMaxAge time.Duration
 	// EventsMaxBytes caps the events stream (default 1 GiB).
 	EventsMaxBytes int64
+	// PodsMaxAge is how long pod events are kept in the pods stream (default 30 days).
+	PodsMaxAge time.Duration
+	// PodsMaxBytes caps the pods stream (default 4 GiB).
+	PodsMaxBytes int64
 	// Replicas for every stream (0: the connection's Options.Replicas; if that is 0 too, new streams get 1
 	// and existing ones keep theirs).
 	Replicas int
@@ -32,6 +36,12 @@ func (b *Bus) EnsureStreams(ctx context.Context, cfg StreamsConfig) error {
 	if cfg.EventsMaxBytes == 0 {
 		cfg.EventsMaxBytes = 1 << 30
 	}
+	if cfg.PodsMaxAge == 0 {
+		cfg.PodsMaxAge = 30 * 24 * time.Hour
+	}
+	if cfg.PodsMaxBytes == 0 {
+		cfg.PodsMaxBytes = 4 << 30
+	}
 	streams := []jetstream.StreamConfig{
 		{
 			Name:        events.EventsStream,
@@ -41,6 +51,21 @@ func (b *Bus) EnsureStreams(ctx context.Context, cfg StreamsConfig) error {
 			Retention:   jetstream.LimitsPolicy,
 			MaxAge:      cfg.EventsMaxAge,
 			MaxBytes:    cfg.EventsMaxBytes,
+			Duplicates:  2 * time.Minute,
+			Replicas:    cfg.Replicas,
+			Discard:     jetstream.DiscardOld,
+		},
+		{
+			// The pod events, copied by the server from the events stream as they are stored, with limits of
+			// their own (limits retention: the pod index reads with an ordered consumer, which acks nothing and
+			// is gone while the index restarts, so interest retention would drop them).
+			Name:        events.PodsStream,
+			Description: "pod events of every node, sourced from " + events.EventsStream,
+			Sources:     []*jetstream.StreamSource{{Name: events.EventsStream, FilterSubject: events.PodsStreamFilter}},
+			Storage:     jetstream.FileStorage,
+			Retention:   jetstream.LimitsPolicy,
+			MaxAge:      cfg.PodsMaxAge,
+			MaxBytes:    cfg.PodsMaxBytes,
 			Duplicates:  2 * time.Minute,
 			Replicas:    cfg.Replicas,
 			Discard:     jetstream.DiscardOld,
@@ -144,7 +169,14 @@ func streamMatches(have, want jetstream.StreamConfig) bool {
 		unlimited(have.MaxBytes) == unlimited(want.MaxBytes) &&
 		unlimited(have.MaxMsgsPerSubject) == unlimited(want.MaxMsgsPerSubject) &&
 		have.Discard == want.Discard && have.DiscardNewPerSubject == want.DiscardNewPerSubject &&
-		window(have.Duplicates) == window(want.Duplicates)
+		window(have.Duplicates) == window(want.Duplicates) && sameSources(have.Sources, want.Sources)
+}
+
+// sameSources reports whether two streams source the same streams with the same filters.
+func sameSources(a, b []*jetstream.StreamSource) bool {
+	return slices.EqualFunc(a, b, func(x, y *jetstream.StreamSource) bool {
+		return x.Name == y.Name && x.FilterSubject == y.FilterSubject
+	})
 }
 
 // EnsureStream creates or updates any stream (used by workers with streams of their own).

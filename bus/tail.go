@@ -2,7 +2,11 @@ package bus
 
 import (
 	"context"
+	"crypto/rand"
 	"fmt"
+	"strconv"
+	"strings"
+	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -73,8 +77,45 @@ func (b *Bus) TailFrom(ctx context.Context, stream, filter string, startSeq uint
 		if meta, mErr := jm.Metadata(); mErr == nil {
 			sm.Seq, sm.Time, sm.Pending = meta.Sequence.Stream, meta.Timestamp, meta.NumPending
 		}
+		sm.Origin = originSeq(sm.Header.Get("Nats-Stream-Source"))
 		if err := fn(sm); err != nil {
 			return err
 		}
 	}
+}
+
+// originSeq is the origin stream's sequence in a Nats-Stream-Source header ("<stream> <seq> <filter>
+// <transform> ..."), 0 when there is none.
+func originSeq(h string) uint64 {
+	f := strings.Fields(h)
+	if len(f) < 2 {
+		return 0
+	}
+	n, err := strconv.ParseUint(f[1], 10, 64)
+	if err != nil {
+		return 0
+	}
+	return n
+}
+
+// CountPending is how many messages of stream matching filter it holds from startSeq (0: the first) on. It
+// makes a consumer that delivers nothing and is left to expire (a node identity may create consumers with
+// its own filter, not delete them).
+func (b *Bus) CountPending(ctx context.Context, stream, filter string, startSeq uint64) (uint64, error) {
+	cc := jetstream.ConsumerConfig{
+		Name:              "count-" + rand.Text(),
+		AckPolicy:         jetstream.AckNonePolicy,
+		MemoryStorage:     true,
+		InactiveThreshold: 5 * time.Second,
+		FilterSubject:     filter,
+	}
+	if startSeq > 0 {
+		cc.DeliverPolicy = jetstream.DeliverByStartSequencePolicy
+		cc.OptStartSeq = startSeq
+	}
+	c, err := b.js.CreateConsumer(ctx, stream, cc)
+	if err != nil {
+		return 0, fmt.Errorf("count %s in %s: %w", filter, stream, err)
+	}
+	return c.CachedInfo().NumPending, nil
 }

@@ -21,7 +21,7 @@ func wireNames() [][2]string {
 	names := [][2]string{
 		c("Prefix", Prefix),
 		// Streams and their subjects.
-		c("EventsStream", EventsStream), c("EventsSubjects", EventsSubjects),
+		c("EventsStream", EventsStream), c("EventsSubjects", EventsSubjects), c("PodsStream", PodsStream), c("PodsStreamFilter", PodsStreamFilter),
 		c("PullStream", PullStream), c("PullSubjects", PullSubjects),
 		c("RolloutStream", RolloutStream), c("RolloutSubjects", RolloutSubjects),
 		c("DeadLetterStream", DeadLetterStream), c("DeadLetterPrefix", DeadLetterPrefix),

@@ -11,6 +11,12 @@ const (
 	Prefix = "imagefleet"
 	// EventsStream is the JetStream stream that stores every event.
 	EventsStream = "IMAGEFLEET_EVENTS"
+	// PodsStream keeps the pod events of every node (imagefleet.evt.*.pod.*), sourced from EventsStream by
+	// the server, with limits of their own: the other events of EventsStream cannot push a pod event out
+	// before the pod index reads it. Each message carries its EventsStream sequence in Nats-Stream-Source.
+	PodsStream = "IMAGEFLEET_PODS"
+	// PodsStreamFilter is the filter PodsStream sources EventsStream with.
+	PodsStreamFilter = Prefix + ".evt.*." + EntityPod + ".*"
 	// EventsSubjects is the subject filter of EventsStream.
 	EventsSubjects = Prefix + ".evt.>"
 	// PullStream is the JetStream work-queue stream for pull commands.

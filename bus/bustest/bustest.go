@@ -43,13 +43,23 @@ func Start(t testing.TB) (*bus.Server, *bus.Bus) {
 	return srv, Connect(t, srv)
 }
 
+// IgnoreSourcing ignores the embedded nats-server's goroutines of a stream that sources another (the pods
+// stream): the one setting up the source's consumer waits out its request's timeout even when the server
+// shuts down, and the one copying the messages lives in the server, not in the code under test.
+func IgnoreSourcing() []goleak.Option {
+	return []goleak.Option{
+		goleak.IgnoreTopFunction("github.com/nats-io/nats-server/v2/server.(*stream).trySetupSourceConsumer.func3"),
+		goleak.IgnoreTopFunction("github.com/nats-io/nats-server/v2/server.(*stream).processAllSourceMsgs"),
+	}
+}
+
 // VerifyNoLeaks checks, after every cleanup of the test (servers shut down, connections closed), that no
 // goroutine started during the test is left. Call it first in the test, before Start.
 func VerifyNoLeaks(t testing.TB) {
 	t.Helper()
 	ignore := goleak.IgnoreCurrent()
 	t.Cleanup(func() {
-		if err := goleak.Find(ignore); err != nil {
+		if err := goleak.Find(append(IgnoreSourcing(), ignore)...); err != nil {
 			t.Error(err)
 		}
 	})

@@ -69,6 +69,10 @@ func NodePermissions(node, pub string) Permissions {
 		"$JS.API.CONSUMER.CREATE." + events.EventsStream + ".*." + events.NodeEvents(node),
 		"$JS.API.CONSUMER.MSG.NEXT." + events.EventsStream + ".*",
 		"$JS.API.CONSUMER.INFO." + events.EventsStream + ".*",
+		// The pod index's ordered consumer of the node's pod events in the pods stream, and nothing else there.
+		"$JS.API.CONSUMER.CREATE." + events.PodsStream + ".*." + events.PodEventSubjects(node),
+		"$JS.API.CONSUMER.MSG.NEXT." + events.PodsStream + ".*",
+		"$JS.API.CONSUMER.INFO." + events.PodsStream + ".*",
 		// The Kubernetes Events bridge's durable consumer of the node's events (created with the filter above).
 		"$JS.ACK." + events.EventsStream + "." + events.KubeEventsDurable(node) + ".>",
 		// The removals worker's durable consumer of the node's events (images removed by another remover).

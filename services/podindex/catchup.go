@@ -24,7 +24,9 @@ func (s *Service) countCaughtUp(pending uint64) {
 	if s.caughtUp.Load() {
 		return
 	}
-	if s.catchUpLeft.Add(-1) <= 0 || pending == 0 {
+	// An event with none after it ends catching up, unless the pods stream was behind the events stream
+	// when the tail started (it may not have copied the rest yet).
+	if s.catchUpLeft.Add(-1) <= 0 || pending == 0 && !s.sourceBehind.Load() {
 		s.markCaughtUp()
 	}
 }

@@ -290,7 +290,7 @@ func TestCatchUpSurvivesEventsRemovedBeforeDelivery(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	stream, err := js.Stream(t.Context(), events.EventsStream)
+	stream, err := js.Stream(t.Context(), events.PodsStream)
 	if err != nil {
 		t.Fatal(err)
 	}

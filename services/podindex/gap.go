@@ -5,16 +5,15 @@ package podindex
 import (
 	"context"
 	"fmt"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-
-	"github.com/imagefleet/imagefleet/events"
 )
 
 var eventGaps = prometheus.NewCounterVec(prometheus.CounterOpts{
 	Name: "imagefleet_podindex_event_gaps_total",
-	Help: "Times the events stream had dropped events the pod index had yet to read (its first sequence was past the index's next): pod events may be lost; the pod sources reconcile with the index to repair it.",
+	Help: "Times the pods stream (IMAGEFLEET_PODS; or IMAGEFLEET_EVENTS when a snapshot of an older release moves over) had dropped events the pod index had yet to read: pod events may be lost; the pod sources reconcile with the index to repair it.",
 }, []string{"node"})
 
 func init() { prometheus.MustRegister(eventGaps) }
@@ -27,29 +26,30 @@ const gapHealth = 5 * time.Minute
 // gapCheckPeriod is how often a running tail compares its position with the stream's first sequence.
 var gapCheckPeriod = 10 * time.Second
 
-// checkGap compares next, the sequence the index reads next, with the stream's first sequence. The stream
-// (1 GiB, discard oldest, shared by every event of every node) drops its oldest events when full; if it
-// dropped some the index had yet to read, some may have been this node's pod events. A fresh index (next
-// 1) reads whatever the stream still holds and has no gap to report.
-func (s *Service) checkGap(ctx context.Context, next uint64) {
+// checkGap compares next, the sequence of stream the index reads next, with the stream's first sequence.
+// The pods stream (its own limits, pod events of every node) drops its oldest events when full or old; if
+// it dropped some the index had yet to read, some may have been this node's pod events. A fresh index (next
+// 1) reads whatever the stream still holds and has no gap to report. reported keeps the first sequence
+// already reported for that stream.
+func (s *Service) checkGap(ctx context.Context, stream string, next uint64, reported *atomic.Uint64) {
 	if next <= 1 {
 		return
 	}
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	info, err := s.bus.Stream(ctx, events.EventsStream)
+	info, err := s.bus.Stream(ctx, stream)
 	if err != nil || info.FirstSeq <= next {
 		return
 	}
-	if last := s.gapFirst.Load(); last >= info.FirstSeq {
+	if last := reported.Load(); last >= info.FirstSeq {
 		return // already reported
 	}
-	s.gapFirst.Store(info.FirstSeq)
+	reported.Store(info.FirstSeq)
 	s.gaps.Add(1)
 	s.gapAt.Store(time.Now().UnixNano())
 	eventGaps.WithLabelValues(s.cfg.Node).Inc()
-	s.log.Error("pod events may be lost: the events stream dropped events before the pod index read them; the pod sources reconcile with the index",
-		"next_seq", next, "stream_first_seq", info.FirstSeq, "dropped", info.FirstSeq-next)
+	s.log.Error("pod events may be lost: the stream dropped events before the pod index read them; the pod sources reconcile with the index",
+		"stream", stream, "next_seq", next, "stream_first_seq", info.FirstSeq, "dropped", info.FirstSeq-next)
 }
 
 // gapLost reports n of the node's pod events dropped from the stream between the last delivered one and
@@ -58,8 +58,8 @@ func (s *Service) gapLost(seq, n uint64) {
 	s.gaps.Add(1)
 	s.gapAt.Store(time.Now().UnixNano())
 	eventGaps.WithLabelValues(s.cfg.Node).Inc()
-	s.log.Error("pod events lost: the events stream dropped them before the pod index read them; the pod sources reconcile with the index",
-		"lost", n, "before_seq", seq)
+	s.log.Error("pod events lost: the pods stream dropped them before the pod index read them; the pod sources reconcile with the index",
+		"lost", n, "before_pods_stream_seq", seq)
 }
 
 // Gaps is how many gaps the index has seen since it started (PodsReply.Gaps).

@@ -13,8 +13,8 @@ import (
 	"github.com/imagefleet/imagefleet/events"
 )
 
-// TestGapWhenTheStreamDropsEvents: an index stops; while it is down the events stream (here capped at
-// 256 KiB) drops its oldest events, pod events of the node among them. The next index sees its next sequence
+// TestGapWhenTheStreamDropsEvents: an index stops; while it is down the pods stream (here capped at
+// 256 KiB) drops its oldest events, pod events of the node among them. The next index sees its next position
 // below the stream's first: it counts a gap (metric, Gaps in pods replies, Health), where a fresh index and
 // one that missed nothing count none.
 func TestGapWhenTheStreamDropsEvents(t *testing.T) {
@@ -24,7 +24,7 @@ func TestGapWhenTheStreamDropsEvents(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(b.Close)
-	if err := b.EnsureStreams(context.Background(), bus.StreamsConfig{EventsMaxBytes: 256 << 10}); err != nil {
+	if err := b.EnsureStreams(context.Background(), bus.StreamsConfig{PodsMaxBytes: 256 << 10}); err != nil {
 		t.Fatal(err)
 	}
 	before := testutil.ToFloat64(eventGaps.WithLabelValues(testNode))
@@ -51,11 +51,11 @@ func TestGapWhenTheStreamDropsEvents(t *testing.T) {
 		}
 		publish(t, b, testNode, events.ActionAdded, pods...)
 	}
-	info, err := b.Stream(context.Background(), events.EventsStream)
+	info, err := b.Stream(context.Background(), events.PodsStream)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if info.FirstSeq <= seq+1 {
+	if info.FirstSeq <= s1.state.Pos()+1 {
 		t.Fatalf("the stream dropped nothing (first sequence %d): the test needs more events", info.FirstSeq)
 	}
 	s3, stop3 := startService(t, b, Config{Node: testNode})

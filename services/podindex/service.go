@@ -20,8 +20,8 @@ const dlqConsumer = events.PodIndexQueue
 
 // Service is the pod index of one node.
 //
-// Input: the node's pod events, read in stream order from IMAGEFLEET_EVENTS with an ordered consumer that
-// starts after the snapshot's applied sequence. Durability: a snapshot in the imagefleet-pods KV bucket
+// Input: the node's pod events, read in stream order from IMAGEFLEET_PODS (which the server fills from
+// IMAGEFLEET_EVENTS) with an ordered consumer that starts after the snapshot's position. Durability: a snapshot in the imagefleet-pods KV bucket
 // (every changed pod, then the applied sequence), written every FlushInterval while the index keeps up, less
 // often while it catches up (see Config), and at shutdown. After a
 // restart of the worker or of NATS, the snapshot is loaded and the events after its sequence are replayed;
@@ -58,13 +58,21 @@ type Service struct {
 	// counts them down); until then the queries answer catchingUpText, not a state missing those events.
 	caughtUp    atomic.Bool
 	catchUpLeft atomic.Int64
-	readyOnce   sync.Once
+	// sourceBehind: the events stream held more of the node's pod events than the pods stream when the tail
+	// started (the server was still copying them), so only the count ends catching up.
+	sourceBehind atomic.Bool
+	// recounted is set once a tail stalled before catching up (only the tail goroutine uses it).
+	recounted bool
+	readyOnce sync.Once
 
 	applied map[string]prometheus.Counter // eventsApplied of this node, by action
 
 	// gaps counts the gaps seen (gap.go); gapFirst is the stream's first sequence at the last one, gapAt
 	// its time in Unix nanoseconds.
 	gaps, gapFirst atomic.Uint64
+	// gapFirstEvents is gapFirst for the events stream, checked when a snapshot of an older release moves
+	// over to the pods stream.
+	gapFirstEvents atomic.Uint64
 	gapAt          atomic.Int64
 
 	apply      applier        // serializes the podapply requests
@@ -133,15 +141,15 @@ func (s *Service) Run(ctx context.Context) error {
 		return err
 	}
 	s.store = store
-	records, applied, err := store.load(ctx)
+	records, applied, pos, err := store.load(ctx)
 	if err != nil {
 		return err
 	}
-	if err := s.state.load(records, applied); err != nil {
+	if err := s.state.load(records, applied, pos); err != nil {
 		return fmt.Errorf("load pod index of %s: %w", s.cfg.Node, err)
 	}
 	pods, mirrors := s.state.Index.size()
-	s.log.Info("pod index loaded", "pods", pods, "mirror_pods", mirrors, "applied_seq", applied)
+	s.log.Info("pod index loaded", "pods", pods, "mirror_pods", mirrors, "applied_seq", applied, "pods_stream_seq", pos)
 	s.mu.Lock()
 	s.lastWrite = time.Now()
 	s.mu.Unlock()

@@ -79,7 +79,7 @@ func ignoreServer(opts ...goleak.Option) []goleak.Option {
 	} {
 		opts = append(opts, goleak.IgnoreTopFunction("github.com/nats-io/nats-server/v2/server."+f))
 	}
-	return opts
+	return append(opts, bustest.IgnoreSourcing()...)
 }
 
 func testPod(ns, name, uid string, secrets []string, cms []string, image string) *v1.Pod {

@@ -25,6 +25,9 @@ type State struct {
 	// mu serialises Apply and guards applied, dirty, deleted and the entries' dirty flags.
 	mu      sync.Mutex
 	applied uint64
+	// pos is the IMAGEFLEET_PODS sequence of the last event handled (set after it was applied or skipped,
+	// so it never runs ahead of applied); 0 before the first.
+	pos uint64
 	// dirty are the entries upserted since the last takeDirty (each once: entry.dirty), some since removed.
 	// Updates of an entry already dirty cost nothing more.
 	dirty []*entry
@@ -168,6 +171,22 @@ func (s *State) skip(seq uint64) {
 	}
 }
 
+// setPos records pos, the IMAGEFLEET_PODS sequence of the event just applied or skipped.
+func (s *State) setPos(pos uint64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if pos > s.pos {
+		s.pos = pos
+	}
+}
+
+// Pos is the IMAGEFLEET_PODS sequence of the last event handled (0: none, or a snapshot of an older release).
+func (s *State) Pos() uint64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.pos
+}
+
 // Applied is the stream sequence of the last event applied or skipped.
 func (s *State) Applied() uint64 {
 	s.mu.Lock()
@@ -250,6 +269,7 @@ type snapshotDelta struct {
 	Puts    []podRecord
 	Deletes []types.UID
 	Applied uint64
+	Pos     uint64 // the IMAGEFLEET_PODS sequence of the event at Applied (0: not known)
 }
 
 // takeDirty returns the changes since the last call and clears them. It only collects them: encoding the
@@ -257,7 +277,7 @@ type snapshotDelta struct {
 func (s *State) takeDirty() (snapshotDelta, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	d := snapshotDelta{Puts: make([]podRecord, 0, len(s.dirty)), Applied: s.applied}
+	d := snapshotDelta{Puts: make([]podRecord, 0, len(s.dirty)), Applied: s.applied, Pos: s.pos}
 	for _, e := range s.dirty {
 		e.dirty = false
 		if e.removed {
@@ -304,7 +324,7 @@ func (s *State) redirty(d snapshotDelta) {
 
 // Load rebuilds the state from snapshot records (as takeDirty encodes them) and the sequence they were
 // taken at; pods are re-applied in the order of their upserts.
-func (s *State) load(records [][]byte, applied uint64) error {
+func (s *State) load(records [][]byte, applied, pos uint64) error {
 	type loaded struct {
 		order uint64
 		pod   *v1.Pod
@@ -329,6 +349,6 @@ func (s *State) load(records [][]byte, applied uint64) error {
 		s.Index.upsert(l.pod, l.raw, l.order)
 		s.register(l.pod)
 	}
-	s.applied = applied
+	s.applied, s.pos = applied, pos
 	return nil
 }

@@ -17,6 +17,9 @@ import (
 // per-node permission on $KV.imagefleet-pods.<node>.> reaches only that node's index:
 //
 //	<node>.applied      the stream sequence (IMAGEFLEET_EVENTS) of the last pod event the snapshot reflects
+//	<node>.pos          the sequence in IMAGEFLEET_PODS of that event, where the tail resumes (absent in a
+//	                    snapshot of a release that read IMAGEFLEET_EVENTS: the tail then reads the node's
+//	                    pod events of IMAGEFLEET_PODS from its start, skipping those up to <node>.applied)
 //	<node>.pod.<uid>    one pod: {"order": <sequence of its last upsert>, "pod": <core/v1 Pod>}
 const snapshotBucket = events.PodsBucket
 
@@ -37,6 +40,8 @@ func OpenStore(ctx context.Context, b *bus.Bus, node string) (*Store, error) {
 
 func (s *Store) appliedKey() string { return events.NodeToken(s.node) + ".applied" }
 
+func (s *Store) posKey() string { return events.NodeToken(s.node) + ".pos" }
+
 func (s *Store) podKey(uid types.UID) string {
 	return events.NodeToken(s.node) + ".pod." + escapeKey(string(uid))
 }
@@ -44,26 +49,39 @@ func (s *Store) podKey(uid types.UID) string {
 // Load reads the snapshot: the pod records and the sequence they reflect (0 and none for a new node).
 // The applied sequence is read first: pods written after it are at least as new, which replaying the events
 // after it tolerates (see Service).
-func (s *Store) load(ctx context.Context) (records [][]byte, applied uint64, err error) {
-	v, _, err := s.kv.Get(ctx, s.appliedKey())
-	switch {
-	case errors.Is(err, bus.ErrKeyNotFound):
-	case err != nil:
-		return nil, 0, fmt.Errorf("load pod index of %s: %w", s.node, err)
-	default:
-		if applied, err = strconv.ParseUint(string(v), 10, 64); err != nil {
-			return nil, 0, fmt.Errorf("load pod index of %s: applied sequence %q: %w", s.node, v, err)
-		}
+// The position is read before the applied sequence (it is written after it), so it never runs ahead of it.
+func (s *Store) load(ctx context.Context) (records [][]byte, applied, pos uint64, err error) {
+	if pos, err = s.loadSeq(ctx, s.posKey(), "pods stream position"); err != nil {
+		return nil, 0, 0, err
+	}
+	if applied, err = s.loadSeq(ctx, s.appliedKey(), "applied sequence"); err != nil {
+		return nil, 0, 0, err
 	}
 	entries, err := s.kv.List(ctx, events.NodeToken(s.node)+".pod.>")
 	if err != nil {
-		return nil, 0, fmt.Errorf("load pod index of %s: %w", s.node, err)
+		return nil, 0, 0, fmt.Errorf("load pod index of %s: %w", s.node, err)
 	}
 	records = make([][]byte, 0, len(entries))
 	for _, e := range entries {
 		records = append(records, e.Value)
 	}
-	return records, applied, nil
+	return records, applied, pos, nil
+}
+
+// loadSeq reads a sequence key (0 when absent).
+func (s *Store) loadSeq(ctx context.Context, key, what string) (uint64, error) {
+	v, _, err := s.kv.Get(ctx, key)
+	switch {
+	case errors.Is(err, bus.ErrKeyNotFound):
+		return 0, nil
+	case err != nil:
+		return 0, fmt.Errorf("load pod index of %s: %w", s.node, err)
+	}
+	n, err := strconv.ParseUint(string(v), 10, 64)
+	if err != nil {
+		return 0, fmt.Errorf("load pod index of %s: %s %q: %w", s.node, what, v, err)
+	}
+	return n, nil
 }
 
 // Write stores d: the changed pods first, then the applied sequence.
@@ -87,6 +105,11 @@ func (s *Store) write(ctx context.Context, d snapshotDelta) error {
 	}
 	if _, err := s.kv.Put(ctx, s.appliedKey(), []byte(strconv.FormatUint(d.Applied, 10))); err != nil {
 		return fmt.Errorf("write pod index of %s: %w", s.node, err)
+	}
+	if d.Pos > 0 {
+		if _, err := s.kv.Put(ctx, s.posKey(), []byte(strconv.FormatUint(d.Pos, 10))); err != nil {
+			return fmt.Errorf("write pod index of %s: %w", s.node, err)
+		}
 	}
 	return nil
 }

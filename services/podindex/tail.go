@@ -47,10 +47,15 @@ func (s *Service) tailLoop(ctx context.Context, errs <-chan error) error {
 
 // decoded is a stream message and what decoding it gave.
 type decoded struct {
-	m   bus.StreamMsg
+	m   bus.StreamMsg // m.Seq is the event's IMAGEFLEET_EVENTS sequence
+	pos uint64        // its IMAGEFLEET_PODS sequence
 	ev  PodEvent
 	err error
 }
+
+// errNoOrigin refuses a message of the pods stream without the events stream sequence the server stamps on
+// what it sources (the index orders and snapshots by that sequence).
+var errNoOrigin = errors.New("no " + events.EventsStream + " sequence in its Nats-Stream-Source header")
 
 // decodeQueue is how many messages each decoder holds ahead of the applier.
 const decodeQueue = 128
@@ -66,19 +71,23 @@ func (s *Service) tailOnce(ctx context.Context) error {
 	n := s.cfg.DecodeWorkers
 	tctx, stop := context.WithCancel(ctx)
 	defer stop()
-	in := make([]chan bus.StreamMsg, n)
+	in := make([]chan decoded, n)
 	out := make([]chan decoded, n)
 	var wg sync.WaitGroup
 	for k := range n {
-		in[k] = make(chan bus.StreamMsg, decodeQueue)
+		in[k] = make(chan decoded, decodeQueue)
 		out[k] = make(chan decoded, decodeQueue)
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			defer close(out[k])
-			for m := range in[k] {
-				ev, err := DecodePodEvent(m.Subject, m.Header, m.Data)
-				out[k] <- decoded{m: m, ev: ev, err: err}
+			for d := range in[k] {
+				if d.m.Seq == 0 {
+					d.err = errNoOrigin
+				} else {
+					d.ev, d.err = DecodePodEvent(d.m.Subject, d.m.Header, d.m.Data)
+				}
+				out[k] <- d
 			}
 		}()
 	}
@@ -102,8 +111,23 @@ func (s *Service) tailOnce(ctx context.Context) error {
 		applyErr <- err
 	}()
 
+	// Catching up counts the node's pod events after the snapshot in the pods stream and in the events
+	// stream, and waits for the larger count: the server copies events into the pods stream a little after
+	// they are stored (the whole of the events stream's pod events when the pods stream is new), so the
+	// pods stream alone can count too few. After a stall (events counted that never came: dropped or purged
+	// from the pods stream, which the events stream may still hold) it counts the pods stream alone.
+	var inEvents uint64
+	if !s.caughtUp.Load() && !s.recounted {
+		n, err := s.bus.CountPending(tctx, events.EventsStream, events.PodEventSubjects(s.cfg.Node), s.state.Applied()+1)
+		if err != nil {
+			s.log.Warn("counting the pod events of the events stream failed; counting the pods stream's alone", "err", err)
+		}
+		inEvents = n
+	}
 	next := 0
 	onStart := func(pending uint64) {
+		s.sourceBehind.Store(inEvents > pending)
+		pending = max(pending, inEvents)
 		s.catchUpLeft.Store(int64(min(pending, math.MaxInt64)))
 		if pending == 0 {
 			s.markCaughtUp()
@@ -136,11 +160,27 @@ func (s *Service) tailOnce(ctx context.Context) error {
 			}
 		}()
 	}
+	// The tail reads IMAGEFLEET_PODS from the position after the snapshot's. A snapshot without one (an
+	// older release's, which read IMAGEFLEET_EVENTS) reads the node's pod events there from the start,
+	// skipping those up to its applied IMAGEFLEET_EVENTS sequence (handleDecoded), so the move loses and
+	// repeats nothing.
+	pos := s.state.Pos()
+	if info, err := s.bus.Stream(tctx, events.PodsStream); err == nil && info.LastSeq < pos {
+		s.log.Warn("the pods stream is behind the snapshot's position (recreated?): reading it from the start",
+			"pods_stream_seq", pos, "stream_last_seq", info.LastSeq)
+		pos = 0
+	}
 	// A gap: events dropped from the stream before the index read them (gap.go), at the start and while the
-	// tail runs (the stream can drop events ahead of a slow reader).
-	s.checkGap(tctx, s.state.Applied()+1)
+	// tail runs (the stream can drop events ahead of a slow reader). Moving over from an older release's
+	// snapshot, what matters is whether the events stream still held the events after its applied sequence
+	// (the pods stream copied what it held).
+	if applied := s.state.Applied(); pos == 0 && applied > 0 {
+		s.checkGap(tctx, events.EventsStream, applied+1, &s.gapFirstEvents)
+	} else {
+		s.checkGap(tctx, events.PodsStream, pos+1, &s.gapFirst)
+	}
 	var lastSeq atomic.Uint64
-	lastSeq.Store(s.state.Applied())
+	lastSeq.Store(pos)
 	// prevPending is how many of the node's events followed the last delivered one: the next delivery leaves
 	// at least one fewer, unless some were dropped without being delivered (a gap that is certain).
 	prevPending := uint64(math.MaxUint64)
@@ -155,21 +195,23 @@ func (s *Service) tailOnce(ctx context.Context) error {
 				// Only while behind on its own events: a caught-up index loses nothing when the stream drops
 				// other events after its position.
 				if b := s.backlog.Load(); b > 0 && b != math.MaxUint64 {
-					s.checkGap(tctx, lastSeq.Load()+1)
+					s.checkGap(tctx, events.PodsStream, lastSeq.Load()+1, &s.gapFirst)
 				}
 			}
 		}
 	}()
-	tailErr := s.bus.TailFrom(tctx, events.EventsStream, events.PodEventSubjects(s.cfg.Node), s.state.Applied()+1, onStart,
+	tailErr := s.bus.TailFrom(tctx, events.PodsStream, events.PodEventSubjects(s.cfg.Node), pos+1, onStart,
 		func(m bus.StreamMsg) error {
 			delivered.Add(1)
 			lastSeq.Store(m.Seq)
+			d := decoded{m: m, pos: m.Seq}
+			d.m.Seq, d.m.Origin = m.Origin, 0
 			if prevPending != math.MaxUint64 && prevPending > 0 && m.Pending+1 < prevPending {
 				s.gapLost(m.Seq, prevPending-1-m.Pending)
 			}
 			prevPending = m.Pending
 			select {
-			case in[next] <- m:
+			case in[next] <- d:
 			case <-tctx.Done():
 				return tctx.Err()
 			}
@@ -190,6 +232,7 @@ func (s *Service) tailOnce(ctx context.Context) error {
 	case <-stalled:
 		s.log.Info("pod events stalled before catching up; counting again", "applied_seq", s.state.Applied(),
 			"counted_left", s.catchUpLeft.Load())
+		s.recounted = true
 		return errRecount
 	default:
 	}
@@ -200,8 +243,9 @@ func (s *Service) tailOnce(ctx context.Context) error {
 // tail, which resumes at the same event.
 func (s *Service) handleDecoded(d decoded) error {
 	if d.m.Seq != 0 && d.m.Seq <= s.state.Applied() {
+		s.state.setPos(d.pos)
 		s.countCaughtUp(d.m.Pending)
-		return nil // already applied (a resumed tail)
+		return nil // already applied (a resumed tail, or one moving over from IMAGEFLEET_EVENTS)
 	}
 	s.backlog.Store(d.m.Pending)
 	var err error
@@ -211,6 +255,7 @@ func (s *Service) handleDecoded(d decoded) error {
 		err = s.applyEvent(d.m.Seq, d.ev)
 	}
 	if err == nil {
+		s.state.setPos(d.pos)
 		s.countCaughtUp(d.m.Pending)
 		s.seqWaiters.advanced()
 	}

@@ -166,15 +166,22 @@ type streamer interface {
 	Stream(ctx context.Context, name string) (bus.StreamInfo, error)
 }
 
-// gone reports whether the event at seq has left the events stream (dropped as the oldest): the index can
-// then never apply it, and waiting for it is pointless. Every event before it is gone too.
+// gone reports whether the event at seq (an events stream sequence) may never reach the index, so that
+// waiting for it is pointless: the pods stream the index reads has dropped it (its first sequence is past
+// seq: a pods stream sequence is at most the events stream sequence of the same event, the pods stream
+// holding a part of the events stream), or the events stream has (the server may not have copied it). A
+// "gone" event the index applies after all is published once more by the reconcile, which changes nothing.
 func (f *feed) gone(ctx context.Context, seq uint64) bool {
 	st, ok := f.req.(streamer)
 	if !ok {
 		return false
 	}
-	info, err := st.Stream(ctx, events.EventsStream)
-	return err == nil && info.FirstSeq > seq
+	for _, stream := range []string{events.PodsStream, events.EventsStream} {
+		if info, err := st.Stream(ctx, stream); err == nil && info.FirstSeq > seq {
+			return true
+		}
+	}
+	return false
 }
 
 // errBehind: the index has not applied the source's last event yet.

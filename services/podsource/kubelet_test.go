@@ -468,7 +468,7 @@ func TestNewKubeletSourceValidates(t *testing.T) {
 }
 
 // TestKubeletSourceRepairsAnIndexGap: while the pod index is down, the source publishes a new pod and the
-// events stream (capped at 256 KiB here) drops that event under other nodes' events. The restarted index
+// pods stream (capped at 256 KiB here) drops that event under other nodes' events. The restarted index
 // counts a gap; the source sees the count in a pods reply, reconciles with the index and publishes the pod
 // again.
 func TestKubeletSourceRepairsAnIndexGap(t *testing.T) {
@@ -478,7 +478,7 @@ func TestKubeletSourceRepairsAnIndexGap(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(b.Close)
-	if err := b.EnsureStreams(context.Background(), bus.StreamsConfig{EventsMaxBytes: 256 << 10}); err != nil {
+	if err := b.EnsureStreams(context.Background(), bus.StreamsConfig{EventsMaxBytes: 256 << 10, PodsMaxBytes: 256 << 10}); err != nil {
 		t.Fatal(err)
 	}
 	ix, err := podindex.New(podindex.Config{Node: testNode}, b)
@@ -501,7 +501,8 @@ func TestKubeletSourceRepairsAnIndexGap(t *testing.T) {
 	bustest.WaitFor(t, "pod b published", func() bool { return src.lastSeq.Load() >= 2 })
 	seqB := src.lastSeq.Load()
 	for i := 0; ; i++ {
-		info, err := b.Stream(context.Background(), events.EventsStream)
+		// The pods stream holds a subset of the events stream, so its sequence of pod b is at most seqB.
+		info, err := b.Stream(context.Background(), events.PodsStream)
 		if err != nil {
 			t.Fatal(err)
 		}
