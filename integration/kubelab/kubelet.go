@@ -1,15 +1,12 @@
 package kubelab
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"fmt"
 	"net"
 	"os"
 	"path/filepath"
-	"sort"
-	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -247,60 +244,10 @@ func cleanKubelet(criEndpoint, root, labDir string) []error {
 		}
 		cancel()
 	}
-	errs = append(errs, UnmountUnder(root))
+	errs = append(errs, lab.UnmountUnder(root))
 	CleanCgroups()
 	errs = append(errs, CleanLinks(labDir))
 	return errs
-}
-
-// UnmountUnder unmounts every mount at or below dir, deepest first: umount, else a lazy umount.
-func UnmountUnder(dir string) error {
-	f, err := os.Open("/proc/self/mountinfo")
-	if err != nil {
-		return err
-	}
-	defer f.Close()
-	var mps []string
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		fields := strings.Fields(sc.Text())
-		if len(fields) < 5 {
-			continue
-		}
-		mp := unescape(fields[4])
-		if mp == dir || strings.HasPrefix(mp, dir+"/") {
-			mps = append(mps, mp)
-		}
-	}
-	sort.Sort(sort.Reverse(sort.StringSlice(mps)))
-	var errs []error
-	for _, mp := range mps {
-		if err := syscall.Unmount(mp, 0); err != nil {
-			if err := syscall.Unmount(mp, syscall.MNT_DETACH); err != nil && !errors.Is(err, syscall.EINVAL) {
-				errs = append(errs, fmt.Errorf("unmount %s: %w", mp, err))
-			}
-		}
-	}
-	return errors.Join(errs...)
-}
-
-// unescape undoes mountinfo's octal escapes (\040 for a space).
-func unescape(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+3 < len(s) {
-			if n, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
-				b.WriteByte(byte(n))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
 }
 
 // CleanCgroups removes the kubelet's empty kubepods cgroups in every hierarchy (rmdir only: a cgroup that

@@ -219,8 +219,9 @@ func unescapeMountinfo(s string) string {
 	return b.String()
 }
 
-// unmountUnder unmounts everything at or under dir, newest first (a later mount may sit on an earlier one).
-func unmountUnder(dir string) error {
+// UnmountUnder unmounts everything at or under dir, newest first (a later mount may sit on an earlier one):
+// umount, else a lazy umount of a busy one; it fails naming what is still mounted after five rounds.
+func UnmountUnder(dir string) error {
 	for attempt := 0; attempt < 5; attempt++ {
 		mps, err := mountsUnder(dir)
 		if err != nil {

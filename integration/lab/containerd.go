@@ -336,7 +336,7 @@ func (c *Containerd) cleanup() {
 	if c.t.Failed() {
 		c.t.Logf("lab: containerd log (%s), last lines:\n%s", c.logPath, c.LogTail(40))
 	}
-	if err := unmountUnder(c.dir); err != nil {
+	if err := UnmountUnder(c.dir); err != nil {
 		c.t.Errorf("lab: cleanup: %v", err)
 		return // never RemoveAll through a mount that is still there
 	}
