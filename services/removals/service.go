@@ -76,7 +76,11 @@ func New(cfg Config, b *bus.Bus) (*Service, error) {
 		if !errors.As(err, &are) {
 			return nil, err
 		}
-		c = are.ExistingCollector.(prometheus.Counter)
+		existing, ok := are.ExistingCollector.(prometheus.Counter)
+		if !ok {
+			return nil, fmt.Errorf("removals: register metrics: %w", err)
+		}
+		c = existing
 	}
 	return &Service{cfg: cfg, bus: b, log: cfg.Logger.With("worker", "removals"), counter: c, removed: map[string]time.Time{}}, nil
 }

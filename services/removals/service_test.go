@@ -108,3 +108,20 @@ func must(reg *prometheus.Registry) prometheus.Counter {
 	s, _ := New(Config{Node: node, Registerer: reg}, nil)
 	return s.counter
 }
+
+// TestNewRefusesAMetricOfAnotherKind: a registry that already holds the counter, same name and help, as a
+// collector that cannot be counted (a CounterFunc, as an exporter of another process's figure would register)
+// gets a clear error from New, not a panic.
+func TestNewRefusesAMetricOfAnotherKind(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Namespace: "imagefleet", Name: "images_removed_externally_total",
+		Help: "Images that vanished from the node without an imagefleet removal (another remover at work: the kubelet's image GC or eviction manager, crictl rmi, ...)."},
+		func() float64 { return 0 }))
+	s, err := New(Config{Node: node, Registerer: reg}, nil)
+	if err == nil || s != nil {
+		t.Fatalf("New = %v, %v; want an error", s, err)
+	}
+	if !strings.Contains(err.Error(), "register metrics") {
+		t.Errorf("error %q does not say what failed", err)
+	}
+}
