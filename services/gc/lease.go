@@ -19,6 +19,7 @@ import (
 
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/internal/promreg"
 )
 
 // The node's GC pass lease. GC executor replicas of one node (imagefleet agent --workers gc on several hosts,
@@ -97,13 +98,13 @@ type leaseMetrics struct {
 }
 
 func newLeaseMetrics(reg prometheus.Registerer) (*leaseMetrics, error) {
-	total, err := registerOrReuse(reg, prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "imagefleet", Subsystem: "gc",
+	total, err := promreg.RegisterOrReuse(reg, prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "imagefleet", Subsystem: "gc",
 		Name: "lease_total", Help: "GC pass lease outcomes per pass attempt, by trigger and outcome (acquired, skipped, shared, waited, timeout, unavailable, lost)."},
 		[]string{"trigger", "outcome"}))
 	if err != nil {
 		return nil, err
 	}
-	wait, err := registerOrReuse(reg, prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: "imagefleet", Subsystem: "gc",
+	wait, err := promreg.RegisterOrReuse(reg, prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: "imagefleet", Subsystem: "gc",
 		Name: "lease_wait_seconds", Help: "Time a manual or pull-triggered GC request waited for another replica's pass.",
 		Buckets: []float64{0.1, 0.5, 1, 5, 10, 30, 60, 120, 300}}, []string{"trigger"}))
 	if err != nil {

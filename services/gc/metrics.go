@@ -1,13 +1,13 @@
 package gc
 
 import (
-	"errors"
 	"slices"
 	"strings"
 
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/internal/promreg"
 )
 
 // newRemovedCounter registers the kubelet's kubelet_image_garbage_collected_total{reason} on reg, or reuses
@@ -18,13 +18,8 @@ func newRemovedCounter(reg prometheus.Registerer) (*prometheus.CounterVec, error
 		Name:      "image_garbage_collected_total",
 		Help:      "Total number of images garbage collected by the kubelet, whether through disk usage or image age.",
 	}, []string{"reason"})
-	if err := reg.Register(cv); err != nil {
-		var are prometheus.AlreadyRegisteredError
-		if errors.As(err, &are) {
-			if existing, ok := are.ExistingCollector.(*prometheus.CounterVec); ok {
-				return existing, nil
-			}
-		}
+	cv, err := promreg.RegisterOrReuse(reg, cv)
+	if err != nil {
 		return nil, err
 	}
 	// Both reasons exported at 0 before the first removal (alerts need no "or vector(0)").
@@ -86,25 +81,25 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		[]string{"phase"})
 	m := &metrics{}
 	var err error
-	if m.attempts, err = registerOrReuse(reg, attempts); err != nil {
+	if m.attempts, err = promreg.RegisterOrReuse(reg, attempts); err != nil {
 		return nil, err
 	}
-	if m.duration, err = registerOrReuse(reg, duration); err != nil {
+	if m.duration, err = promreg.RegisterOrReuse(reg, duration); err != nil {
 		return nil, err
 	}
-	if m.freed, err = registerOrReuse(reg, freed); err != nil {
+	if m.freed, err = promreg.RegisterOrReuse(reg, freed); err != nil {
 		return nil, err
 	}
-	if m.target, err = registerOrReuse(reg, target); err != nil {
+	if m.target, err = promreg.RegisterOrReuse(reg, target); err != nil {
 		return nil, err
 	}
-	if m.deletions, err = registerOrReuse(reg, deletions); err != nil {
+	if m.deletions, err = promreg.RegisterOrReuse(reg, deletions); err != nil {
 		return nil, err
 	}
-	if m.skipped, err = registerOrReuse(reg, skipped); err != nil {
+	if m.skipped, err = promreg.RegisterOrReuse(reg, skipped); err != nil {
 		return nil, err
 	}
-	uv, err := registerOrReuse(reg, usage)
+	uv, err := promreg.RegisterOrReuse(reg, usage)
 	if err != nil {
 		return nil, err
 	}
@@ -123,22 +118,6 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		m.skipped.WithLabelValues(r)
 	}
 	return m, nil
-}
-
-// registerOrReuse registers c on reg, or returns the collector of the same description already there
-// (several executors in one process share the metrics, as one kubelet would).
-func registerOrReuse[C prometheus.Collector](reg prometheus.Registerer, c C) (C, error) {
-	if err := reg.Register(c); err != nil {
-		var are prometheus.AlreadyRegisteredError
-		if errors.As(err, &are) {
-			if existing, ok := are.ExistingCollector.(C); ok {
-				return existing, nil
-			}
-		}
-		var zero C
-		return zero, err
-	}
-	return c, nil
 }
 
 // observe records one pass that removed for real (dry runs are not counted).

@@ -22,6 +22,7 @@ import (
 
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/internal/promreg"
 )
 
 // Service is the Events bridge of one node.
@@ -396,20 +397,13 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		Namespace: "imagefleet", Subsystem: "kube_events", Name: "api_errors_total",
 		Help: "Failed API-server calls of the Kubernetes Events bridge (each is retried).",
 	})
-	m := &metrics{results: results, apiErrors: apiErrors}
-	for _, c := range []prometheus.Collector{results, apiErrors} {
-		if err := reg.Register(c); err != nil {
-			var are prometheus.AlreadyRegisteredError
-			if !errors.As(err, &are) {
-				return nil, err
-			}
-			switch ex := are.ExistingCollector.(type) {
-			case *prometheus.CounterVec:
-				m.results = ex
-			case prometheus.Counter:
-				m.apiErrors = ex
-			}
-		}
+	var m metrics
+	var err error
+	if m.results, err = promreg.RegisterOrReuse(reg, results); err != nil {
+		return nil, err
 	}
-	return m, nil
+	if m.apiErrors, err = promreg.RegisterOrReuse(reg, apiErrors); err != nil {
+		return nil, err
+	}
+	return &m, nil
 }

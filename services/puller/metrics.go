@@ -1,12 +1,13 @@
 package puller
 
 import (
-	"errors"
 	"fmt"
 	"strconv"
 	"strings"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/imagefleet/imagefleet/internal/promreg"
 )
 
 // imagePullDurationBuckets are the kubelet's buckets of kubelet_image_pull_duration_seconds.
@@ -123,13 +124,8 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 // register registers c, or returns the collector already registered under its name (two pullers in one
 // process, as in the demo, share the series).
 func register[T prometheus.Collector](reg prometheus.Registerer, c T) (T, error) {
-	if err := reg.Register(c); err != nil {
-		var are prometheus.AlreadyRegisteredError
-		if errors.As(err, &are) {
-			if existing, ok := are.ExistingCollector.(T); ok {
-				return existing, nil
-			}
-		}
+	c, err := promreg.RegisterOrReuse(reg, c)
+	if err != nil {
 		return c, fmt.Errorf("register puller metrics: %w", err)
 	}
 	return c, nil

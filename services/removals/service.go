@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"log/slog"
 	"strings"
@@ -14,6 +13,7 @@ import (
 
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/internal/promreg"
 )
 
 // ReasonImageRemovedExternally is the reason of the node Warning (not a kubelet reason: the kubelet has no
@@ -71,16 +71,9 @@ func New(cfg Config, b *bus.Bus) (*Service, error) {
 	}
 	c := prometheus.NewCounter(prometheus.CounterOpts{Namespace: "imagefleet", Name: "images_removed_externally_total",
 		Help: "Images that vanished from the node without an imagefleet removal (another remover at work: the kubelet's image GC or eviction manager, crictl rmi, ...)."})
-	if err := cfg.Registerer.Register(c); err != nil {
-		var are prometheus.AlreadyRegisteredError
-		if !errors.As(err, &are) {
-			return nil, err
-		}
-		existing, ok := are.ExistingCollector.(prometheus.Counter)
-		if !ok {
-			return nil, fmt.Errorf("removals: register metrics: %w", err)
-		}
-		c = existing
+	c, err := promreg.RegisterOrReuse(cfg.Registerer, c)
+	if err != nil {
+		return nil, fmt.Errorf("removals: register metrics: %w", err)
 	}
 	return &Service{cfg: cfg, bus: b, log: cfg.Logger.With("worker", "removals"), counter: c, removed: map[string]time.Time{}}, nil
 }
