@@ -58,18 +58,5 @@ func PodEventMsg(node, action string, pod *v1.Pod, id string, at time.Time) (bus
 	if err != nil {
 		return bus.RawMsg{}, err
 	}
-	return podEventRaw(node, action, body, id, at), nil
-}
-
-// podEventRaw is PodEventMsg with the pod already encoded.
-func podEventRaw(node, action string, body []byte, id string, at time.Time) bus.RawMsg {
-	if id == "" {
-		id = events.NewID()
-	}
-	return bus.RawMsg{
-		Subject: events.EventSubject(node, events.EntityPod, action),
-		MsgID:   id,
-		Data:    body,
-		Header:  events.PodEventHeader(node, action, id, at),
-	}
+	return bus.PodEventRaw(node, action, body, id, at), nil
 }

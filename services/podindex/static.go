@@ -243,7 +243,7 @@ func (s *StaticSource) syncManifests(ctx context.Context) error {
 			continue
 		}
 		gone = append(gone, uid)
-		msgs = append(msgs, podEventRaw(s.cfg.Node, events.ActionDeleted, body, "", now))
+		msgs = append(msgs, bus.PodEventRaw(s.cfg.Node, events.ActionDeleted, body, "", now))
 	}
 	if len(msgs) > 0 {
 		if _, err := s.pub.PublishMsgs(ctx, msgs); err != nil {

@@ -210,7 +210,7 @@ func (f *feed) diff(pod *v1.Pod) (change, bool, error) {
 	if had {
 		action = events.ActionUpdated
 	}
-	return change{msg: podEventRaw(f.node, action, body, "", f.now()), uid: pod.UID,
+	return change{msg: bus.PodEventRaw(f.node, action, body, "", f.now()), uid: pod.UID,
 		known: knownPod{fp: fp, body: body}, action: action}, true, nil
 }
 
@@ -239,7 +239,7 @@ func (f *feed) remove(ctx context.Context, uid types.UID, pod *v1.Pod) error {
 			body = b
 		}
 	}
-	return f.publish(ctx, []change{{msg: podEventRaw(f.node, events.ActionDeleted, body, "", f.now()),
+	return f.publish(ctx, []change{{msg: bus.PodEventRaw(f.node, events.ActionDeleted, body, "", f.now()),
 		uid: uid, delete: true, action: events.ActionDeleted}})
 }
 
@@ -283,7 +283,7 @@ func (f *feed) replace(ctx context.Context, list func() ([]*v1.Pod, bool), fromI
 	if complete {
 		for uid, k := range f.known {
 			if !want[uid] {
-				changes = append(changes, change{msg: podEventRaw(f.node, events.ActionDeleted, k.body, "", f.now()),
+				changes = append(changes, change{msg: bus.PodEventRaw(f.node, events.ActionDeleted, k.body, "", f.now()),
 					uid: uid, delete: true, action: events.ActionDeleted})
 			}
 		}
@@ -386,20 +386,6 @@ func (f *feed) repairs(index map[types.UID]knownPod) {
 	}
 	sourceRepairs.WithLabelValues(f.node, f.source).Add(float64(missing + stale + extra))
 	f.log.Error("pod index lost pod events of this source; publishing them again", "missing", missing, "stale", stale, "extra", extra)
-}
-
-// podEventRaw is a pod event's message with the pod already encoded: the pod index's subject, headers and
-// Nats-Msg-Id, as events.PodEventHeader makes them.
-func podEventRaw(node, action string, body []byte, id string, at time.Time) bus.RawMsg {
-	if id == "" {
-		id = events.NewID()
-	}
-	return bus.RawMsg{
-		Subject: events.EventSubject(node, events.EntityPod, action),
-		MsgID:   id,
-		Data:    body,
-		Header:  events.PodEventHeader(node, action, id, at),
-	}
 }
 
 // gapsGrew asks the pod index how many gaps it has seen (events dropped from the stream before it read
