@@ -149,7 +149,13 @@ func (s *Service) Handle(ctx context.Context, subject string, header map[string]
 		return nil
 	}
 	// The GC executor may publish its removal just after the detector saw the image gone: look at what
-	// follows in the stream until the grace has passed.
+	// follows in the stream until the grace has passed. The grace counts from the event's time, but never
+	// ends later than a grace from now: an event time far ahead (a skewed or malformed clock) would hold the
+	// node's events behind it.
+	deadline := ev.Time.Add(s.cfg.Grace)
+	if latest := s.cfg.Now().Add(s.cfg.Grace); deadline.After(latest) {
+		deadline = latest
+	}
 	for {
 		found := false
 		err := s.bus.ReadStream(ctx, events.EventsStream, s.subject(events.ActionRemoved), seq, func(m bus.StreamMsg) bool {
@@ -164,7 +170,7 @@ func (s *Service) Handle(ctx context.Context, subject string, header map[string]
 			delete(s.removed, rec.ID)
 			return nil
 		}
-		wait := ev.Time.Add(s.cfg.Grace).Sub(s.cfg.Now())
+		wait := deadline.Sub(s.cfg.Now())
 		if wait <= 0 {
 			break
 		}

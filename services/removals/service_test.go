@@ -125,3 +125,34 @@ func TestNewRefusesAMetricOfAnotherKind(t *testing.T) {
 		t.Errorf("error %q does not say what failed", err)
 	}
 }
+
+// TestVanishedInTheFutureWaitsOnlyTheGrace: a vanished event whose time lies far ahead (a skewed or
+// malformed clock) waits the grace from when it is handled, not from its time: it is reported within the
+// grace and the node's events behind it are not held.
+func TestVanishedInTheFutureWaitsOnlyTheGrace(t *testing.T) {
+	bustest.VerifyNoLeaks(t)
+	_, b := bustest.Start(t)
+	ev, err := events.New(node, events.EntityImage, events.ActionVanished, events.ImageRecord{ID: "sha256:ff", Size: 5})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ev.Time = time.Now().Add(time.Hour)
+	if err := b.Publish(t.Context(), ev); err != nil {
+		t.Fatal(err)
+	}
+	s, err := New(Config{Node: node, Grace: 200 * time.Millisecond, Registerer: prometheus.NewRegistry()}, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := bustest.RunService(t, s)
+	bustest.Eventually(t, "the future vanished event reported", 15*time.Second, func() error {
+		if n := len(warnings(t, b)); n != 1 {
+			return fmt.Errorf("%d warnings, want 1", n)
+		}
+		return nil
+	})
+	stop()
+	if n := testutil.ToFloat64(s.counter); n != 1 {
+		t.Fatalf("imagefleet_images_removed_externally_total = %v, want 1", n)
+	}
+}
