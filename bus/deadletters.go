@@ -93,12 +93,17 @@ func (b *Bus) DeadLetterMsg(ctx context.Context, stream, consumer string, m Stre
 }
 
 // deadLetterMsg is the dead letter of a message of stream (at seq) that consumer gave up on after
-// deliveries: its body and every header it had (CloudEvents attributes, ...), so a replay puts back the same
+// deliveries: its body and every header it had (CloudEvents attributes, ...) but the server's sourcing one, so a replay puts back the same
 // message, plus the Imagefleet-* headers saying where it came from and why. Every dead letter is made here.
 func deadLetterMsg(stream, consumer, subject string, header nats.Header, data []byte, deliveries, seq uint64, reason error) *nats.Msg {
 	dm := nats.NewMsg(events.DeadLetterPrefix + "." + stream + "." + consumer)
 	dm.Data = data
 	for k, vs := range header {
+		// The header the server adds to a message it copies into a sourcing stream (IMAGEFLEET_PODS) is not
+		// the message's own: a replay publishes to the origin stream, which refuses it.
+		if k == headerStreamSource {
+			continue
+		}
 		dm.Header[k] = append([]string(nil), vs...)
 	}
 	dm.Header.Set(HeaderDLQSubject, subject)

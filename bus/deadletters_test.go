@@ -132,3 +132,53 @@ func TestDeadLetterMsgKeepsHeadersAndCounts(t *testing.T) {
 		t.Errorf("replayed message %d has headers %v, want the CloudEvents headers of the original", replayed.Seq, replayed.Header)
 	}
 }
+
+// TestDeadLetterOfASourcedMessageReplays: a pod event the pod index read from IMAGEFLEET_PODS carries the
+// server's Nats-Stream-Source header; its dead letter leaves that header out (the events stream refuses it
+// on a replay) and keeps the message's own, and the replay is stored.
+func TestDeadLetterOfASourcedMessageReplays(t *testing.T) {
+	_, b := bustest.Start(t)
+	ctx := t.Context()
+	const node, consumer = "dls-node", "pod-index-dls-node"
+	hdr := events.PodEventHeader(node, events.ActionAdded, "ev-s", time.Unix(1700000000, 0))
+	if _, err := b.PublishMsgs(ctx, []bus.RawMsg{{Subject: events.EventSubject(node, events.EntityPod, events.ActionAdded),
+		MsgID: "ev-s", Header: hdr, Data: []byte(`{"metadata":{}}`)}}); err != nil {
+		t.Fatal(err)
+	}
+	var orig bus.StreamMsg
+	bustest.WaitFor(t, "the pod event copied into "+events.PodsStream, func() bool {
+		if err := b.ReadStream(ctx, events.PodsStream, events.PodEventSubjects(node), 0, func(m bus.StreamMsg) bool {
+			orig = m
+			return false
+		}); err != nil {
+			t.Logf("read %s: %v", events.PodsStream, err)
+		}
+		return orig.Seq != 0
+	})
+	if orig.Header.Get("Nats-Stream-Source") == "" {
+		t.Fatalf("a message of %s without the server's Nats-Stream-Source header: %v", events.PodsStream, orig.Header)
+	}
+	if err := b.DeadLetterMsg(ctx, events.EventsStream, consumer, orig, errors.New("pod has no metadata.name")); err != nil {
+		t.Fatal(err)
+	}
+	var dl bus.StreamMsg
+	if err := b.ReadStream(ctx, events.DeadLetterStream, events.DeadLetterPrefix+".*."+consumer, 0, func(m bus.StreamMsg) bool {
+		dl = m
+		return false
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if v := dl.Header.Get("Nats-Stream-Source"); v != "" {
+		t.Errorf("dead letter keeps Nats-Stream-Source %q", v)
+	}
+	if got := dl.Header.Get(events.HeaderType); got != hdr[events.HeaderType] {
+		t.Errorf("dead letter %s = %q, want %q", events.HeaderType, got, hdr[events.HeaderType])
+	}
+	rep, err := b.ReplayDeadLetter(ctx, dl.Seq, false)
+	if err != nil {
+		t.Fatalf("replay: %v", err)
+	}
+	if rep.Seq == 0 {
+		t.Errorf("replay stored at sequence 0: %+v", rep)
+	}
+}

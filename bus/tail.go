@@ -77,12 +77,16 @@ func (b *Bus) TailFrom(ctx context.Context, stream, filter string, startSeq uint
 		if meta, mErr := jm.Metadata(); mErr == nil {
 			sm.Seq, sm.Time, sm.Pending = meta.Sequence.Stream, meta.Timestamp, meta.NumPending
 		}
-		sm.Origin = originSeq(sm.Header.Get("Nats-Stream-Source"))
+		sm.Origin = originSeq(sm.Header.Get(headerStreamSource))
 		if err := fn(sm); err != nil {
 			return err
 		}
 	}
 }
+
+// headerStreamSource is the header the server adds to a message it copies into a stream that sources
+// another: "<stream> <seq> <filter> <transform>".
+const headerStreamSource = "Nats-Stream-Source"
 
 // originSeq is the origin stream's sequence in a Nats-Stream-Source header ("<stream> <seq> <filter>
 // <transform> ..."), 0 when there is none.

@@ -10,30 +10,14 @@ import (
 	"strconv"
 	"time"
 
-	"github.com/nats-io/nats.go"
-
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
 )
-
-// sourceHeader is the header the server adds to a message it copies into a stream that sources another.
-const sourceHeader = "Nats-Stream-Source"
 
 // Reject dead-letters a malformed event with its reason, counts it and moves past it.
 func (s *Service) rejectEvent(m bus.StreamMsg, reason error) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	// The dead letter keeps the event as it was published: without the header the server added when it
-	// copied it into the pods stream (a replay publishes it to the events stream, which refuses that header).
-	if m.Header.Get(sourceHeader) != "" {
-		h := make(nats.Header, len(m.Header))
-		for k, vs := range m.Header {
-			if k != sourceHeader {
-				h[k] = vs
-			}
-		}
-		m.Header = h
-	}
 	if err := s.bus.DeadLetterMsg(ctx, events.EventsStream, events.PodIndexDeadLetters(s.cfg.Node), m, reason); err != nil {
 		return err
 	}
