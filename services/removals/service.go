@@ -82,7 +82,7 @@ func New(cfg Config, b *bus.Bus) (*Service, error) {
 // ends.
 func (s *Service) Run(ctx context.Context) error {
 	if err := s.bus.ReadStream(ctx, events.EventsStream, s.subject(events.ActionRemoved), 0, func(m bus.StreamMsg) bool {
-		s.noteRemoved(m.Header, m.Data, m.Time)
+		s.noteRemoved(m.Header, m.Data)
 		return true
 	}); err != nil && ctx.Err() == nil {
 		return fmt.Errorf("removals: read past removals: %w", err)
@@ -104,7 +104,7 @@ func (s *Service) subject(action string) string {
 	return events.EventSubject(s.cfg.Node, events.EntityImage, action)
 }
 
-func (s *Service) noteRemoved(header map[string][]string, data []byte, at time.Time) {
+func (s *Service) noteRemoved(header map[string][]string, data []byte) {
 	ev, err := events.DecodeEventMsg(header, data)
 	if err != nil {
 		return
@@ -129,7 +129,7 @@ func (s *Service) noteRemoved(header map[string][]string, data []byte, at time.T
 func (s *Service) Handle(ctx context.Context, subject string, header map[string][]string, data []byte, seq uint64, progress func() error) error {
 	switch {
 	case strings.HasSuffix(subject, "."+events.EntityImage+"."+events.ActionRemoved):
-		s.noteRemoved(header, data, time.Time{})
+		s.noteRemoved(header, data)
 		return nil
 	case !strings.HasSuffix(subject, "."+events.EntityImage+"."+events.ActionVanished):
 		return nil
@@ -159,7 +159,7 @@ func (s *Service) Handle(ctx context.Context, subject string, header map[string]
 	for {
 		found := false
 		err := s.bus.ReadStream(ctx, events.EventsStream, s.subject(events.ActionRemoved), seq, func(m bus.StreamMsg) bool {
-			s.noteRemoved(m.Header, m.Data, m.Time)
+			s.noteRemoved(m.Header, m.Data)
 			_, found = s.removed[rec.ID]
 			return !found
 		})
