@@ -82,7 +82,13 @@ func TestForeignRemovals(t *testing.T) {
 		t.Logf("delete consumer: %v", err)
 	}
 	stop = run()
-	time.Sleep(3 * time.Second)
+	bustest.Eventually(t, "the restarted removals consumer read the stream again", 15*time.Second, func() error {
+		st, err := b.Consumer(t.Context(), events.EventsStream, events.RemovalsDurable(node))
+		if err == nil && (st.NumPending != 0 || st.NumAckPending != 0) {
+			err = fmt.Errorf("not drained: %+v", st)
+		}
+		return err
+	})
 	stop()
 
 	ws := warnings(t, b)
