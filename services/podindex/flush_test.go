@@ -87,6 +87,7 @@ type snapshotWrites struct {
 	mu      sync.Mutex
 	pods    int      // pod records written or deleted
 	applied []uint64 // the applied sequences written, in order
+	pos     int      // the pods stream positions written
 }
 
 // watchSnapshot subscribes to the snapshot bucket's subjects of testNode (in place when it returns) until the
@@ -115,6 +116,8 @@ func watchSnapshot(t *testing.T, b *bus.Bus) *snapshotWrites {
 					t.Errorf("applied sequence %q: %v", data, err)
 				}
 				w.applied = append(w.applied, seq)
+			} else if strings.HasSuffix(subject, ".pos") {
+				w.pos++ // written with the applied sequence: not a pod record
 			} else {
 				w.pods++
 			}
