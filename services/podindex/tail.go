@@ -138,8 +138,13 @@ func (s *Service) tailOnce(ctx context.Context) error {
 	// this tail, and the next one counts again from the applied sequence.
 	var delivered atomic.Uint64
 	stalled := make(chan struct{})
+	// The watchers (the stall watcher, the gap checker) end with tctx: tailOnce cancels it and waits for them
+	// before it returns.
+	var watchers sync.WaitGroup
 	if !s.caughtUp.Load() {
+		watchers.Add(1)
 		go func() {
+			defer watchers.Done()
 			t := time.NewTicker(catchUpStall)
 			defer t.Stop()
 			progress := func() uint64 { return delivered.Load() + s.state.Applied() }
@@ -184,7 +189,9 @@ func (s *Service) tailOnce(ctx context.Context) error {
 	// prevPending is how many of the node's events followed the last delivered one: the next delivery leaves
 	// at least one fewer, unless some were dropped without being delivered (a gap that is certain).
 	prevPending := uint64(math.MaxUint64)
+	watchers.Add(1)
 	go func() {
+		defer watchers.Done()
 		t := time.NewTicker(gapCheckPeriod)
 		defer t.Stop()
 		for {
@@ -222,6 +229,8 @@ func (s *Service) tailOnce(ctx context.Context) error {
 		close(in[k])
 	}
 	wg.Wait()
+	stop()
+	watchers.Wait()
 	if err := <-applyErr; err != nil {
 		return err
 	}
