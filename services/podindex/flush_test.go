@@ -66,6 +66,13 @@ func TestCatchingUpWritesTheSnapshotOnceCaughtUp(t *testing.T) {
 		}
 		last = publish(t, b, testNode, action, batch...)
 	}
+	// The server copies the events into the pods stream a little after it stores them; an index started
+	// before the copy is done reads a small backlog and writes as if it kept up (under load in CI: 3,352 pod
+	// records). The flush rule is what is tested here, so the copy is awaited first.
+	bustest.WaitFor(t, "every event copied into the pods stream", func() bool {
+		info, err := b.Stream(t.Context(), events.PodsStream)
+		return err == nil && info.LastSeq >= 10*pods
+	})
 
 	w := watchSnapshot(t, b)
 	s, stop := startService(t, b, Config{Node: testNode, FlushInterval: 10 * time.Millisecond,
