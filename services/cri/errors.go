@@ -8,6 +8,8 @@ import (
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+
+	"github.com/imagefleet/imagefleet/internal/redact"
 )
 
 // Sentinels of the CRI boundary. Every error returned by Client wraps one of them where the gRPC code says
@@ -66,10 +68,12 @@ func mapErr(op string, err error) error {
 	if sentinel == nil && strings.Contains(strings.ToLower(st.Message()), "not found") {
 		sentinel = ErrNotFound
 	}
+	// The runtime's own text, without any credential it quoted (a registry URL with user:password, a token).
+	msg := redact.Secrets(st.Message())
 	if sentinel == nil {
-		return &Error{Op: op, Message: st.Message()}
+		return &Error{Op: op, Message: msg}
 	}
-	return &Error{Op: op, Message: st.Message(), Kind: sentinel}
+	return &Error{Op: op, Message: msg, Kind: sentinel}
 }
 
 // Error is a runtime error: the operation, the runtime's own message (as the kubelet shows it) and, when the

@@ -23,6 +23,7 @@ import (
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
 	"github.com/imagefleet/imagefleet/internal/promreg"
+	"github.com/imagefleet/imagefleet/internal/redact"
 )
 
 // Service is the Events bridge of one node.
@@ -129,7 +130,7 @@ func (s *Service) Handle(ctx context.Context, subject string, header map[string]
 		if why != whyNotKube {
 			s.m.result("ignored")
 			s.log.Info("event has no Kubernetes object to post it on; logged only", "event_id", ev.ID,
-				"type", ev.Type, "reason", ev.Reason, "message", Redact(ev.Message), "why", why)
+				"type", ev.Type, "reason", ev.Reason, "message", redact.Secrets(ev.Message), "why", why)
 		}
 		return nil
 	}

@@ -12,6 +12,7 @@ import (
 	"k8s.io/client-go/tools/record/util"
 
 	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/internal/redact"
 )
 
 // Why an event is not posted (the label of imagefleet_kube_events_total{result="ignored"}'s log line).
@@ -74,7 +75,7 @@ func makeEvent(ev events.Event, ref *v1.ObjectReference, component, host string)
 		ObjectMeta:          metav1.ObjectMeta{Name: util.GenerateEventName(ref.Name, suffix), Namespace: ns},
 		InvolvedObject:      *ref,
 		Reason:              ev.Reason,
-		Message:             Redact(ev.Message),
+		Message:             redact.Secrets(ev.Message),
 		FirstTimestamp:      t,
 		LastTimestamp:       t,
 		Count:               1,
@@ -96,27 +97,3 @@ func dedupKey(ev events.Event) string {
 }
 
 var keyRE = regexp.MustCompile(`^[-_=a-zA-Z0-9]{1,200}$`)
-
-// Secrets in messages. A runtime's pull error can quote what it was given: a registry URL with user and
-// password, an Authorization header, a token parameter. The kubelet posts the runtime's text as it is;
-// the bridge removes these before an Event (readable by anyone who may list events) carries them.
-var redactions = []struct {
-	re   *regexp.Regexp
-	repl string
-}{
-	// scheme://user:password@host
-	{regexp.MustCompile(`([a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s:@]+:[^/\s@]+@`), "${1}REDACTED@"},
-	// Authorization: Basic xxx / Bearer xxx
-	{regexp.MustCompile(`(?i)\b((?:proxy-)?authorization:?\s*(?:basic|bearer)\s+)[A-Za-z0-9+/=._~-]+`), "${1}REDACTED"},
-	{regexp.MustCompile(`(?i)\b(basic|bearer)\s+[A-Za-z0-9+/=._~-]{16,}`), "${1} REDACTED"},
-	// password=..., token: ..., "auth":"...", access_token=...
-	{regexp.MustCompile(`(?i)\b((?:password|passwd|secret|auth|token|access_token|refresh_token|identitytoken|registrytoken|x-amz-security-token|x-amz-signature|signature)"?\s*[=:]\s*"?)[^\s"'&,;}]+`), "${1}REDACTED"},
-}
-
-// Redact removes credentials from an Event message.
-func Redact(msg string) string {
-	for _, r := range redactions {
-		msg = r.re.ReplaceAllString(msg, r.repl)
-	}
-	return msg
-}
