@@ -78,14 +78,10 @@ func keSummary(evs map[string]v1.Event) []string {
 	return out
 }
 
-// TestKubeEventsBridge: a real puller's pull events and a real GC executor's FreeDiskSpaceFailed reach a real
-// kube-apiserver as the kubelet's Events, posted by the bridge with a node identity: reasons, messages, types,
-// the pod's container fieldPath, the Node object; a repeat is one Event with count 2; events about a pod the
-// API server does not know and pulls without a pod are not posted. Then: every event delivered again (a new
-// consumer reads the stream from the start, as after a restart that acked nothing) posts none twice; and
-// events published while the API server is down are all posted, once, after it is back.
-func TestKubeEventsBridge(t *testing.T) {
-	ctx := t.Context()
+// keCluster starts a kube lab with node keNode and creates pod "web" with spec in namespace ns (prepared as
+// the lab needs): the admin's and the node identity's clients, and the pod as the API server stored it.
+func keCluster(t *testing.T, ns string, spec v1.PodSpec) (*kubelab.Cluster, *kubernetes.Clientset, *kubernetes.Clientset, *v1.Pod) {
+	t.Helper()
 	c := kubelab.StartT(t, kubelab.Options{Nodes: []string{keNode}})
 	admin, err := c.Admin()
 	if err != nil {
@@ -95,19 +91,29 @@ func TestKubeEventsBridge(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	const ns = "kev"
-	if err := c.PrepareNamespace(ctx, ns); err != nil {
+	if err := c.PrepareNamespace(t.Context(), ns); err != nil {
 		t.Fatal(err)
 	}
-	pod, err := admin.CoreV1().Pods(ns).Create(ctx, &v1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Name: "web"},
-		Spec: v1.PodSpec{NodeName: keNode,
-			InitContainers: []v1.Container{{Name: "init", Image: "lab/missing:1"}},
-			Containers:     []v1.Container{{Name: "app", Image: "lab/app:1"}}},
-	}, metav1.CreateOptions{})
+	pod, err := admin.CoreV1().Pods(ns).Create(t.Context(), &v1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "web"}, Spec: spec},
+		metav1.CreateOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
+	return c, admin, nodeClient, pod
+}
+
+// TestKubeEventsBridge: a real puller's pull events and a real GC executor's FreeDiskSpaceFailed reach a real
+// kube-apiserver as the kubelet's Events, posted by the bridge with a node identity: reasons, messages, types,
+// the pod's container fieldPath, the Node object; a repeat is one Event with count 2; events about a pod the
+// API server does not know and pulls without a pod are not posted. Then: every event delivered again (a new
+// consumer reads the stream from the start, as after a restart that acked nothing) posts none twice; and
+// events published while the API server is down are all posted, once, after it is back.
+func TestKubeEventsBridge(t *testing.T) {
+	ctx := t.Context()
+	const ns = "kev"
+	c, admin, nodeClient, pod := keCluster(t, ns, v1.PodSpec{NodeName: keNode,
+		InitContainers: []v1.Container{{Name: "init", Image: "lab/missing:1"}},
+		Containers:     []v1.Container{{Name: "app", Image: "lab/app:1"}}})
 
 	reg := lab.StartRegistry(t, lab.RegistryOptions{})
 	ctrd := lab.StartContainerd(t, lab.Options{})

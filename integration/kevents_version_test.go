@@ -7,11 +7,9 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes"
 
 	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
-	"github.com/imagefleet/imagefleet/integration/kubelab"
 )
 
 // TestKubeEventsBridgeReadsBothVersions: during a rolling upgrade one agent writes v1 events and another v2
@@ -19,26 +17,8 @@ import (
 // reason, message, type and the involved object (a pod's container, the Node) come from the v2 headers.
 func TestKubeEventsBridgeReadsBothVersions(t *testing.T) {
 	ctx := t.Context()
-	c := kubelab.StartT(t, kubelab.Options{Nodes: []string{keNode}})
-	admin, err := c.Admin()
-	if err != nil {
-		t.Fatal(err)
-	}
-	nodeClient, err := kubernetes.NewForConfig(c.NodeConfig(keNode))
-	if err != nil {
-		t.Fatal(err)
-	}
 	const ns = "kev2"
-	if err := c.PrepareNamespace(ctx, ns); err != nil {
-		t.Fatal(err)
-	}
-	pod, err := admin.CoreV1().Pods(ns).Create(ctx, &v1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Name: "web"},
-		Spec:       v1.PodSpec{NodeName: keNode, Containers: []v1.Container{{Name: "app", Image: "lab/app:1"}}},
-	}, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, admin, nodeClient, pod := keCluster(t, ns, v1.PodSpec{NodeName: keNode, Containers: []v1.Container{{Name: "app", Image: "lab/app:1"}}})
 	srv, bV1 := bustest.Start(t)
 	bV2 := bustest.Connect(t, srv)
 	if err := bV2.SetEventVersion(events.V2); err != nil {
