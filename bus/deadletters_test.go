@@ -91,13 +91,7 @@ func TestDeadLetterMsgKeepsHeadersAndCounts(t *testing.T) {
 		MsgID: "ev-1", Header: hdr, Data: []byte(`{"metadata":{}}`)}}); err != nil {
 		t.Fatal(err)
 	}
-	var orig bus.StreamMsg
-	if err := b.ReadStream(ctx, events.EventsStream, events.PodEventSubjects(node), 0, func(m bus.StreamMsg) bool {
-		orig = m
-		return false
-	}); err != nil {
-		t.Fatal(err)
-	}
+	orig := firstMsg(t, b, events.EventsStream, events.PodEventSubjects(node), 0)
 	before, _ := series(t, "imagefleet_bus_dead_letters_total", map[string]string{"consumer": consumer})
 	if err := b.DeadLetterMsg(ctx, events.EventsStream, consumer, orig, errors.New("pod has no metadata.name")); err != nil {
 		t.Fatal(err)
@@ -105,13 +99,7 @@ func TestDeadLetterMsgKeepsHeadersAndCounts(t *testing.T) {
 	if got, _ := series(t, "imagefleet_bus_dead_letters_total", map[string]string{"consumer": consumer}); got-before != 1 {
 		t.Errorf("dead letters counted %v, want 1", got-before)
 	}
-	var dl bus.StreamMsg
-	if err := b.ReadStream(ctx, events.DeadLetterStream, events.DeadLetterPrefix+".*."+consumer, 0, func(m bus.StreamMsg) bool {
-		dl = m
-		return false
-	}); err != nil {
-		t.Fatal(err)
-	}
+	dl := firstMsg(t, b, events.DeadLetterStream, events.DeadLetterPrefix+".*."+consumer, 0)
 	for k, v := range hdr {
 		if got := dl.Header.Get(k); got != v {
 			t.Errorf("dead letter header %s = %q, want %q", k, got, v)
@@ -121,13 +109,7 @@ func TestDeadLetterMsgKeepsHeadersAndCounts(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var replayed bus.StreamMsg
-	if err := b.ReadStream(ctx, events.EventsStream, events.PodEventSubjects(node), rep.Seq, func(m bus.StreamMsg) bool {
-		replayed = m
-		return false
-	}); err != nil {
-		t.Fatal(err)
-	}
+	replayed := firstMsg(t, b, events.EventsStream, events.PodEventSubjects(node), rep.Seq)
 	if replayed.Seq != rep.Seq || replayed.Header.Get(events.HeaderSpecVersion) != "1.0" || replayed.Header.Get(events.HeaderType) != hdr[events.HeaderType] {
 		t.Errorf("replayed message %d has headers %v, want the CloudEvents headers of the original", replayed.Seq, replayed.Header)
 	}
@@ -161,13 +143,7 @@ func TestDeadLetterOfASourcedMessageReplays(t *testing.T) {
 	if err := b.DeadLetterMsg(ctx, events.EventsStream, consumer, orig, errors.New("pod has no metadata.name")); err != nil {
 		t.Fatal(err)
 	}
-	var dl bus.StreamMsg
-	if err := b.ReadStream(ctx, events.DeadLetterStream, events.DeadLetterPrefix+".*."+consumer, 0, func(m bus.StreamMsg) bool {
-		dl = m
-		return false
-	}); err != nil {
-		t.Fatal(err)
-	}
+	dl := firstMsg(t, b, events.DeadLetterStream, events.DeadLetterPrefix+".*."+consumer, 0)
 	if v := dl.Header.Get("Nats-Stream-Source"); v != "" {
 		t.Errorf("dead letter keeps Nats-Stream-Source %q", v)
 	}
@@ -181,4 +157,17 @@ func TestDeadLetterOfASourcedMessageReplays(t *testing.T) {
 	if rep.Seq == 0 {
 		t.Errorf("replay stored at sequence 0: %+v", rep)
 	}
+}
+
+// firstMsg is the first message of stream matching filter at or after seq.
+func firstMsg(t *testing.T, b *bus.Bus, stream, filter string, seq uint64) bus.StreamMsg {
+	t.Helper()
+	var first bus.StreamMsg
+	if err := b.ReadStream(t.Context(), stream, filter, seq, func(m bus.StreamMsg) bool {
+		first = m
+		return false
+	}); err != nil {
+		t.Fatal(err)
+	}
+	return first
 }
