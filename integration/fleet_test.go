@@ -60,7 +60,7 @@ type proc struct {
 	done chan struct{}
 }
 
-func startProc(t *testing.T, name, bin string, args ...string) *proc {
+func startProc(t testing.TB, name, bin string, args ...string) *proc {
 	t.Helper()
 	logPath := filepath.Join(t.TempDir(), name+".log")
 	f, err := os.Create(logPath)
@@ -118,7 +118,7 @@ func freePort(t testing.TB) int {
 
 // clusterConfigs renders deploy/nats/cluster/server-{1,2,3}.conf for this test: the same files with free
 // ports and private store directories.
-func clusterConfigs(t *testing.T) (confs []string, urls []string) {
+func clusterConfigs(t testing.TB) (confs []string, urls []string) {
 	t.Helper()
 	ports := map[string]string{}
 	for _, p := range []string{"4222", "4223", "4224", "6222", "6223", "6224", "8222", "8223", "8224"} {
