@@ -480,10 +480,6 @@ func runAgent(ctx context.Context, cl *cli, cmd *cobra.Command, c agentConfig) e
 		return err
 	}
 	log := slog.Default().With("node", c.Node)
-	env := &agentEnv{Node: c.Node, DataDir: c.DataDir, Log: log, Changed: cmd.Flags().Changed}
-	for _, d := range defs {
-		env.Workers = append(env.Workers, d.Name)
-	}
 
 	url := cl.natsURL
 	if !cmd.Flags().Changed("nats") && !cmd.Root().PersistentFlags().Changed("nats") {
@@ -510,30 +506,77 @@ func runAgent(ctx context.Context, cl *cli, cmd *cobra.Command, c agentConfig) e
 		log.Info("event journal open", "dir", opts.JournalDir)
 	}
 	defer b.Close()
-	env.Bus = b
 	if err := b.EnsureStreams(ctx, bus.StreamsConfig{Replicas: c.Replicas}); err != nil {
 		return err
 	}
-	if slices.ContainsFunc(defs, func(w workerDef) bool { return w.NeedsCRI }) {
-		rt, err := cri.Dial(cri.Config{Endpoint: c.CRIEndpoint, Timeout: c.CRITimeout})
-		if err != nil {
+	var rt *cri.Client
+	if needsCRI(defs) {
+		if rt, err = cri.Dial(cri.Config{Endpoint: c.CRIEndpoint, Timeout: c.CRITimeout}); err != nil {
 			return err
 		}
 		defer func() { _ = rt.Close() }()
-		env.CRI = rt
 	}
-	workers := make([]runnable, len(defs))
-	for i, d := range defs {
-		if workers[i], err = d.Build(ctx, &c, env); err != nil {
-			return fmt.Errorf("%s: %w", d.Name, err)
+	agent, err := buildAgent(ctx, &c, defs, agentDeps{Bus: b, CRI: rt, Log: log, Changed: cmd.Flags().Changed})
+	if err != nil {
+		return err
+	}
+	log.Info("agent started", "workers", strings.Join(agent.names(), ","))
+	return agent.Run(ctx)
+}
+
+// needsCRI reports whether one of defs talks to the container runtime.
+func needsCRI(defs []workerDef) bool {
+	return slices.ContainsFunc(defs, func(w workerDef) bool { return w.NeedsCRI })
+}
+
+// agentDeps is what one agent is built from besides its configuration: its NATS connection and its
+// container runtime. `imagefleet agent` dials them; `imagefleet hollow` gives each of its nodes its own.
+type agentDeps struct {
+	Bus *bus.Bus
+	CRI *cri.Client // nil when no worker of the agent needs CRI
+	Log *slog.Logger
+	// Changed reports whether a flag was given on the command line.
+	Changed func(flag string) bool
+}
+
+// buildAgent builds the workers defs names (in their order) of the node c.Node: the one path from a
+// configuration to a running node agent, for `imagefleet agent` and every node of `imagefleet hollow`.
+func buildAgent(ctx context.Context, c *agentConfig, defs []workerDef, d agentDeps) (*agentRun, error) {
+	env := &agentEnv{Node: c.Node, Bus: d.Bus, CRI: d.CRI, DataDir: c.DataDir, Log: d.Log, Changed: d.Changed}
+	for _, w := range defs {
+		env.Workers = append(env.Workers, w.Name)
+	}
+	a := &agentRun{defs: defs, workers: make([]runnable, len(defs))}
+	for i, w := range defs {
+		var err error
+		if a.workers[i], err = w.Build(ctx, c, env); err != nil {
+			return nil, fmt.Errorf("%s: %w", w.Name, err)
 		}
 	}
-	log.Info("agent started", "workers", strings.Join(env.Workers, ","))
+	return a, nil
+}
+
+// agentRun is one node agent's built workers.
+type agentRun struct {
+	defs    []workerDef
+	workers []runnable
+}
+
+func (a *agentRun) names() []string {
+	out := make([]string, len(a.defs))
+	for i, d := range a.defs {
+		out[i] = d.Name
+	}
+	return out
+}
+
+// Run runs every worker until ctx ends or one fails (which stops the others).
+func (a *agentRun) Run(ctx context.Context) error {
 	g, gctx := errgroup.WithContext(ctx)
-	for i, w := range workers {
+	for i, w := range a.workers {
 		g.Go(func() error {
 			if err := w.Run(gctx); err != nil {
-				return fmt.Errorf("%s: %w", defs[i].Name, err)
+				return fmt.Errorf("%s: %w", a.defs[i].Name, err)
 			}
 			return nil
 		})

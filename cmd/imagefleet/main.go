@@ -44,6 +44,7 @@ func newRootCmd() *cobra.Command {
 		newEventsCmd,
 		newFleetCmd,
 		newGCCmd,
+		newHollowCmd,
 		newDetectCmd,
 		newRecordsCmd,
 		newImagesCmd,

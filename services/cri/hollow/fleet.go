@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"path/filepath"
+	"strconv"
 	"sync"
 )
 
@@ -17,8 +18,8 @@ type Fleet struct {
 	paths []string
 }
 
-// NewFleet builds n runtimes; node i gets opts(i) (opts may be nil) with the name hollow-<i, 4 digits>
-// when opts leaves Name empty, and the socket <dir>/node-<i, 4 digits>.sock. Nothing listens until Serve
+// NewFleet builds n runtimes; node i gets opts(i) (opts may be nil) with the name NodeName(i, n) when
+// opts leaves Name empty, and the socket <dir>/node-<i, 4 digits>.sock. Nothing listens until Serve
 // or Start.
 func NewFleet(dir string, n int, opts func(i int) Options) (*Fleet, error) {
 	if n <= 0 {
@@ -35,7 +36,7 @@ func NewFleet(dir string, n int, opts func(i int) Options) (*Fleet, error) {
 			o = opts(i)
 		}
 		if o.Name == "" {
-			o.Name = fmt.Sprintf("hollow-%04d", i)
+			o.Name = NodeName(i, n)
 		}
 		f.nodes[i] = New(o)
 		f.paths[i] = filepath.Join(abs, fmt.Sprintf("node-%04d.sock", i))
@@ -44,6 +45,15 @@ func NewFleet(dir string, n int, opts func(i int) Options) (*Fleet, error) {
 		}
 	}
 	return f, nil
+}
+
+// NodeName is the name of hollow node i of a fleet whose highest index is below last: hollow-<i> with i
+// zero-padded to 5 digits (hollow-00000 ... hollow-99999), or to as many digits as last-1 has past that.
+// The names of one fleet sort as their indexes do, and a fleet split over several processes (each
+// naming its own range of indexes with the same last) names its nodes the same way.
+func NodeName(i, last int) string {
+	width := max(5, len(strconv.Itoa(last-1)))
+	return fmt.Sprintf("hollow-%0*d", width, i)
 }
 
 // Len returns the number of nodes.

@@ -725,7 +725,7 @@ func TestFleet(t *testing.T) {
 				return
 			}
 			fs, err := c.ImageFsInfo(t.Context())
-			if err != nil || fs[0].Mountpoint != fmt.Sprintf("/hollow/hollow-%04d/images", i) {
+			if err != nil || fs[0].Mountpoint != fmt.Sprintf("/hollow/hollow-%05d/images", i) {
 				errs[i] = fmt.Errorf("node %d: ImageFsInfo = %+v, %v", i, fs, err)
 			}
 		})
@@ -739,7 +739,7 @@ func TestFleet(t *testing.T) {
 			t.Fatalf("node %d: capacity %d, used %d, pulls %d", i, capacity, used, node.Pulls())
 		}
 	}
-	if f.Node(7).Name() != "hollow-0007" {
+	if f.Node(7).Name() != "hollow-00007" {
 		t.Fatalf("node 7 is named %q", f.Node(7).Name())
 	}
 
@@ -753,5 +753,69 @@ func TestFleet(t *testing.T) {
 	}
 	if _, err := hollow.NewFleet(t.TempDir(), 0, nil); err == nil {
 		t.Fatal("NewFleet with 0 nodes succeeded")
+	}
+}
+
+func TestNodeName(t *testing.T) {
+	for _, tc := range []struct {
+		i, last int
+		want    string
+	}{
+		{0, 1, "hollow-00000"},
+		{7, 50, "hollow-00007"},
+		{9999, 10000, "hollow-09999"},
+		{10000, 10001, "hollow-10000"},
+		{99999, 100000, "hollow-99999"},
+		{5, 100001, "hollow-000005"},
+		{100000, 100001, "hollow-100000"},
+	} {
+		if got := hollow.NodeName(tc.i, tc.last); got != tc.want {
+			t.Errorf("NodeName(%d, %d) = %q, want %q", tc.i, tc.last, got, tc.want)
+		}
+	}
+	// The names of a fleet sort as their indexes.
+	const n = 12000
+	names := make([]string, n)
+	for i := range n {
+		names[i] = hollow.NodeName(i, n)
+	}
+	if !slices.IsSorted(names) {
+		t.Fatal("the names of a 12,000-node fleet do not sort as their indexes")
+	}
+}
+
+// TestPullDelay: a pull over DialWith's in-memory connection takes the runtime's PullLatency, and the
+// image appears in ListImages when the pull returns (not before).
+func TestPullDelay(t *testing.T) {
+	const delay = 100 * time.Millisecond
+	r := hollow.New(hollow.Options{Name: "hollow-00001", PullLatency: delay})
+	c, stop, err := r.DialWith(t.Context(), hollow.DialOptions{BufferSize: 32 << 10, Client: cri.Config{Timeout: 5 * time.Second}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stop()
+	pulled := make(chan error, 1)
+	start := time.Now()
+	go func() {
+		_, err := c.PullImage(t.Context(), "registry.local/app:v2", nil, nil, nil)
+		pulled <- err
+	}()
+	// While the pull waits, the image is not there.
+	time.Sleep(delay / 4)
+	if _, err := c.ImageStatus(t.Context(), "registry.local/app:v2"); !errors.Is(err, cri.ErrNotFound) {
+		t.Fatalf("image status during the pull = %v, want ErrNotFound", err)
+	}
+	if err := <-pulled; err != nil {
+		t.Fatal(err)
+	}
+	if d := time.Since(start); d < delay {
+		t.Fatalf("pull took %v, less than its %v delay", d, delay)
+	}
+	imgs, err := c.ListImages(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(imgs) != 1 || !slices.Contains(imgs[0].RepoTags, "registry.local/app:v2") {
+		t.Fatalf("images after the pull = %+v, want registry.local/app:v2", imgs)
 	}
 }

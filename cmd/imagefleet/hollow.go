@@ -1,0 +1,332 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
+	"golang.org/x/sync/errgroup"
+	"golang.org/x/time/rate"
+	"k8s.io/apimachinery/pkg/api/resource"
+
+	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/services/cri"
+	"github.com/imagefleet/imagefleet/services/cri/hollow"
+)
+
+// hollowConfig is `imagefleet hollow`'s configuration: the agent's (every agent flag, passed to each
+// node's agent as is) and the hollow nodes'.
+type hollowConfig struct {
+	Agent agentConfig
+	// Nodes is the number of hollow agents; First the index of the first (hollow-<First> ...), so that
+	// several processes can share a fleet's names: process k of m runs --first k*N --nodes N --last m*N.
+	Nodes, First, Last int
+	// ImagesPerNode unused images of ImageSize bytes each are on every node at start.
+	ImagesPerNode int
+	ImageSize     string
+	// PullDelay is how long every pull of a hollow runtime takes (the hollow registry's delay).
+	PullDelay time.Duration
+	// StartRate is how many agents start per second ("500/s" or "500").
+	StartRate string
+	// Zones, when > 0, labels node i zone=z<i mod Zones> (besides --node-labels).
+	Zones int
+}
+
+// hollowDefaults are the agent flags whose default differs in `imagefleet hollow` (docs/hollow.md).
+var hollowDefaults = []struct{ flag, value string }{
+	// The agent's default workers that make sense without a kubelet: no pod index, no removals watcher,
+	// no metrics server (one listen address per process), no journal.
+	{"workers", "detector,cache,gc,puller,heartbeat"},
+	// A journal is a file per node: --no-journal=false puts one under --data-dir/<node>/journal.
+	{"no-journal", "true"},
+	// The hollow images are all new at start: the kubelet's 2m would make a fleet GC remove nothing for
+	// two minutes.
+	{"minimum-image-ttl-duration", "0s"},
+	// A hollow image filesystem has nothing to statfs: the byte quota is its capacity.
+	{"image-fs-capacity", "100Gi"},
+}
+
+// hollowHidden are agent flags that mean nothing to hollow nodes (each has its own name and runtime, and
+// they connect to --nats).
+var hollowHidden = []string{"node", "cri", "embedded-nats", "nats-config", "metrics-addr"}
+
+func (h *hollowConfig) flags(fs *pflag.FlagSet) {
+	h.Agent.flags(fs)
+	for _, d := range hollowDefaults {
+		f := fs.Lookup(d.flag)
+		if f == nil {
+			panic("hollow: no agent flag --" + d.flag)
+		}
+		if err := f.Value.Set(d.value); err != nil {
+			panic(fmt.Sprintf("hollow: default of --%s: %v", d.flag, err))
+		}
+		f.DefValue = d.value
+		if d.flag == "workers" {
+			f.Usage = "comma-separated workers every hollow agent runs (default: " + d.value + "; any agent worker but metrics)"
+		}
+	}
+	for _, name := range hollowHidden {
+		_ = fs.MarkHidden(name) // every name is an agent flag: agentConfig.flags binds it
+	}
+	fs.IntVar(&h.Nodes, "nodes", 0, "number of hollow agents to run (required)")
+	fs.IntVar(&h.First, "first", 0, "index of the first node (hollow-<first> ...), for a fleet split over several processes")
+	fs.IntVar(&h.Last, "last", 0, "the fleet's node count, which sets the zero-padding of the names (default: first + nodes)")
+	fs.IntVar(&h.ImagesPerNode, "images-per-node", 8, "unused images on every hollow node at start")
+	fs.StringVar(&h.ImageSize, "image-size", "10Mi", "size of each of those images (bytes or a quantity)")
+	fs.DurationVar(&h.PullDelay, "pull-delay", 100*time.Millisecond, "how long every pull takes on a hollow runtime (the hollow registry's delay); the image appears when it ends")
+	fs.StringVar(&h.StartRate, "start-rate", "500/s", "agents started per second (N/s or N), so N connections do not arrive at once")
+	fs.IntVar(&h.Zones, "zones", 0, "label node i zone=z<i mod zones> for fleet selectors (0: no zone label)")
+}
+
+// parseStartRate reads "500/s" or "500": agents per second, > 0.
+func parseStartRate(s string) (float64, error) {
+	v := strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(s), "/s"))
+	r, err := strconv.ParseFloat(v, 64)
+	if err != nil || r <= 0 {
+		return 0, fmt.Errorf("--start-rate %q: want agents per second, N/s or N, above 0", s)
+	}
+	return r, nil
+}
+
+// hollowPlan is a validated hollowConfig.
+type hollowPlan struct {
+	defs      []workerDef
+	names     []string
+	imageSize int64
+	capacity  int64 // --image-fs-capacity in bytes (0: none)
+	rate      float64
+}
+
+// plan validates the hollow flags and names the nodes.
+func (h *hollowConfig) plan() (*hollowPlan, error) {
+	if h.Nodes < 1 {
+		return nil, fmt.Errorf("--nodes %d: want at least 1", h.Nodes)
+	}
+	if h.First < 0 {
+		return nil, fmt.Errorf("--first %d: must not be negative", h.First)
+	}
+	last := h.Last
+	if last == 0 {
+		last = h.First + h.Nodes
+	}
+	if last < h.First+h.Nodes {
+		return nil, fmt.Errorf("--last %d: below --first + --nodes (%d)", last, h.First+h.Nodes)
+	}
+	if h.ImagesPerNode < 0 {
+		return nil, fmt.Errorf("--images-per-node %d: must not be negative", h.ImagesPerNode)
+	}
+	if h.Zones < 0 {
+		return nil, fmt.Errorf("--zones %d: must not be negative", h.Zones)
+	}
+	if h.PullDelay < 0 {
+		return nil, fmt.Errorf("--pull-delay %v: must not be negative", h.PullDelay)
+	}
+	q, err := resource.ParseQuantity(strings.TrimSpace(h.ImageSize))
+	if err != nil || q.Value() <= 0 {
+		return nil, fmt.Errorf("--image-size %q: want a size in bytes above 0 (10Mi, 10485760)", h.ImageSize)
+	}
+	var capacity int64
+	if s := strings.TrimSpace(h.Agent.GCFsQuota); s != "" {
+		cq, err := resource.ParseQuantity(s)
+		if err != nil {
+			return nil, fmt.Errorf("invalid configuration: imageFsCapacity (--image-fs-capacity) %q: %w", s, err)
+		}
+		capacity = cq.Value()
+	}
+	r, err := parseStartRate(h.StartRate)
+	if err != nil {
+		return nil, err
+	}
+	defs, err := selectWorkers(h.Agent.Workers)
+	if err != nil {
+		return nil, err
+	}
+	for _, d := range defs {
+		if d.Name == "metrics" {
+			return nil, errors.New("--workers: metrics cannot run in hollow agents (one listen address per process, not per node)")
+		}
+	}
+	p := &hollowPlan{defs: defs, imageSize: q.Value(), capacity: capacity, rate: r, names: make([]string, h.Nodes)}
+	for i := range h.Nodes {
+		p.names[i] = hollow.NodeName(h.First+i, last)
+	}
+	return p, nil
+}
+
+func newHollowCmd(cl *cli) *cobra.Command {
+	var h hollowConfig
+	cmd := &cobra.Command{
+		Use:   "hollow --nodes N [--images-per-node K]",
+		Short: "Run N hollow node agents (real workers, hollow CRI runtimes) for load tests",
+		Long: `Run N node agents in this process, as kubemark runs hollow nodes: node hollow-<i> has its own hollow
+CRI runtime (an in-memory runtime served over real gRPC CRI, holding --images-per-node unused images), its
+own NATS connection to --nats, and the workers of 'imagefleet agent' built by the same code (default:
+detector, cache, gc, puller, heartbeat). A fleet GC or pre-pull against them exercises what production does.
+
+Names: hollow-<i> with i zero-padded to 5 digits (hollow-00000 ... hollow-99999; wider past that), so
+they sort as their indexes. When all N run it prints "hollow: N agents running" on stderr; SIGINT or
+SIGTERM stops them all. Agent flags (periods, GC policy, pull settings) apply to every node.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if !cmd.Flags().Changed("log-level") && !cmd.Root().PersistentFlags().Changed("log-level") {
+				cl.logLevel = "warn" // ten thousand agents' info lines say nothing an operator reads
+				if err := cl.setupLogging(cmd.ErrOrStderr()); err != nil {
+					return err
+				}
+			}
+			return runHollow(cmd.Context(), cl, cmd, &h)
+		},
+	}
+	h.flags(cmd.Flags())
+	return cmd
+}
+
+// hollowFDsPerProcess is the file descriptors a hollow process needs besides its nodes' NATS connections.
+const hollowFDsPerProcess = 256
+
+// raiseNoFile makes RLIMIT_NOFILE at least need, raising the hard limit too where the process may (root).
+func raiseNoFile(need uint64) error {
+	var lim syscall.Rlimit
+	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &lim); err != nil {
+		return fmt.Errorf("read RLIMIT_NOFILE: %w", err)
+	}
+	if lim.Cur >= need {
+		return nil
+	}
+	want := lim
+	want.Cur = need
+	if want.Max < need {
+		want.Max = need
+	}
+	if err := syscall.Setrlimit(syscall.RLIMIT_NOFILE, &want); err != nil {
+		return fmt.Errorf("the open file limit is %d (hard %d) and could not be raised to %d: %w", lim.Cur, lim.Max, need, err)
+	}
+	return nil
+}
+
+func runHollow(ctx context.Context, cl *cli, cmd *cobra.Command, h *hollowConfig) error {
+	p, err := h.plan()
+	if err != nil {
+		return err
+	}
+	// One NATS connection per node; the hollow runtimes' CRI connections are in memory (no descriptor).
+	if err := raiseNoFile(uint64(h.Nodes) + hollowFDsPerProcess); err != nil {
+		return fmt.Errorf("%d hollow nodes need %d open files (a NATS connection each, plus %d): %w; raise it (ulimit -n, LimitNOFILE=) or run fewer nodes per process (--first, --nodes, --last)",
+			h.Nodes, h.Nodes+hollowFDsPerProcess, hollowFDsPerProcess, err)
+	}
+	base := h.Agent
+	stderr := cmd.ErrOrStderr()
+	url := cl.natsURL
+
+	// The streams every agent ensures at start, ensured once for the process: what N agents would each do
+	// with the same result, without N rounds of stream updates at start.
+	setup, err := bus.Connect(ctx, url, cl.busOptions("imagefleet-hollow-setup"))
+	if err != nil {
+		return err
+	}
+	err = setup.EnsureStreams(ctx, bus.StreamsConfig{Replicas: base.Replicas})
+	setup.Close()
+	if err != nil {
+		return err
+	}
+
+	began := time.Now()
+	lim := rate.NewLimiter(rate.Limit(p.rate), 1)
+	g, gctx := errgroup.WithContext(ctx)
+	var running atomic.Int64
+	allRunning := make(chan struct{})
+	for i, name := range p.names {
+		if err := lim.Wait(gctx); err != nil {
+			break // stopping: a signal, or an agent failed
+		}
+		g.Go(func() error {
+			err := runHollowNode(gctx, cl, cmd, h, p, i, name, func() {
+				if running.Add(1) == int64(h.Nodes) {
+					close(allRunning)
+				}
+			})
+			if err != nil && gctx.Err() == nil {
+				return fmt.Errorf("%s: %w", name, err)
+			}
+			return nil
+		})
+	}
+	g.Go(func() error {
+		select {
+		case <-allRunning:
+			fmt.Fprintf(stderr, "hollow: %d agents running (%s to %s, started in %s)\n", h.Nodes, p.names[0], p.names[len(p.names)-1],
+				time.Since(began).Round(time.Millisecond))
+		case <-gctx.Done():
+		}
+		return nil
+	})
+	err = g.Wait()
+	fmt.Fprintf(stderr, "hollow: %d agents stopped\n", running.Load())
+	return err
+}
+
+// runHollowNode runs hollow node i until ctx ends: its runtime, its connection, its agent. running is
+// called once the agent's workers are built and started.
+func runHollowNode(ctx context.Context, cl *cli, cmd *cobra.Command, h *hollowConfig, p *hollowPlan, i int, name string, running func()) error {
+	c := h.Agent // a copy per node: the builds read it, and none writes what another node reads
+	c.Node = name
+	if !c.NoJournal {
+		c.DataDir = filepath.Join(c.DataDir, name)
+	}
+	if h.Zones > 0 {
+		zone := "zone=z" + strconv.Itoa((h.First+i)%h.Zones)
+		c.NodeLabels = strings.Trim(c.NodeLabels+","+zone, ",")
+	}
+	log := slog.Default().With("node", name)
+
+	rt := hollow.New(hollow.Options{Name: name, PullLatency: h.PullDelay, Logger: log, Capacity: p.capacity})
+	// The heartbeat reports the image filesystem from statfs; a hollow one is its byte quota and the
+	// runtime's used bytes.
+	c.Heartbeat.Statfs = func(string) (capacity, available int64, err error) {
+		capacity, used := rt.FsUsage()
+		return capacity, max(capacity-used, 0), nil
+	}
+	for j := range h.ImagesPerNode {
+		ref := fmt.Sprintf("registry.local/hollow/app%d:v1", j)
+		if _, err := rt.AddImage(cri.Image{RepoTags: []string{ref}, Size: p.imageSize}); err != nil {
+			return err
+		}
+	}
+	var client *cri.Client
+	if needsCRI(p.defs) {
+		// A real gRPC CRI connection, in memory: ten thousand nodes use no file descriptor for it.
+		cc, stop, err := rt.DialWith(context.WithoutCancel(ctx), hollow.DialOptions{BufferSize: 32 << 10,
+			Client: cri.Config{Timeout: c.CRITimeout}})
+		if err != nil {
+			return err
+		}
+		defer stop()
+		client = cc
+	}
+
+	opts := cl.busOptions("imagefleet-hollow-" + name)
+	opts.Logger = log
+	opts.Replicas = c.Replicas
+	opts.JournalDir, opts.JournalMaxBytes = c.agentJournal(), c.JournalMaxBytes
+	opts.EventVersion = c.EventVersion
+	b, err := bus.Connect(ctx, cl.natsURL, opts)
+	if err != nil {
+		return err
+	}
+	defer b.Close()
+	agent, err := buildAgent(ctx, &c, p.defs, agentDeps{Bus: b, CRI: client, Log: log, Changed: cmd.Flags().Changed})
+	if err != nil {
+		return err
+	}
+	running()
+	return agent.Run(ctx)
+}
