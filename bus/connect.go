@@ -46,6 +46,11 @@ type Options struct {
 	// every worker's state on as many servers. 0: new streams and buckets get 1, existing ones keep theirs
 	// (a command that opens a bucket never scales it down).
 	Replicas int
+	// JSDomain is the JetStream domain of the fleet-wide state (events, registry, inventory, rollouts) when
+	// this connection's server is a leaf node with a domain of its own, e.g. "hub": the fleet-wide streams
+	// and buckets are then used in that domain and the node's own (pull work queues, node records) in the
+	// server's (domains.go). "": every stream and bucket in the server's own domain.
+	JSDomain string
 }
 
 // Bus is a connection to NATS with JetStream.
@@ -60,6 +65,8 @@ type Bus struct {
 	// eventVersion is the type version events are written in (SetEventVersion; nil = events.V1).
 	eventVersion atomic.Pointer[string]
 	perms        violations
+	// domains is the JetStream domain layout (Options.JSDomain; domains.go).
+	domains domains
 }
 
 // Connect connects to url, retrying with exponential backoff (cenkalti/backoff) until ConnectTimeout or ctx
@@ -146,12 +153,11 @@ func Connect(ctx context.Context, url string, o Options) (*Bus, error) {
 	if err != nil {
 		return nil, fmt.Errorf("connect to nats %s: %w", redact(url), err)
 	}
-	js, err := jetstream.New(nc)
-	if err != nil {
+	b.nc = nc
+	if err := b.connectDomains(ctx, nc, o.JSDomain); err != nil {
 		nc.Close()
-		return nil, fmt.Errorf("jetstream: %w", err)
+		return nil, err
 	}
-	b.nc, b.js = nc, js
 	if o.EventVersion != "" {
 		if err := b.SetEventVersion(o.EventVersion); err != nil {
 			nc.Close()

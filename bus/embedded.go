@@ -127,3 +127,7 @@ func (s serverLog) Debugf(format string, v ...any) {
 func (s serverLog) Tracef(format string, v ...any) {
 	s.l.Debug("nats-server: " + fmt.Sprintf(format, v...))
 }
+
+// NumLeafNodes is the number of leaf node connections the server has (a hub's leaf servers, or a leaf's
+// connection to its hub).
+func (s *Server) NumLeafNodes() int { return s.s.NumLeafNodes() }

@@ -148,7 +148,7 @@ func (k *KV) Delete(ctx context.Context, key string) error {
 // ack: one round trip instead of one per key.
 func (k *KV) Batch(ctx context.Context, puts map[string][]byte, deletes []string) error {
 	futures := make([]jetstream.PubAckFuture, 0, len(puts)+len(deletes))
-	prefix := "$KV." + k.kv.Bucket() + "."
+	prefix := k.b.kvPutPrefix(k.kv.Bucket())
 	for key, v := range puts {
 		f, err := k.b.js.PublishAsync(prefix+key, v)
 		if err != nil {

@@ -107,6 +107,7 @@ func (b *Bus) ensureStream(ctx context.Context, sc jetstream.StreamConfig) error
 	if sc.Replicas == 0 {
 		sc.Replicas = b.replicas
 	}
+	sc = b.inDomain(sc)
 	return b.retryTransient(ctx, "stream "+sc.Name, func(actx context.Context) error { return b.ensureStreamOnce(actx, sc) })
 }
 
