@@ -17,8 +17,19 @@ func IsTransient(err error) bool {
 		errors.Is(err, nats.ErrNoResponders) || errors.Is(err, jetstream.ErrNoStreamResponse) ||
 		errors.Is(err, nats.ErrConnectionClosed) || errors.Is(err, nats.ErrDisconnected) ||
 		errors.Is(err, nats.ErrConnectionReconnecting) || errors.Is(err, jetstream.ErrJetStreamNotEnabled) ||
-		unavailable(err)
+		unavailable(err) || duplicateInProcess(err)
 }
+
+// duplicateInProcess: the stream leader still has a message with the same Nats-Msg-Id in flight (10158,
+// "duplicate message id is in process"): an earlier attempt whose ack is late. A retry after a moment is
+// answered as a duplicate once that attempt is stored, or stored itself if it was dropped.
+func duplicateInProcess(err error) bool {
+	var apiErr *jetstream.APIError
+	return errors.As(err, &apiErr) && apiErr.ErrorCode == jsErrCodeDuplicateInProcess
+}
+
+// jsErrCodeDuplicateInProcess is nats-server's JSStreamDuplicateMessageConflict (nats.go has no name for it).
+const jsErrCodeDuplicateInProcess jetstream.ErrorCode = 10158
 
 // unavailable: the server answered "JetStream system temporarily unavailable" or "no suitable peers"
 // (503, while a cluster elects its leaders or lacks the servers a replicated stream needs).

@@ -249,6 +249,57 @@ type RolloutNodeResult struct {
 	Duration Duration     `json:"duration"`
 	// Resumed marks an outcome carried over from an earlier run of the same rollout (not acted on again).
 	Resumed bool `json:"resumed,omitempty"`
+	// GCCounts sums GC (added field). The outcome records of a real (not dry) GC rollout carry it instead of
+	// the lists of removed, failed and skipped images, which they leave out of GC (docs/scale.md: a few
+	// hundred bytes per node instead of kilobytes); dry-run records and records written before this field
+	// keep the lists. Read either with Counts.
+	GCCounts *GCCounts `json:"gcCounts,omitempty"`
+}
+
+// GCCounts sums a node's GC result.
+type GCCounts struct {
+	// Removed counts the images removed (in a dry run: that would be removed) without error.
+	Removed int `json:"removed"`
+	// Failed counts the removals that failed.
+	Failed int `json:"failed"`
+	// Skipped counts the images GC left alone (pinned, in use, too young ...).
+	Skipped int `json:"skipped"`
+	// Bytes sums the sizes of the images removed (would be removed) without error.
+	Bytes int64 `json:"bytes"`
+}
+
+// Counts returns the sums of the node's GC result: GCCounts when the record carries it, else counted from
+// GC's lists (dry runs, older records); zero for a node without a GC result.
+func (r RolloutNodeResult) Counts() GCCounts {
+	if r.GCCounts != nil {
+		return *r.GCCounts
+	}
+	if r.GC == nil {
+		return GCCounts{}
+	}
+	c := GCCounts{Skipped: len(r.GC.Skipped)}
+	for _, rm := range r.GC.Removed {
+		if rm.Error != "" {
+			c.Failed++
+			continue
+		}
+		c.Removed++
+		c.Bytes += rm.Size
+	}
+	return c
+}
+
+// Compact returns the outcome as a real GC rollout records it: GC without its lists of images, GCCounts
+// with their sums. Dry runs and outcomes without a GC result are returned as they are.
+func (r RolloutNodeResult) Compact() RolloutNodeResult {
+	if r.GC == nil || r.GC.DryRun {
+		return r
+	}
+	c := r.Counts()
+	gc := *r.GC
+	gc.Removed, gc.Skipped, gc.Failed = nil, nil, nil
+	r.GC, r.GCCounts = &gc, &c
+	return r
 }
 
 // RolloutNodeError names a node and why it failed or was skipped.
@@ -263,14 +314,20 @@ type RolloutResult struct {
 	Kind   string `json:"kind"`
 	DryRun bool   `json:"dryRun"`
 	// Batches are the sizes of the batches started, in order.
-	Batches   []int              `json:"batches"`
-	Succeeded int                `json:"succeeded"`
-	Failed    []RolloutNodeError `json:"failed"`
+	Batches   []int `json:"batches"`
+	Succeeded int   `json:"succeeded"`
+	// Failed lists the failed nodes: all of them up to a bound (the orchestrator's MaxFailures, 1,000 by
+	// default), in plan order; FailedCount counts them all.
+	Failed []RolloutNodeError `json:"failed"`
+	// FailedCount counts the failed nodes (added field: results written before it leave it 0; read it with
+	// FailedTotal).
+	FailedCount int `json:"failedCount"`
 	// NotStarted counts planned nodes no batch reached (a batch failed before).
 	NotStarted int                `json:"notStarted"`
 	Skipped    []RolloutNodeError `json:"skipped,omitempty"`
 	// Nodes are the outcomes in plan order (the finished record of the rollout stream leaves them out:
-	// each is a record of its own).
+	// each is a record of its own). `fleet gc|pull -o json` writes them as they arrive instead, in the
+	// order the nodes ended.
 	Nodes []RolloutNodeResult `json:"nodes"`
 	// FreedBytes sums the bytes GC freed, or in a dry run would free, on the nodes that answered.
 	FreedBytes int64     `json:"freedBytes"`
@@ -278,3 +335,7 @@ type RolloutResult struct {
 	Started    time.Time `json:"started"`
 	Duration   Duration  `json:"duration"`
 }
+
+// FailedTotal is the number of failed nodes: FailedCount, or for a result written before that field,
+// len(Failed).
+func (r RolloutResult) FailedTotal() int { return max(r.FailedCount, len(r.Failed)) }

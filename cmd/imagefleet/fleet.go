@@ -1,7 +1,10 @@
 package main
 
 import (
+	"bufio"
+	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -166,6 +169,7 @@ type rolloutFlags struct {
 	nodeTimeout  time.Duration
 	includeLost  bool
 	replicas     int
+	maxInFlight  int
 	memProfile   string
 }
 
@@ -176,6 +180,7 @@ func (f *rolloutFlags) register(cmd *cobra.Command) {
 	fs.StringVar(&f.nodes, "nodes", "", "act on exactly these nodes, in this order (instead of the registry and --selector)")
 	fs.IntVar(&f.initialBatch, "initial-batch", fleet.SlowStartInitialBatchSize, "size of the first batch; each next batch doubles")
 	fs.DurationVar(&f.nodeTimeout, "node-timeout", 60*time.Second, "a node that does not answer within this time has failed")
+	fs.IntVar(&f.maxInFlight, "max-in-flight", fleet.DefaultMaxInFlight, "at most this many nodes acted on at once inside a batch (a batch still waits for all its nodes)")
 	fs.BoolVar(&f.includeLost, "include-lost", false, "also act on nodes the registry shows as lost")
 	fs.IntVar(&f.replicas, "stream-replicas", 0, "replicas of the rollout stream (3 on a 3-server cluster; 0: 1 if new, else kept)")
 	fs.StringVar(&f.memProfile, "mem-profile", "", "write the orchestrator's allocation profile to this file at the end (diagnostics)")
@@ -204,8 +209,11 @@ func (f *rolloutFlags) plan(ctx context.Context, b *bus.Bus, kind string) (fleet
 	if f.initialBatch < 1 {
 		return fleet.RolloutConfig{}, fmt.Errorf("--initial-batch %d must be at least 1", f.initialBatch)
 	}
+	if f.maxInFlight < 1 {
+		return fleet.RolloutConfig{}, fmt.Errorf("--max-in-flight %d must be at least 1", f.maxInFlight)
+	}
 	cfg := fleet.RolloutConfig{ID: f.id, Kind: kind, Selector: f.selector, InitialBatch: f.initialBatch,
-		NodeTimeout: f.nodeTimeout, Replicas: f.replicas}
+		NodeTimeout: f.nodeTimeout, Replicas: f.replicas, MaxInFlight: f.maxInFlight}
 	if cfg.ID == "" {
 		cfg.ID = fleet.NewRolloutID(kind)
 	}
@@ -247,6 +255,9 @@ func (cl *cli) runRollout(cmd *cobra.Command, b *bus.Bus, cfg fleet.RolloutConfi
 			fmt.Fprintf(errOut, "[%d/%d] %s\n", p.Done, p.Total, nodeLine(*p.Node))
 		}
 	}
+	// Node results go to stdout as they arrive (rolloutOutput): the orchestrator keeps none of them.
+	out := newRolloutOutput(cmd.OutOrStdout(), cl.jsonOutput(), cfg)
+	cfg.Results = out.node
 	r, err := fleet.NewRollout(cfg, b, act)
 	if err != nil {
 		return err
@@ -255,18 +266,14 @@ func (cl *cli) runRollout(cmd *cobra.Command, b *bus.Bus, cfg fleet.RolloutConfi
 	if bar != nil {
 		_ = bar.Finish()
 	}
-	if cl.jsonOutput() {
-		if err := printJSON(cmd.OutOrStdout(), res); err != nil {
-			return err
-		}
-	} else {
-		printRolloutResult(cmd.OutOrStdout(), res)
+	if err := out.finish(res); err != nil {
+		return errors.Join(runErr, err)
 	}
 	if runErr != nil {
 		return runErr
 	}
-	if len(res.Failed) > 0 {
-		return exitError{code: 2, err: fmt.Errorf("rollout %s: %d of %d nodes failed, %d not started", res.ID, len(res.Failed), len(cfg.Nodes), res.NotStarted)}
+	if n := res.FailedTotal(); n > 0 {
+		return exitError{code: 2, err: fmt.Errorf("rollout %s: %d of %d nodes failed, %d not started", res.ID, n, len(cfg.Nodes), res.NotStarted)}
 	}
 	return nil
 }
@@ -279,81 +286,162 @@ func nodeLine(nr events.RolloutNodeResult) string {
 	if nr.Resumed {
 		status += " (earlier run)"
 	}
+	c := nr.Counts()
 	switch {
 	case nr.GC != nil && nr.GC.DryRun:
-		return fmt.Sprintf("%s: would remove %d images, %s; %s", nr.Node, len(nr.GC.Removed), FormatSize(bytesOf(nr.GC)), status)
+		return fmt.Sprintf("%s: would remove %d images, %s; %s", nr.Node, c.Removed, FormatSize(c.Bytes), status)
 	case nr.GC != nil:
-		return fmt.Sprintf("%s: removed %d, %d failed, freed %s; %s", nr.Node, len(nr.GC.Succeeded()), nr.GC.FailedCount(), FormatSize(bytesOf(nr.GC)), status)
+		return fmt.Sprintf("%s: removed %d, %d failed, freed %s; %s", nr.Node, c.Removed, c.Failed, FormatSize(c.Bytes), status)
 	case nr.Pull != nil && nr.Pull.ImageRef != "":
 		return fmt.Sprintf("%s: %s; %s", nr.Node, shortID(nr.Pull.ImageRef), status)
 	}
 	return nr.Node + ": " + status
 }
 
-func bytesOf(r *events.GCResult) int64 {
-	var n int64
-	for _, rm := range r.Removed {
-		if rm.Error == "" {
-			n += rm.Size
-		}
-	}
-	return n
+// rolloutOutput writes a rollout's result to stdout as it happens: each node's outcome when it arrives, the
+// totals at the end. With -o json it writes the document of DESIGN.md ({batches, succeeded, failed, dryRun,
+// nodes: [...]} and the rest of events.RolloutResult) incrementally: "nodes" first, element by element in
+// the order the nodes end, then the other fields; as text, one table row per node, then the totals.
+type rolloutOutput struct {
+	w     *bufio.Writer
+	json  bool
+	kind  string
+	width int // of the NODE column: the longest planned name
+	n     int // nodes written
+	err   error
 }
 
-func printRolloutResult(w io.Writer, res events.RolloutResult) {
-	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	if res.Kind == events.RolloutGC {
-		head := "FREED"
-		if res.DryRun {
-			head = "WOULD FREE"
+func newRolloutOutput(w io.Writer, json bool, cfg fleet.RolloutConfig) *rolloutOutput {
+	o := &rolloutOutput{w: bufio.NewWriter(w), json: json, kind: cfg.Kind, width: len("NODE")}
+	for _, n := range cfg.Nodes {
+		o.width = max(o.width, min(len(n), 63))
+	}
+	return o
+}
+
+// node writes one node's outcome (Rollout calls it one at a time).
+func (o *rolloutOutput) node(nr events.RolloutNodeResult) {
+	if o.err != nil {
+		return
+	}
+	if o.n == 0 {
+		o.head()
+	}
+	o.n++
+	if o.json {
+		raw, err := json.MarshalIndent(nr, "    ", "  ")
+		if err != nil {
+			o.err = err
+			return
 		}
-		fmt.Fprintf(tw, "NODE\tBATCH\tSTATUS\tIMAGES\t%s\n", head)
-		for _, nr := range res.Nodes {
-			status, imgs, freed := "ok", "-", "-"
-			if !nr.OK {
-				status = "failed: " + nr.Error
-			}
-			if nr.GC != nil {
-				imgs, freed = fmt.Sprint(len(nr.GC.Succeeded())), FormatSize(bytesOf(nr.GC))
-				if n := nr.GC.FailedCount(); n > 0 {
-					imgs += fmt.Sprintf(" (%d failed)", n)
-				}
-				if res.DryRun {
-					var ids []string
-					for _, rm := range nr.GC.Removed {
-						name := shortID(rm.ID)
-						if len(rm.RepoTags) > 0 {
-							name = rm.RepoTags[0]
-						}
-						ids = append(ids, name)
-					}
-					if len(ids) > 0 {
-						imgs += " (" + strings.Join(ids, ", ") + ")"
-					}
-				}
-			}
-			fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\n", nr.Node, nr.Batch, status, imgs, freed)
+		if o.n > 1 {
+			o.w.WriteString(",\n")
 		}
-		fmt.Fprintf(tw, "fleet total\t\t\t\t%s\n", FormatSize(res.FreedBytes))
+		o.w.WriteString("    ")
+		o.w.Write(raw)
 	} else {
-		fmt.Fprintln(tw, "NODE\tBATCH\tSTATUS\tIMAGE REF")
-		for _, nr := range res.Nodes {
-			status, ref := "ok", "-"
-			if !nr.OK {
-				status = "failed: " + nr.Error
+		o.row(nr)
+	}
+	o.err = o.w.Flush()
+}
+
+func (o *rolloutOutput) head() {
+	switch {
+	case o.json:
+		o.w.WriteString("{\n  \"nodes\": [\n")
+	case o.kind == events.RolloutGC:
+		fmt.Fprintf(o.w, "%-*s  %5s  %-14s  %10s  %s\n", o.width, "NODE", "BATCH", "IMAGES", "BYTES", "STATUS")
+	default:
+		fmt.Fprintf(o.w, "%-*s  %5s  %-71s  %s\n", o.width, "NODE", "BATCH", "IMAGE REF", "STATUS")
+	}
+}
+
+func (o *rolloutOutput) row(nr events.RolloutNodeResult) {
+	status := "ok"
+	if !nr.OK {
+		status = "failed: " + nr.Error
+	}
+	if nr.Resumed {
+		status += " (earlier run)"
+	}
+	if o.kind != events.RolloutGC {
+		ref := "-"
+		if nr.Pull != nil && nr.Pull.ImageRef != "" {
+			ref = nr.Pull.ImageRef
+		}
+		fmt.Fprintf(o.w, "%-*s  %5d  %-71s  %s\n", o.width, nr.Node, nr.Batch, ref, status)
+		return
+	}
+	imgs, size := "-", "-"
+	if nr.GC != nil {
+		c := nr.Counts()
+		imgs, size = fmt.Sprint(c.Removed), FormatSize(c.Bytes)
+		if c.Failed > 0 {
+			imgs += fmt.Sprintf(" (%d failed)", c.Failed)
+		}
+		if nr.GC.DryRun { // what would go, by name (dry-run outcomes keep the list)
+			var names []string
+			for _, rm := range nr.GC.Removed {
+				name := shortID(rm.ID)
+				if len(rm.RepoTags) > 0 {
+					name = rm.RepoTags[0]
+				}
+				names = append(names, name)
 			}
-			if nr.Pull != nil && nr.Pull.ImageRef != "" {
-				ref = nr.Pull.ImageRef
+			if len(names) > 0 {
+				status += ": would remove " + strings.Join(names, ", ")
 			}
-			fmt.Fprintf(tw, "%s\t%d\t%s\t%s\n", nr.Node, nr.Batch, status, ref)
 		}
 	}
-	_ = tw.Flush()
-	fmt.Fprintf(w, "rollout %s: batches %v, %d succeeded, %d failed, %d not started, %d skipped, in %s\n", res.ID, res.Batches,
-		res.Succeeded, len(res.Failed), res.NotStarted, len(res.Skipped), res.Duration.Round(time.Millisecond))
-	for _, s := range res.Skipped {
-		fmt.Fprintf(w, "skipped %s: %s\n", s.Node, s.Error)
+	fmt.Fprintf(o.w, "%-*s  %5d  %-14s  %10s  %s\n", o.width, nr.Node, nr.Batch, imgs, size, status)
+}
+
+// finish writes the totals (and closes the JSON document); it returns the first write error.
+func (o *rolloutOutput) finish(res events.RolloutResult) error {
+	if o.err != nil {
+		return fmt.Errorf("write result: %w", o.err)
 	}
+	if o.json {
+		if o.n == 0 {
+			o.w.WriteString("{\n  \"nodes\": [")
+		} else {
+			o.w.WriteString("\n  ")
+		}
+		// The rest of the result, without its (empty) nodes: the outer field hides the embedded one.
+		rest, err := json.MarshalIndent(struct {
+			events.RolloutResult
+			Nodes *struct{} `json:"nodes,omitempty"`
+		}{RolloutResult: res}, "", "  ")
+		if err != nil {
+			return fmt.Errorf("write result: %w", err)
+		}
+		o.w.WriteString("],\n")
+		o.w.Write(bytes.TrimPrefix(rest, []byte("{\n")))
+		o.w.WriteString("\n")
+	} else {
+		if o.n == 0 {
+			o.head()
+		}
+		if res.Kind == events.RolloutGC {
+			head := "freed"
+			if res.DryRun {
+				head = "would free"
+			}
+			fmt.Fprintf(o.w, "fleet total: %s %s\n", head, FormatSize(res.FreedBytes))
+		}
+		fmt.Fprintf(o.w, "rollout %s: batches %v, %d succeeded, %d failed, %d not started, %d skipped, in %s\n", res.ID, res.Batches,
+			res.Succeeded, res.FailedTotal(), res.NotStarted, len(res.Skipped), res.Duration.Round(time.Millisecond))
+		if len(res.Failed) < res.FailedTotal() {
+			fmt.Fprintf(o.w, "(the first %d failures are kept in the result; every node's outcome is above)\n", len(res.Failed))
+		}
+		for _, s := range res.Skipped {
+			fmt.Fprintf(o.w, "skipped %s: %s\n", s.Node, s.Error)
+		}
+	}
+	if err := o.w.Flush(); err != nil {
+		return fmt.Errorf("write result: %w", err)
+	}
+	return nil
 }
 
 func newFleetGCCmd(cl *cli) *cobra.Command {
@@ -472,7 +560,7 @@ func newFleetFollowCmd(cl *cli) *cobra.Command {
 						fmt.Fprintf(out, "%s %s\n", ts, nodeLine(*ev.Node))
 					case ev.Finished != nil:
 						fmt.Fprintf(out, "%s finished: batches %v, %d succeeded, %d failed, %d not started\n", ts, ev.Finished.Batches,
-							ev.Finished.Succeeded, len(ev.Finished.Failed), ev.Finished.NotStarted)
+							ev.Finished.Succeeded, ev.Finished.FailedTotal(), ev.Finished.NotStarted)
 					}
 				}
 				if ev.Finished != nil {
@@ -484,8 +572,8 @@ func newFleetFollowCmd(cl *cli) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			if final != nil && len(final.Failed) > 0 {
-				return exitError{code: 2, err: fmt.Errorf("rollout %s: %d nodes failed", id, len(final.Failed))}
+			if final != nil && final.FailedTotal() > 0 {
+				return exitError{code: 2, err: fmt.Errorf("rollout %s: %d nodes failed", id, final.FailedTotal())}
 			}
 			return nil
 		},

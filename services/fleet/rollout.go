@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -44,6 +45,17 @@ type RolloutConfig struct {
 	Image  string
 	// Replicas of the rollout stream (3 on a 3-server cluster; 0: the connection's Options.Replicas).
 	Replicas int
+	// MaxInFlight caps the nodes acted on at once inside a batch (default DefaultMaxInFlight; the last batch
+	// is about half the fleet). A batch still ends when all its nodes have ended and a failed batch still
+	// stops the rollout: the cap changes when a node is acted on, never whether.
+	MaxInFlight int
+	// Results, when set, receives each node's outcome as soon as it is known, one call at a time, in the
+	// order the nodes end (resumed nodes included), and Run keeps no outcome: RolloutResult.Nodes stays
+	// empty, and the orchestrator's memory holds counts, sums and at most MaxFailures failures, whatever the
+	// fleet's size. Without Results, RolloutResult.Nodes holds every outcome, in plan order.
+	Results func(events.RolloutNodeResult)
+	// MaxFailures bounds RolloutResult.Failed (default 1,000); RolloutResult.FailedCount counts them all.
+	MaxFailures int
 	// Progress, when set, is called after each node's outcome and each batch start (from several
 	// goroutines; it must be safe for that).
 	Progress func(Progress)
@@ -81,6 +93,18 @@ func (c *RolloutConfig) validate() error {
 	}
 	if c.InitialBatch == 0 {
 		c.InitialBatch = SlowStartInitialBatchSize
+	}
+	if c.MaxInFlight < 0 {
+		return fmt.Errorf("max in flight %d must be at least 1", c.MaxInFlight)
+	}
+	if c.MaxInFlight == 0 {
+		c.MaxInFlight = DefaultMaxInFlight
+	}
+	if c.MaxFailures < 0 {
+		return fmt.Errorf("max failures %d must not be negative", c.MaxFailures)
+	}
+	if c.MaxFailures == 0 {
+		c.MaxFailures = 1000
 	}
 	if c.NodeTimeout < 0 {
 		return fmt.Errorf("node timeout %v must not be negative", c.NodeTimeout)
@@ -252,16 +276,39 @@ func (r *Rollout) Run(ctx context.Context) (events.RolloutResult, error) {
 	res.Skipped = plan.Skipped
 	nodes := plan.Nodes
 
-	var mu sync.Mutex
-	outcomes := make(map[string]events.RolloutNodeResult, len(nodes))
-	done := 0
-	var recordErr error
-	report := func(nr events.RolloutNodeResult) {
+	// What Run keeps of the outcomes: counts, sums, the first MaxFailures failures and, only without a
+	// Results sink, the outcomes themselves. mu guards them; outMu keeps the calls of Results one at a time.
+	var (
+		mu, outMu sync.Mutex
+		done      int
+		failed    []indexedFailure
+		held      []events.RolloutNodeResult
+		have      []bool
+		recordErr error
+	)
+	if cfg.Results == nil {
+		held, have = make([]events.RolloutNodeResult, len(nodes)), make([]bool, len(nodes))
+	}
+	report := func(i int, nr events.RolloutNodeResult) {
 		mu.Lock()
-		outcomes[nr.Node] = nr
 		done++
+		if !nr.OK {
+			res.FailedCount++
+			if len(failed) < cfg.MaxFailures {
+				failed = append(failed, indexedFailure{i, events.RolloutNodeError{Node: nr.Node, Error: nr.Error}})
+			}
+		}
+		res.FreedBytes += nr.Counts().Bytes
+		if held != nil {
+			held[i], have[i] = nr, true
+		}
 		p := Progress{Node: &nr, Done: done, Total: len(nodes)}
 		mu.Unlock()
+		if cfg.Results != nil {
+			outMu.Lock()
+			cfg.Results(nr)
+			outMu.Unlock()
+		}
 		if cfg.Progress != nil {
 			cfg.Progress(p)
 		}
@@ -285,7 +332,7 @@ func (r *Rollout) Run(ctx context.Context) (events.RolloutResult, error) {
 		}
 	}
 	batchOf := batchIndexer(len(nodes), cfg.InitialBatch)
-	succeeded, batches, _ := slowStartBatchHook(len(nodes), cfg.InitialBatch, onBatch, func(i int) error {
+	succeeded, batches, _ := slowStartBatchHook(len(nodes), cfg.InitialBatch, cfg.MaxInFlight, onBatch, func(i int) error {
 		node := nodes[i]
 		nr, err := r.node(ctx, st, node, batchOf(i))
 		if err != nil {
@@ -294,9 +341,12 @@ func (r *Rollout) Run(ctx context.Context) (events.RolloutResult, error) {
 				recordErr = err
 			}
 			mu.Unlock()
-			nr = events.RolloutNodeResult{Node: node, Batch: batchOf(i), Error: err.Error()}
+			if nr.Node == "" { // not acted on: the claim could not be recorded
+				nr = events.RolloutNodeResult{Node: node, Batch: batchOf(i)}
+			}
+			nr.OK, nr.Error = false, err.Error()
 		}
-		report(nr)
+		report(i, nr)
 		if !nr.OK {
 			return fmt.Errorf("node %s: %s", node, nr.Error)
 		}
@@ -304,17 +354,15 @@ func (r *Rollout) Run(ctx context.Context) (events.RolloutResult, error) {
 	})
 	res.Batches = append(res.Batches, batches...)
 	res.Succeeded = succeeded
-	for _, n := range nodes {
-		nr, ok := outcomes[n]
-		if !ok {
-			res.NotStarted++
-			continue
+	res.NotStarted = len(nodes) - done
+	slices.SortFunc(failed, func(a, b indexedFailure) int { return a.i - b.i })
+	for _, f := range failed {
+		res.Failed = append(res.Failed, f.err)
+	}
+	for i := range held {
+		if have[i] {
+			res.Nodes = append(res.Nodes, held[i])
 		}
-		res.Nodes = append(res.Nodes, nr)
-		if !nr.OK {
-			res.Failed = append(res.Failed, events.RolloutNodeError{Node: n, Error: nr.Error})
-		}
-		res.FreedBytes += nodeBytes(nr)
 	}
 	res.Duration = events.Duration{Duration: cfg.Clock().Sub(began)}
 	if recordErr != nil {
@@ -339,19 +387,13 @@ func (r *Rollout) Run(ctx context.Context) (events.RolloutResult, error) {
 	return res, nil
 }
 
-// nodeBytes is what a node's GC freed, or in a dry run would free: the sizes of the images it removed
-// (or would remove) without error.
-func nodeBytes(nr events.RolloutNodeResult) int64 {
-	if nr.GC == nil {
-		return 0
-	}
-	var n int64
-	for _, rm := range nr.GC.Removed {
-		if rm.Error == "" {
-			n += rm.Size
-		}
-	}
-	return n
+// DefaultMaxInFlight is RolloutConfig.MaxInFlight's default: nodes acted on at once inside a batch.
+const DefaultMaxInFlight = 1000
+
+// indexedFailure is a failed node with its place in the plan (Failed is reported in plan order).
+type indexedFailure struct {
+	i   int
+	err events.RolloutNodeError
 }
 
 // node runs the action on one node at most once per rollout. The error is for recording problems only;
@@ -367,10 +409,17 @@ func (r *Rollout) node(ctx context.Context, st rolloutState, node string, batch 
 			Error: fmt.Sprintf("claimed by run %s at %s without a recorded outcome; not acted on again", c.Owner, c.Time.Format(time.RFC3339))}, nil
 	}
 	claim := events.RolloutClaim{Node: node, Owner: r.owner, Batch: batch, Time: cfg.Clock().UTC()}
+	claimSubject := events.RolloutSubject(cfg.ID, events.RolloutClaimKind, node)
 	var claimed bool
-	if err := retryTransient(ctx, func(ctx context.Context) error {
+	if err := retryTransientFor(ctx, recordRetryFor, func(ctx context.Context) error {
 		var err error
-		claimed, err = r.publishFirst(ctx, events.RolloutSubject(cfg.ID, events.RolloutClaimKind, node), "claim."+events.NodeToken(node)+"."+r.owner, claim)
+		claimed, err = r.publishFirst(ctx, claimSubject, "claim."+events.NodeToken(node)+"."+r.owner, claim)
+		if err == nil && !claimed {
+			// Refused because a claim is stored: it may be this run's own, from an attempt whose ack was
+			// lost (a server killed, a leader change) and that the server did not answer as a duplicate.
+			// The first claim stored is the one that counts (loadRollout), so ask the stream whose it is.
+			claimed, err = r.firstClaimIsOurs(ctx, claimSubject)
+		}
 		return err
 	}); err != nil {
 		return events.RolloutNodeResult{}, fmt.Errorf("claim node %s: %w", node, err)
@@ -391,8 +440,14 @@ func (r *Rollout) node(ctx context.Context, st rolloutState, node string, batch 
 	if !nr.OK && nr.Error == "" {
 		nr.Error = "failed without an error message"
 	}
-	if err := retryTransient(ctx, func(ctx context.Context) error {
-		_, err := r.publish(ctx, events.RolloutSubject(cfg.ID, events.RolloutNodeKind, node), "node."+events.NodeToken(node), nr)
+	// The node has been acted on: its outcome must be recorded, however long the cluster takes to elect a
+	// leader. A real GC's record carries counts and bytes, not the lists of images (nr.Compact).
+	rec := nr
+	if cfg.Kind == events.RolloutGC && !cfg.DryRun {
+		rec = nr.Compact()
+	}
+	if err := retryTransientFor(ctx, recordRetryFor, func(ctx context.Context) error {
+		_, err := r.publish(ctx, events.RolloutSubject(cfg.ID, events.RolloutNodeKind, node), "node."+events.NodeToken(node), rec)
 		return err
 	}); err != nil {
 		return nr, fmt.Errorf("record outcome of node %s: %w", node, err)
@@ -418,13 +473,40 @@ func (r *Rollout) publishFirst(ctx context.Context, subject, id string, v any) (
 		Header: map[string]string{"content-type": "application/json"}})
 }
 
+// firstClaimIsOurs reports whether the first claim stored on subject is this run's.
+func (r *Rollout) firstClaimIsOurs(ctx context.Context, subject string) (bool, error) {
+	var first *events.RolloutClaim
+	err := r.b.ReadStream(ctx, events.RolloutStream, subject, 0, func(m bus.StreamMsg) bool {
+		var c events.RolloutClaim
+		if json.Unmarshal(m.Data, &c) != nil {
+			return true // a damaged record is skipped, as loadRollout does
+		}
+		first = &c
+		return false
+	})
+	if err != nil {
+		return false, fmt.Errorf("read claim %s: %w", subject, err)
+	}
+	return first != nil && first.Owner == r.owner, nil
+}
+
+// recordRetryFor bounds the retries of a claim and of an outcome record: long enough for a cluster that
+// lost a server to elect new leaders under load, and within the stream's 2-minute duplicate window, so a
+// retried outcome is still stored once.
+const recordRetryFor = 90 * time.Second
+
 // retryTransient retries f while it fails with a transient bus error (a cluster server went away, a stream
 // leader election), for up to 30 s. Every write it wraps is idempotent (Nats-Msg-Id). Each attempt gets its
 // own context of at most bus.AttemptTimeout: a publish whose ack is lost with a killed server (the message
 // stored, the ack routed through the dead server) would otherwise wait out the caller's whole deadline (a
 // pre-pull's 90 s node timeout, CI's fleet test) instead of being sent again and answered as a duplicate.
 func retryTransient(ctx context.Context, f func(attempt context.Context) error) error {
-	deadline := time.Now().Add(30 * time.Second)
+	return retryTransientFor(ctx, 30*time.Second, f)
+}
+
+// retryTransientFor is retryTransient retrying for up to maxElapsed.
+func retryTransientFor(ctx context.Context, maxElapsed time.Duration, f func(attempt context.Context) error) error {
+	deadline := time.Now().Add(maxElapsed)
 	wait := 50 * time.Millisecond
 	for {
 		actx, cancel := context.WithTimeout(ctx, bus.AttemptTimeout)

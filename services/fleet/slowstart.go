@@ -1,6 +1,9 @@
 package fleet
 
-import "sync"
+import (
+	"sync"
+	"sync/atomic"
+)
 
 // SlowStartInitialBatchSize is the ReplicaSet controller's initial batch size (batches of 1, 2, 4, 8 ...).
 const SlowStartInitialBatchSize = 1
@@ -19,11 +22,15 @@ func SlowStartBatch(count, initialBatchSize int, fn func(i int) error) (int, err
 
 // slowStartBatch is SlowStartBatch that also returns the sizes of the batches it started.
 func slowStartBatch(count, initialBatchSize int, fn func(i int) error) (successes int, batches []int, err error) {
-	return slowStartBatchHook(count, initialBatchSize, nil, fn)
+	return slowStartBatchHook(count, initialBatchSize, 0, nil, fn)
 }
 
-// slowStartBatchHook is slowStartBatch calling onBatch(first index, size) before each batch starts.
-func slowStartBatchHook(count, initialBatchSize int, onBatch func(start, size int), fn func(i int) error) (successes int, batches []int, err error) {
+// slowStartBatchHook is slowStartBatch calling onBatch(first index, size) before each batch starts, with at
+// most maxInFlight calls of a batch running at once (0: all of them, as the ReplicaSet controller does).
+// The cap changes when a call runs, never whether: every call of a started batch still runs, even after one
+// of them failed, the batch ends when all its calls have, and a failed batch still stops the next one. The
+// calls of a batch start in index order, maxInFlight goroutines taking the next index as one finishes.
+func slowStartBatchHook(count, initialBatchSize, maxInFlight int, onBatch func(start, size int), fn func(i int) error) (successes int, batches []int, err error) {
 	remaining := count
 	next := 0
 	for batchSize := min(remaining, initialBatchSize); batchSize > 0; batchSize = min(2*batchSize, remaining) {
@@ -31,23 +38,43 @@ func slowStartBatchHook(count, initialBatchSize int, onBatch func(start, size in
 		if onBatch != nil {
 			onBatch(next, batchSize)
 		}
-		errCh := make(chan error, batchSize)
-		var wg sync.WaitGroup
-		wg.Add(batchSize)
-		for j := range batchSize {
-			go func(i int) {
+		workers := batchSize
+		if maxInFlight > 0 {
+			workers = min(workers, maxInFlight)
+		}
+		var (
+			wg       sync.WaitGroup
+			mu       sync.Mutex
+			failures int
+			first    error
+			taken    atomic.Int64
+		)
+		start := next
+		wg.Add(workers)
+		for range workers {
+			go func() {
 				defer wg.Done()
-				if err := fn(i); err != nil {
-					errCh <- err
+				for {
+					j := int(taken.Add(1)) - 1
+					if j >= batchSize {
+						return
+					}
+					if err := fn(start + j); err != nil {
+						mu.Lock()
+						failures++
+						if first == nil {
+							first = err
+						}
+						mu.Unlock()
+					}
 				}
-			}(next + j)
+			}()
 		}
 		wg.Wait()
 		next += batchSize
-		curSuccesses := batchSize - len(errCh)
-		successes += curSuccesses
-		if len(errCh) > 0 {
-			return successes, batches, <-errCh
+		successes += batchSize - failures
+		if failures > 0 {
+			return successes, batches, first
 		}
 		remaining -= batchSize
 	}

@@ -6,6 +6,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 )
 
 // TestSlowStartBatch reproduces the ReplicaSet controller's TestSlowStartBatch (initial batch 1, count 10):
@@ -119,6 +120,66 @@ func TestPlanBatches(t *testing.T) {
 			}
 			if tc.initial > 0 && sum != tc.count {
 				t.Fatalf("batches sum to %d, want %d", sum, tc.count)
+			}
+		})
+	}
+}
+
+// TestSlowStartBatchMaxInFlight: with a cap, no more than maxInFlight calls of a batch run at once, every
+// call of a started batch still runs (a failure inside the batch does not stop its other calls), and a
+// failed batch stops the next one, as without a cap.
+func TestSlowStartBatchMaxInFlight(t *testing.T) {
+	cases := []struct {
+		name          string
+		count, max    int
+		failAt        int // index that fails (-1: none)
+		wantSuccesses int
+		wantCalls     int
+		wantBatches   []int
+	}{
+		{"all succeed, cap 4", 100, 4, -1, 100, 100, []int{1, 2, 4, 8, 16, 32, 37}},
+		{"cap 1 is one at a time", 20, 1, -1, 20, 20, []int{1, 2, 4, 8, 5}},
+		// Index 20 is in the 5th batch (15..30): all 16 of its calls run, the 6th batch never starts.
+		{"a failure inside a capped batch", 100, 3, 20, 30, 31, []int{1, 2, 4, 8, 16}},
+		{"cap above the batch sizes", 10, 1000, -1, 10, 10, []int{1, 2, 4, 3}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			var running, peak, calls atomic.Int64
+			seen := make([]atomic.Int64, tc.count)
+			fn := func(i int) error {
+				n := running.Add(1)
+				for {
+					p := peak.Load()
+					if n <= p || peak.CompareAndSwap(p, n) {
+						break
+					}
+				}
+				calls.Add(1)
+				seen[i].Add(1)
+				// Long enough for every goroutine of a batch to be running at once if nothing capped them.
+				time.Sleep(2 * time.Millisecond)
+				running.Add(-1)
+				if i == tc.failAt {
+					return errors.New("fake error")
+				}
+				return nil
+			}
+			successes, batches, err := slowStartBatchHook(tc.count, 1, tc.max, nil, fn)
+			if (err != nil) != (tc.failAt >= 0) {
+				t.Errorf("err = %v", err)
+			}
+			if successes != tc.wantSuccesses || int(calls.Load()) != tc.wantCalls || !slices.Equal(batches, tc.wantBatches) {
+				t.Errorf("successes %d, calls %d, batches %v; want %d, %d, %v", successes, calls.Load(), batches,
+					tc.wantSuccesses, tc.wantCalls, tc.wantBatches)
+			}
+			if p := peak.Load(); p > int64(tc.max) {
+				t.Errorf("%d calls ran at once, cap %d", p, tc.max)
+			}
+			for i := range tc.wantCalls {
+				if n := seen[i].Load(); n != 1 {
+					t.Errorf("call %d ran %d times", i, n)
+				}
 			}
 		})
 	}
