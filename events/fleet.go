@@ -104,6 +104,15 @@ type NodeInfo struct {
 	Error string `json:"error,omitempty"`
 }
 
+// NodeAlive is the thin heartbeat an agent writes into NodesBucket every period (its full NodeInfo goes into
+// NodesSeenBucket when it changed, and every so often). Its fields are NodeInfo's, so a reader decodes either
+// shape as a NodeInfo; the previous release wrote the full NodeInfo into both buckets (Started is set).
+type NodeAlive struct {
+	Node      string    `json:"node"`
+	Heartbeat time.Time `json:"heartbeat"`
+	Period    Duration  `json:"period"`
+}
+
 // Node states in the registry.
 const (
 	NodeReady = "Ready"

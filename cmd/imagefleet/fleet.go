@@ -38,8 +38,9 @@ func newFleetCmd(cl *cli) *cobra.Command {
 func newFleetNodesCmd(cl *cli) *cobra.Command {
 	var lostAfter time.Duration
 	var forget string
+	var pf pageFlags
 	cmd := &cobra.Command{
-		Use:   "nodes",
+		Use:   "nodes [-l SELECTOR] [--limit N [--continue TOKEN]]",
 		Short: "List the nodes that ever heartbeated, Ready or Lost, with the age of their last heartbeat",
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			ctx, cancel := cl.contextTimeout(cmd.Context())
@@ -56,29 +57,93 @@ func newFleetNodesCmd(cl *cli) *cobra.Command {
 			if forget != "" {
 				return reg.Forget(ctx, forget)
 			}
-			nodes, err := reg.Nodes(ctx)
+			q, err := pf.nodeQuery()
 			if err != nil {
 				return err
 			}
-			if cl.jsonOutput() {
-				if nodes == nil {
-					nodes = []events.NodeStatus{}
-				}
-				return printJSON(cmd.OutOrStdout(), nodes)
+			page, err := reg.List(ctx, q)
+			if err != nil {
+				return err
 			}
-			tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
-			fmt.Fprintln(tw, "NODE\tSTATE\tLAST HEARTBEAT\tRUNTIME\tIMAGE FS USED\tCAPACITY\tLABELS\tWORKERS")
-			for _, n := range nodes {
-				fmt.Fprintf(tw, "%s\t%s\t%s ago\t%s %s\t%s\t%s\t%s\t%s\n", n.Node, n.State, n.Age.Round(time.Second),
-					n.RuntimeName, n.RuntimeVersion, FormatSize(n.ImageFs.UsedBytes), FormatSize(n.ImageFs.CapacityBytes),
-					formatLabels(n.Labels), strings.Join(n.Workers, ","))
-			}
-			return tw.Flush()
+			return printNodesPage(cmd, cl.jsonOutput(), pf.paged(), page)
 		},
 	}
 	cmd.Flags().DurationVar(&lostAfter, "lost-after", 0, "show a node as lost after this silence (default: 3 of its heartbeat periods)")
 	cmd.Flags().StringVar(&forget, "forget", "", "remove a decommissioned node from the registry")
+	pf.register(cmd, true)
 	return cmd
+}
+
+// pageFlags are the paging and selection flags of fleet nodes, images and where.
+type pageFlags struct {
+	selector string
+	limit    int
+	cont     string
+}
+
+func (f *pageFlags) register(cmd *cobra.Command, selector bool) {
+	if selector {
+		cmd.Flags().StringVarP(&f.selector, "selector", "l", "", "label selector of the nodes (k=v,k2!=v2,k3 in (a,b)); default all")
+	}
+	cmd.Flags().IntVar(&f.limit, "limit", 0, "show at most this many, then the token that continues (0: all)")
+	cmd.Flags().StringVar(&f.cont, "continue", "", "continue after the page that printed this token")
+}
+
+// paged reports whether the caller asked for pages: JSON output is then an object with the token.
+func (f *pageFlags) paged() bool { return f.limit != 0 || f.cont != "" }
+
+func (f *pageFlags) nodeQuery() (fleet.NodeQuery, error) {
+	if f.limit < 0 {
+		return fleet.NodeQuery{}, fmt.Errorf("--limit %d must not be negative", f.limit)
+	}
+	q := fleet.NodeQuery{Limit: f.limit, Continue: f.cont}
+	if f.selector != "" {
+		sel, err := fleet.ParseSelector(f.selector)
+		if err != nil {
+			return q, err
+		}
+		q.Selector = sel
+	}
+	return q, nil
+}
+
+// nodesPageJSON is `fleet nodes -o json` with --limit or --continue (without them: the array of nodes).
+type nodesPageJSON struct {
+	Nodes    []events.NodeStatus `json:"nodes"`
+	Continue string              `json:"continue,omitempty"`
+	Total    int                 `json:"total"`
+}
+
+func printNodesPage(cmd *cobra.Command, asJSON, paged bool, page fleet.NodePage) error {
+	nodes := page.Nodes
+	if nodes == nil {
+		nodes = []events.NodeStatus{}
+	}
+	if asJSON && paged {
+		return printJSON(cmd.OutOrStdout(), nodesPageJSON{Nodes: nodes, Continue: page.Continue, Total: page.Total})
+	}
+	if asJSON {
+		return printJSON(cmd.OutOrStdout(), nodes)
+	}
+	tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "NODE\tSTATE\tLAST HEARTBEAT\tRUNTIME\tIMAGE FS USED\tCAPACITY\tLABELS\tWORKERS")
+	for _, n := range nodes {
+		fmt.Fprintf(tw, "%s\t%s\t%s ago\t%s %s\t%s\t%s\t%s\t%s\n", n.Node, n.State, n.Age.Round(time.Second),
+			n.RuntimeName, n.RuntimeVersion, FormatSize(n.ImageFs.UsedBytes), FormatSize(n.ImageFs.CapacityBytes),
+			formatLabels(n.Labels), strings.Join(n.Workers, ","))
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	printContinue(cmd, page.Continue)
+	return nil
+}
+
+// printContinue tells on stderr how to get the next page (stdout keeps only the table).
+func printContinue(cmd *cobra.Command, token string) {
+	if token != "" {
+		fmt.Fprintf(cmd.ErrOrStderr(), "more follow: --continue %s\n", token)
+	}
 }
 
 func formatLabels(l map[string]string) string {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"maps"
+	"slices"
 	"time"
 
 	"github.com/imagefleet/imagefleet/bus"
@@ -28,6 +29,12 @@ type HeartbeatConfig struct {
 	AgentVersion string
 	// Workers are the agent's worker names, reported as is.
 	Workers []string
+	// FullEvery writes the full record (labels, runtime, workers, image filesystem usage) into the last-seen
+	// bucket at least every FullEvery-th heartbeat; in between it is written only when it changed (usage:
+	// by at least 1% of the capacity), and each heartbeat writes only the thin alive record (default 30: five
+	// minutes at the default period, as the kubelet's nodeStatusReportFrequency; 1: every heartbeat, the
+	// previous release's behaviour).
+	FullEvery int
 	// Replicas of the registry buckets (3 on a 3-server cluster; 0: the connection's Options.Replicas).
 	Replicas int
 	// Statfs returns the capacity and available bytes of the filesystem holding a path (default cri.Statfs).
@@ -44,12 +51,21 @@ type heartbeatRuntime interface {
 	ImageFsInfo(ctx context.Context) ([]cri.FsInfo, error)
 }
 
-// Heartbeat announces its node into the registry every period.
+// DefaultFullEvery is how many heartbeats may pass between two writes of an unchanged full record.
+const DefaultFullEvery = 30
+
+// Heartbeat announces its node into the registry every period: a thin record (node, time, period) into the
+// TTL bucket every period, the full record into the last-seen bucket when it changed or every FullEvery-th
+// period. The registry reads both (and the previous release's full record in both buckets).
 type Heartbeat struct {
 	cfg     HeartbeatConfig
 	rt      heartbeatRuntime
 	b       *bus.Bus
 	started time.Time
+
+	// Only the goroutine calling beat touches these: Run's loop, or one Beat at a time.
+	lastFull  events.NodeInfo // the last full record written (zero: none yet)
+	sinceFull int             // heartbeats since it was written
 }
 
 // NewHeartbeat validates cfg and returns the worker.
@@ -65,6 +81,12 @@ func NewHeartbeat(cfg HeartbeatConfig, rt heartbeatRuntime, b *bus.Bus) (*Heartb
 	}
 	if cfg.TTL == 0 {
 		cfg.TTL = time.Duration(DefaultLostAfterPeriods) * cfg.Period
+	}
+	if cfg.FullEvery < 0 {
+		return nil, fmt.Errorf("heartbeat full-every %d must not be negative", cfg.FullEvery)
+	}
+	if cfg.FullEvery == 0 {
+		cfg.FullEvery = DefaultFullEvery
 	}
 	if cfg.TTL < cfg.Period {
 		return nil, fmt.Errorf("heartbeat ttl %v must be at least the period %v", cfg.TTL, cfg.Period)
@@ -188,16 +210,42 @@ func (h *Heartbeat) Info(ctx context.Context) events.NodeInfo {
 
 func (h *Heartbeat) beat(ctx context.Context, alive, seen *bus.KV) (events.NodeInfo, error) {
 	info := h.Info(ctx)
-	raw, err := json.Marshal(info)
+	key := events.NodeToken(h.cfg.Node)
+	// The full record first: a reader that finds the alive key finds the node's record too.
+	if h.lastFull.Node == "" || h.sinceFull+1 >= h.cfg.FullEvery || fullChanged(h.lastFull, info) {
+		raw, err := json.Marshal(info)
+		if err != nil {
+			return info, fmt.Errorf("marshal heartbeat: %w", err)
+		}
+		if _, err := seen.Put(ctx, key, raw); err != nil {
+			return info, fmt.Errorf("heartbeat: %w", err)
+		}
+		h.lastFull, h.sinceFull = info, 0
+	} else {
+		h.sinceFull++
+	}
+	raw, err := json.Marshal(events.NodeAlive{Node: info.Node, Heartbeat: info.Heartbeat, Period: info.Period})
 	if err != nil {
 		return info, fmt.Errorf("marshal heartbeat: %w", err)
-	}
-	key := events.NodeToken(h.cfg.Node)
-	if _, err := seen.Put(ctx, key, raw); err != nil {
-		return info, fmt.Errorf("heartbeat: %w", err)
 	}
 	if _, err := alive.Put(ctx, key, raw); err != nil {
 		return info, fmt.Errorf("heartbeat: %w", err)
 	}
 	return info, nil
+}
+
+// fullChanged reports whether the full record moved enough since it was last written to be written again:
+// anything but the heartbeat time and the usage, or the usage by at least 1% of the capacity (1 MiB when the
+// capacity is unknown).
+func fullChanged(old, cur events.NodeInfo) bool {
+	if old.Node != cur.Node || !maps.Equal(old.Labels, cur.Labels) || old.RuntimeName != cur.RuntimeName ||
+		old.RuntimeVersion != cur.RuntimeVersion || old.AgentVersion != cur.AgentVersion ||
+		!slices.Equal(old.Workers, cur.Workers) || !old.Started.Equal(cur.Started) || old.Period != cur.Period ||
+		old.Error != cur.Error || old.ImageFs.Mountpoint != cur.ImageFs.Mountpoint ||
+		old.ImageFs.CapacityBytes != cur.ImageFs.CapacityBytes {
+		return true
+	}
+	step := max(cur.ImageFs.CapacityBytes/100, 1<<20)
+	moved := func(a, b int64) bool { return a-b >= step || b-a >= step }
+	return moved(old.ImageFs.UsedBytes, cur.ImageFs.UsedBytes) || moved(old.ImageFs.AvailableBytes, cur.ImageFs.AvailableBytes)
 }

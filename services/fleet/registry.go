@@ -9,6 +9,7 @@ import (
 	"strings"
 	"time"
 
+	"golang.org/x/sync/errgroup"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/util/validation"
 
@@ -30,22 +31,26 @@ const DefaultHeartbeatPeriod = 10 * time.Second
 func NodeStates(seen []events.NodeInfo, alive map[string]bool, now time.Time, lostAfter time.Duration) []events.NodeStatus {
 	out := make([]events.NodeStatus, 0, len(seen))
 	for _, n := range seen {
-		limit := lostAfter
-		if limit <= 0 {
-			limit = time.Duration(DefaultLostAfterPeriods) * n.Period.Duration
-		}
-		age := now.Sub(n.Heartbeat)
-		if age < 0 {
-			age = 0
-		}
-		st := events.NodeStatus{NodeInfo: n, State: events.NodeReady, Age: events.Duration{Duration: age}}
-		if !alive[n.Node] || (limit > 0 && age > limit) {
-			st.State = events.NodeLost
-		}
-		out = append(out, st)
+		out = append(out, nodeStatus(n, alive[n.Node], now, lostAfter))
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Node < out[j].Node })
 	return out
+}
+
+func nodeStatus(n events.NodeInfo, alive bool, now time.Time, lostAfter time.Duration) events.NodeStatus {
+	limit := lostAfter
+	if limit <= 0 {
+		limit = time.Duration(DefaultLostAfterPeriods) * n.Period.Duration
+	}
+	age := now.Sub(n.Heartbeat)
+	if age < 0 {
+		age = 0
+	}
+	st := events.NodeStatus{NodeInfo: n, State: events.NodeReady, Age: events.Duration{Duration: age}}
+	if !alive || (limit > 0 && age > limit) {
+		st.State = events.NodeLost
+	}
+	return st
 }
 
 // Registry reads (and, for the heartbeat worker, writes) the node registry.
@@ -81,32 +86,215 @@ func OpenRegistry(ctx context.Context, b *bus.Bus, o RegistryOptions) (*Registry
 
 // Nodes lists every node that ever heartbeated, with its state, sorted by name.
 func (r *Registry) Nodes(ctx context.Context) ([]events.NodeStatus, error) {
-	if r.seen == nil {
-		return nil, nil
+	page, err := r.List(ctx, NodeQuery{})
+	return page.Nodes, err
+}
+
+// NodeQuery selects and pages the registry's nodes.
+type NodeQuery struct {
+	// Selector keeps the nodes whose labels match (nil: every node).
+	Selector labels.Selector
+	// Limit caps the page (0: no cap).
+	Limit int
+	// Continue is the previous page's Continue: the page starts after that node.
+	Continue string
+}
+
+// NodePage is one page of the registry, in node name order.
+type NodePage struct {
+	Nodes []events.NodeStatus
+	// Continue is set when more matching nodes follow this page: pass it as NodeQuery.Continue for the next.
+	// It is the name of the page's last node.
+	Continue string
+	// Total counts every node in the registry, whatever the selector and the page.
+	Total int
+}
+
+// aliveRecord is what the TTL bucket says of a node: the thin heartbeat, or the previous release's full one.
+type aliveRecord struct {
+	heartbeat time.Time
+	period    events.Duration
+	full      *events.NodeInfo // the previous release's record (it has Started)
+}
+
+// List reads one page of the registry. Both buckets are streamed at once, not loaded: the TTL bucket's thin
+// records into a map (node -> heartbeat time), the last-seen bucket's full records one at a time through the
+// page and the selector, so memory is that map and one page. Label selectors cannot be applied by key (node
+// tokens carry no labels): each record's labels are decoded and matched as it streams by; a record is decoded
+// whole only when it can be on the page (by name, from its key, before anything is decoded).
+//
+// A node's heartbeat time is the later of the two buckets': an agent of this release writes its full record
+// only when it changed or every FullEvery-th period, and a thin one every period; an agent of the previous
+// release writes its full record into both, and that record is taken whole.
+func (r *Registry) List(ctx context.Context, q NodeQuery) (NodePage, error) {
+	var page NodePage
+	if q.Limit < 0 {
+		return page, fmt.Errorf("limit %d must not be negative", q.Limit)
 	}
-	seenEntries, err := r.seen.List(ctx, ">")
-	if err != nil {
-		return nil, fmt.Errorf("list nodes: %w", err)
-	}
-	alive := map[string]bool{}
+	g, gctx := errgroup.WithContext(ctx)
+	alive := map[string]aliveRecord{}
 	if r.alive != nil {
-		aliveEntries, err := r.alive.List(ctx, ">")
-		if err != nil {
-			return nil, fmt.Errorf("list live nodes: %w", err)
+		g.Go(func() error {
+			err := r.alive.Range(gctx, ">", func(e bus.Entry) bool {
+				var n events.NodeInfo
+				if err := json.Unmarshal(e.Value, &n); err != nil {
+					return true // a foreign or damaged value is not a node
+				}
+				if n.Node == "" {
+					n.Node = events.NodeFromToken(e.Key)
+				}
+				a := aliveRecord{heartbeat: n.Heartbeat, period: n.Period}
+				if !n.Started.IsZero() {
+					a.full = &n
+				}
+				alive[n.Node] = a
+				return true
+			})
+			if err != nil {
+				return fmt.Errorf("list live nodes: %w", err)
+			}
+			return nil
+		})
+	}
+	pg := pager{limit: q.Limit, after: q.Continue}
+	seenNodes := map[string]bool{}
+	if r.seen != nil {
+		g.Go(func() error {
+			err := r.seen.Range(gctx, ">", func(e bus.Entry) bool {
+				node := events.NodeFromToken(e.Key)
+				seenNodes[node] = true
+				if q.Selector != nil && !q.Selector.Empty() {
+					var l struct {
+						Labels map[string]string `json:"labels"`
+					}
+					if json.Unmarshal(e.Value, &l) != nil || !q.Selector.Matches(labels.Set(l.Labels)) {
+						return true
+					}
+				}
+				if pg.wants(node) {
+					pg.add(pageItem{node: node, raw: e.Value}) // decoded once on the page
+				}
+				return true
+			})
+			if err != nil {
+				return fmt.Errorf("list nodes: %w", err)
+			}
+			return nil
+		})
+	}
+	if err := g.Wait(); err != nil {
+		return page, err
+	}
+	page.Total = len(seenNodes)
+	// A node only in the TTL bucket (its full record not written yet, or forgotten while it still runs):
+	// shown with what the TTL bucket holds.
+	for node, a := range alive {
+		if seenNodes[node] {
+			continue
 		}
-		for _, e := range aliveEntries {
-			alive[events.NodeFromToken(e.Key)] = true
+		page.Total++
+		n := events.NodeInfo{Node: node, Heartbeat: a.heartbeat, Period: a.period}
+		if a.full != nil {
+			n = *a.full
+		}
+		if (q.Selector == nil || q.Selector.Matches(labels.Set(n.Labels))) && pg.wants(node) {
+			pg.add(pageItem{node: node, info: &n})
 		}
 	}
-	seen := make([]events.NodeInfo, 0, len(seenEntries))
-	for _, e := range seenEntries {
+	items, cont := pg.result()
+	now := r.clock()
+	page.Nodes = make([]events.NodeStatus, 0, len(items))
+	for _, it := range items {
 		var n events.NodeInfo
-		if err := json.Unmarshal(e.Value, &n); err != nil || n.Node == "" {
+		if it.info != nil {
+			n = *it.info
+		} else if err := json.Unmarshal(it.raw, &n); err != nil || n.Node == "" {
 			continue // a foreign or damaged value is not a node
 		}
-		seen = append(seen, n)
+		a, isAlive := alive[n.Node]
+		if isAlive {
+			n = mergeAlive(n, a)
+		}
+		page.Nodes = append(page.Nodes, nodeStatus(n, isAlive, now, r.lostAfter))
 	}
-	return NodeStates(seen, alive, r.clock(), r.lostAfter), nil
+	page.Continue = cont
+	return page, nil
+}
+
+// mergeAlive brings a node's last-seen record up to its latest heartbeat.
+func mergeAlive(seen events.NodeInfo, a aliveRecord) events.NodeInfo {
+	if a.full != nil && !a.full.Heartbeat.Before(seen.Heartbeat) {
+		return *a.full
+	}
+	if a.heartbeat.After(seen.Heartbeat) {
+		seen.Heartbeat = a.heartbeat
+		if a.period.Duration > 0 {
+			seen.Period = a.period
+		}
+	}
+	return seen
+}
+
+// pageItem is a node that can be on the page: its raw record (decoded once the page is known), or a record
+// already decoded.
+type pageItem struct {
+	node string
+	raw  []byte
+	info *events.NodeInfo
+}
+
+// pager keeps the limit first nodes by name of a stream in any order, and whether more followed: memory is
+// O(limit), not O(nodes).
+type pager struct {
+	limit int
+	after string
+	cands []pageItem
+	// full: cands held limit nodes at the last trim, the last of them worst; more: a node past them was seen.
+	full  bool
+	worst string
+	more  bool
+}
+
+// wants reports whether node can be on the page (so its record is worth decoding).
+func (p *pager) wants(node string) bool {
+	if p.after != "" && node <= p.after {
+		return false
+	}
+	if p.full && node >= p.worst {
+		p.more = true
+		return false
+	}
+	return true
+}
+
+func (p *pager) add(n pageItem) {
+	p.cands = append(p.cands, n)
+	if p.limit > 0 && len(p.cands) >= 4*p.limit+64 {
+		p.trim()
+	}
+}
+
+func (p *pager) trim() {
+	sort.Slice(p.cands, func(i, j int) bool { return p.cands[i].node < p.cands[j].node })
+	if p.limit <= 0 {
+		return
+	}
+	if len(p.cands) > p.limit {
+		p.more = true
+		clear(p.cands[p.limit:])
+		p.cands = p.cands[:p.limit]
+	}
+	if len(p.cands) == p.limit {
+		p.full, p.worst = true, p.cands[p.limit-1].node
+	}
+}
+
+func (p *pager) result() ([]pageItem, string) {
+	p.trim()
+	if p.more && len(p.cands) > 0 {
+		return p.cands, p.cands[len(p.cands)-1].node
+	}
+	return p.cands, ""
 }
 
 // Forget removes a node from the registry (a decommissioned node is no longer shown as lost).
