@@ -53,6 +53,9 @@ type ConsumerConfig struct {
 	Backoff []time.Duration
 	// DeliverNew starts a new consumer at the end of the stream instead of the beginning.
 	DeliverNew bool
+	// Bind: use the consumer if it exists, never create or change it; Consume returns an error for which
+	// IsConsumerNotFound holds when it does not (or no longer) exist.
+	Bind bool
 	// StallAfter: when messages wait (the consumer's NumPending > 0, a free ack slot) and none has been
 	// delivered for this long, the pull is started anew (default 15s). A pull request left on a server that
 	// was lost or lost its leadership is not always reported by a missed heartbeat.
@@ -76,8 +79,16 @@ func (m *Msg) InProgress() error { return m.m.InProgress() }
 // redelivers it after a backoff until MaxDeliver, then it becomes a dead letter.
 type MsgHandler func(ctx context.Context, m *Msg) error
 
-// Consume runs handlers on the durable consumer until ctx ends. It creates or updates the consumer.
+// Consume runs handlers on the durable consumer until ctx ends. It creates or updates the consumer (with
+// Bind, only finds it).
 func (b *Bus) Consume(ctx context.Context, cfg ConsumerConfig, h MsgHandler) error {
+	cfg, cc := consumerSettings(cfg)
+	initConsumerMetrics(cfg.Durable)
+	return b.consume(ctx, cfg, cc, h)
+}
+
+// consumerSettings fills cfg's defaults and makes the server's consumer configuration of it.
+func consumerSettings(cfg ConsumerConfig) (ConsumerConfig, jetstream.ConsumerConfig) {
 	if cfg.MaxAckPending == 0 {
 		cfg.MaxAckPending = 1000
 	}
@@ -113,7 +124,10 @@ func (b *Bus) Consume(ctx context.Context, cfg ConsumerConfig, h MsgHandler) err
 		// this consumer with this filter only (deploy/natsconf). The server stores both forms alike.
 		cc.FilterSubject, cc.FilterSubjects = cc.FilterSubjects[0], nil
 	}
-	initConsumerMetrics(cfg.Durable)
+	return cfg, cc
+}
+
+func (b *Bus) consume(ctx context.Context, cfg ConsumerConfig, cc jetstream.ConsumerConfig, h MsgHandler) error {
 	log := b.log.With("stream", cfg.Stream, "consumer", cfg.Durable)
 	// open creates (or finds) the consumer and starts pulling from it. It is also how the loop recovers
 	// when pulling fails (a server of the cluster lost, the consumer's leader moved): the pull requests
@@ -127,7 +141,7 @@ func (b *Bus) Consume(ctx context.Context, cfg ConsumerConfig, h MsgHandler) err
 	open := func() (jetstream.MessagesContext, error) {
 		var msgs jetstream.MessagesContext
 		err := b.retryTransient(ctx, "consumer "+cfg.Durable, func(actx context.Context) error {
-			cons, err := b.js.CreateOrUpdateConsumer(actx, cfg.Stream, cc)
+			cons, err := b.openConsumer(actx, cfg, cc)
 			if err != nil {
 				return fmt.Errorf("consumer %s on %s: %w", cfg.Durable, cfg.Stream, err)
 			}

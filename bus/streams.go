@@ -27,7 +27,8 @@ type StreamsConfig struct {
 	Replicas int
 }
 
-// EnsureStreams creates or updates the events stream, the pull work queue and the dead-letter stream.
+// EnsureStreams creates or updates the events and pods streams, the pull work queues (the partitions and the
+// legacy single queue) and the dead-letter stream.
 // It is idempotent: every agent and command calls it at start.
 func (b *Bus) EnsureStreams(ctx context.Context, cfg StreamsConfig) error {
 	if cfg.EventsMaxAge == 0 {
@@ -70,20 +71,10 @@ func (b *Bus) EnsureStreams(ctx context.Context, cfg StreamsConfig) error {
 			Replicas:    cfg.Replicas,
 			Discard:     jetstream.DiscardOld,
 		},
-		{
-			Name:        events.PullStream,
-			Description: "image pull commands, one work queue consumer per node",
-			Subjects:    []string{events.PullSubjects},
-			Storage:     jetstream.FileStorage,
-			Retention:   jetstream.WorkQueuePolicy,
-			Duplicates:  2 * time.Minute,
-			Replicas:    cfg.Replicas,
-			// One subject per node: at most MaxPullRequestsPerNode requests in flight or waiting per node,
-			// and the next publish is refused at once (backpressure, not a blocked caller; kubelet W-G).
-			MaxMsgsPerSubject:    events.MaxPullRequestsPerNode,
-			Discard:              jetstream.DiscardNew,
-			DiscardNewPerSubject: true,
-		},
+		// Legacy: the single pull queue of earlier releases, kept so that their CLIs and orchestrators can
+		// still queue pulls during a rolling upgrade (new agents drain it; docs/operations.md).
+		pullStreamConfig(events.PullStream, events.PullSubjects, 0, cfg.Replicas,
+			"image pull commands, one work queue consumer per node (legacy: see "+events.PullPartitionStreamPrefix+"<pp>)"),
 		{
 			Name:        events.DeadLetterStream,
 			Description: "messages that were terminated or exhausted their deliveries",
@@ -95,12 +86,39 @@ func (b *Bus) EnsureStreams(ctx context.Context, cfg StreamsConfig) error {
 			Replicas:    cfg.Replicas,
 		},
 	}
+	for p := range events.PullPartitions {
+		streams = append(streams, pullStreamConfig(events.PullPartitionStream(p), events.PullPartitionSubjects(p),
+			events.PullPartitionMaxConsumers, cfg.Replicas,
+			fmt.Sprintf("image pull commands of partition %02d of %d, one work queue consumer per node", p, events.PullPartitions)))
+	}
 	for _, sc := range streams {
 		if err := b.ensureStream(ctx, sc); err != nil {
 			return err
 		}
 	}
 	return nil
+}
+
+// pullStreamConfig is a pull work queue: the legacy one or a partition. Its consumers take the stream's
+// replicas, so on a cluster with Replicas 3 each node's consumer is R3 (a lost server loses no consumer
+// state).
+func pullStreamConfig(name, subjects string, maxConsumers, replicas int, description string) jetstream.StreamConfig {
+	return jetstream.StreamConfig{
+		Name:        name,
+		Description: description,
+		Subjects:    []string{subjects},
+		Storage:     jetstream.FileStorage,
+		Retention:   jetstream.WorkQueuePolicy,
+		Duplicates:  2 * time.Minute,
+		Replicas:    replicas,
+		// One subject per node: at most MaxPullRequestsPerNode requests in flight or waiting per node,
+		// and the next publish is refused at once (backpressure, not a blocked caller; kubelet W-G).
+		MaxMsgsPerSubject:    events.MaxPullRequestsPerNode,
+		Discard:              jetstream.DiscardNew,
+		DiscardNewPerSubject: true,
+		// Explicit, not the server's default: one durable per node of the partition (0: the default).
+		MaxConsumers: maxConsumers,
+	}
 }
 
 func (b *Bus) ensureStream(ctx context.Context, sc jetstream.StreamConfig) error {
@@ -124,6 +142,9 @@ func (b *Bus) ensureStreamOnce(ctx context.Context, sc jetstream.StreamConfig) e
 		}
 		if streamMatches(have, sc) {
 			return nil
+		}
+		if sc.MaxConsumers > 0 && !enoughConsumers(sc.MaxConsumers, have.MaxConsumers) {
+			sc.MaxConsumers = have.MaxConsumers // raised by an operator: keep
 		}
 		// Settings changed (a new release, --stream-replicas): update. A stream made with other immutable
 		// settings, or an identity without the right to update, keeps the stream as it is.
@@ -170,7 +191,14 @@ func streamMatches(have, want jetstream.StreamConfig) bool {
 		unlimited(have.MaxBytes) == unlimited(want.MaxBytes) &&
 		unlimited(have.MaxMsgsPerSubject) == unlimited(want.MaxMsgsPerSubject) &&
 		have.Discard == want.Discard && have.DiscardNewPerSubject == want.DiscardNewPerSubject &&
-		window(have.Duplicates) == window(want.Duplicates) && sameSources(have.Sources, want.Sources)
+		window(have.Duplicates) == window(want.Duplicates) && sameSources(have.Sources, want.Sources) &&
+		enoughConsumers(have.MaxConsumers, want.MaxConsumers)
+}
+
+// enoughConsumers: a stream's MaxConsumers is a floor, not a pin. An operator who raised it (nats stream
+// edit, to hold more nodes in a partition) keeps the higher value; 0 wants the server's default.
+func enoughConsumers(have, want int) bool {
+	return want == 0 || have < 0 || have >= want
 }
 
 // sameSources reports whether two streams source the same streams with the same filters.
@@ -216,9 +244,12 @@ type StreamInfo struct {
 	Bytes    uint64
 	FirstSeq uint64
 	LastSeq  uint64
-	// MaxAge and Replicas are the stream's settings.
-	MaxAge   time.Duration
-	Replicas int
+	// Consumers is the number of consumers on the stream.
+	Consumers int
+	// MaxAge, Replicas and MaxConsumers are the stream's settings (MaxConsumers -1: the server's default).
+	MaxAge       time.Duration
+	Replicas     int
+	MaxConsumers int
 	// Leader is the server leading the stream in a cluster ("" on a single server).
 	Leader string
 }
@@ -235,7 +266,8 @@ func (b *Bus) Stream(ctx context.Context, name string) (StreamInfo, error) {
 	}
 	return StreamInfo{Name: name, Messages: info.State.Msgs, Bytes: info.State.Bytes,
 		FirstSeq: info.State.FirstSeq, LastSeq: info.State.LastSeq, MaxAge: info.Config.MaxAge,
-		Replicas: info.Config.Replicas, Leader: leader(info.Cluster)}, nil
+		Replicas: info.Config.Replicas, Leader: leader(info.Cluster), Consumers: info.State.Consumers,
+		MaxConsumers: info.Config.MaxConsumers}, nil
 }
 
 func leader(c *jetstream.ClusterInfo) string {
@@ -280,4 +312,13 @@ func (b *Bus) SetStreamReplicas(ctx context.Context, stream string, replicas int
 		return old, fmt.Errorf("set replicas of %s to %d: %w", stream, replicas, err)
 	}
 	return old, nil
+}
+
+// DeleteStream removes a stream with its messages and consumers: how an operator removes the legacy pull
+// queue after an upgrade (docs/operations.md). A stream that does not exist is not an error.
+func (b *Bus) DeleteStream(ctx context.Context, name string) error {
+	if err := b.js.DeleteStream(ctx, name); err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
+		return fmt.Errorf("delete stream %s: %w", name, err)
+	}
+	return nil
 }

@@ -2,6 +2,7 @@ package events
 
 import (
 	"fmt"
+	"hash/fnv"
 	"strings"
 )
 
@@ -56,7 +57,7 @@ const (
 
 // Durable consumers.
 const (
-	// PullerDurablePrefix starts the name of each node's pull consumer on PullStream (PullerDurable).
+	// PullerDurablePrefix starts the name of each node's pull consumer (PullerDurable).
 	PullerDurablePrefix = "puller-"
 	// InventoryDurable is the fleet inventory's consumer on EventsStream.
 	InventoryDurable = "fleet-inventory"
@@ -75,8 +76,9 @@ func RemovalsDurable(node string) string { return RemovalsDurablePrefix + NodeTo
 // created with the node's events filter (NodeEvents).
 func KubeEventsDurable(node string) string { return KubeEventsDurablePrefix + NodeToken(node) }
 
-// PullerDurable is node's pull consumer on PullStream: "puller-" + node token. Its MaxAckPending is the
-// node's pull-token limit.
+// PullerDurable is node's pull consumer: "puller-" + node token, on its partition stream PullStreamOf(node)
+// filtered to PullSubject(node), and (legacy, made by agents of earlier releases) on PullStream filtered to
+// LegacyPullSubject(node). Its MaxAckPending is the node's pull-token limit.
 func PullerDurable(node string) string { return PullerDurablePrefix + NodeToken(node) }
 
 // PodIndexDeadLetters is the consumer name under which the pod index of node keeps the pod events it
@@ -103,3 +105,49 @@ func EscapeKey(id string) string {
 	}
 	return b.String()
 }
+
+// The pull work queue, partitioned: a node's pull requests go to one of PullPartitions work-queue streams,
+// chosen by its name, so each stream holds the durable consumers of about 1/16 of the fleet, far below
+// nats-server's limit of consumers per stream. The node token stays the subject's third token, so the
+// per-node permissions on imagefleet.cmd.<node token>.> still hold.
+const (
+	// PullPartitions is the number of partition streams. It is part of the contract: every publisher and
+	// every puller derives a node's partition from it, so a change moves nodes between streams (a new set of
+	// streams and a migration, never a setting).
+	PullPartitions = 16
+	// PullPartitionStreamPrefix starts the name of each partition stream: IMAGEFLEET_PULL_00 .. _15.
+	PullPartitionStreamPrefix = PullStream + "_"
+	// PullPartitionMaxConsumers is each partition stream's MaxConsumers, set explicitly rather than left to
+	// the server's default (1,000 per stream, or whatever the operator configured): 16 x 1,000 durables per
+	// JetStream domain. Past that, a zone gets a leaf domain of its own (docs/scale.md).
+	PullPartitionMaxConsumers = 1000
+)
+
+// PullPartition is node's pull partition: FNV-1a (32 bits) of the node name, mod PullPartitions.
+func PullPartition(node string) int {
+	h := fnv.New32a()
+	_, _ = h.Write([]byte(node))
+	return int(h.Sum32() % PullPartitions)
+}
+
+// PullPartitionStream is the name of partition p's stream: IMAGEFLEET_PULL_<pp>, two digits.
+func PullPartitionStream(p int) string { return fmt.Sprintf("%s%02d", PullPartitionStreamPrefix, p) }
+
+// PullPartitionSubjects is the subject filter of partition p's stream: imagefleet.cmd.*.pull.<pp>. The
+// filters of two partitions never overlap, nor overlap the legacy PullSubjects.
+func PullPartitionSubjects(p int) string {
+	return fmt.Sprintf("%s.cmd.*.%s.%02d", Prefix, VerbPull, p)
+}
+
+// PullSubject is the subject of node's pull requests: imagefleet.cmd.<node token>.pull.<pp>, stored in
+// PullStreamOf(node). Every publisher of pull requests uses it.
+func PullSubject(node string) string {
+	return fmt.Sprintf("%s.%02d", CommandSubject(node, VerbPull), PullPartition(node))
+}
+
+// PullStreamOf is the partition stream that holds node's pull requests and its PullerDurable consumer.
+func PullStreamOf(node string) string { return PullPartitionStream(PullPartition(node)) }
+
+// LegacyPullSubject is the subject of node's pull requests in the legacy PullStream (imagefleet.cmd.<node
+// token>.pull), where a CLI or orchestrator of the previous release still publishes during an upgrade.
+func LegacyPullSubject(node string) string { return CommandSubject(node, VerbPull) }

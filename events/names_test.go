@@ -23,6 +23,16 @@ func wireNames() [][2]string {
 		// Streams and their subjects.
 		c("EventsStream", EventsStream), c("EventsSubjects", EventsSubjects), c("PodsStream", PodsStream), c("PodsStreamFilter", PodsStreamFilter),
 		c("PullStream", PullStream), c("PullSubjects", PullSubjects),
+		// The partitioned pull queue: the partition of a node is contract (a changed hash moves nodes).
+		c("PullPartitions", fmt.Sprint(PullPartitions)), c("PullPartitionMaxConsumers", fmt.Sprint(PullPartitionMaxConsumers)),
+		c("PullPartitionStreamPrefix", PullPartitionStreamPrefix),
+		c("PullPartitionStream(0)", PullPartitionStream(0)), c("PullPartitionStream(15)", PullPartitionStream(15)),
+		c("PullPartitionSubjects(0)", PullPartitionSubjects(0)), c("PullPartitionSubjects(15)", PullPartitionSubjects(15)),
+		c("PullSubject(node)", PullSubject(node)), c("PullStreamOf(node)", PullStreamOf(node)),
+		c("LegacyPullSubject(node)", LegacyPullSubject(node)),
+		c("PullPartition(hollow-0)", fmt.Sprint(PullPartition("hollow-0"))),
+		c("PullPartition(hollow-1100)", fmt.Sprint(PullPartition("hollow-1100"))),
+		c("PullPartition(ip-10-0-0-1.ec2.internal)", fmt.Sprint(PullPartition("ip-10-0-0-1.ec2.internal"))),
 		c("RolloutStream", RolloutStream), c("RolloutSubjects", RolloutSubjects),
 		c("DeadLetterStream", DeadLetterStream), c("DeadLetterPrefix", DeadLetterPrefix),
 		// Buckets.

@@ -182,13 +182,21 @@ func logPullState(t *testing.T, b *bus.Bus, rolloutID string, nodes []string) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	if info, err := b.Stream(ctx, events.PullStream); err != nil {
-		t.Logf("state: pull queue: %v", err)
-	} else {
-		t.Logf("state: pull queue: %d messages, seq %d-%d, leader %q", info.Messages, info.FirstSeq, info.LastSeq, info.Leader)
+	seen := map[string]bool{}
+	for _, n := range nodes {
+		stream := events.PullStreamOf(n)
+		if seen[stream] {
+			continue
+		}
+		seen[stream] = true
+		if info, err := b.Stream(ctx, stream); err != nil {
+			t.Logf("state: pull queue %s: %v", stream, err)
+		} else {
+			t.Logf("state: pull queue %s: %d messages, seq %d-%d, leader %q", stream, info.Messages, info.FirstSeq, info.LastSeq, info.Leader)
+		}
 	}
 	for _, n := range nodes {
-		st, err := b.Consumer(ctx, events.PullStream, events.PullerDurable(n))
+		st, err := b.Consumer(ctx, events.PullStreamOf(n), events.PullerDurable(n))
 		if err != nil {
 			t.Logf("state: consumer of %s: %v", n, err)
 			continue

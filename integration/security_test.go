@@ -194,8 +194,12 @@ func TestSecurityNodeIsolation(t *testing.T) {
 		wantViolation(t, "A requests B's gc", a.Request(c, events.CommandSubject(nodeB, events.VerbGC), nil, nil))
 		c2, cancel2 := short(t)
 		defer cancel2()
-		_, err := a.PublishCommand(c2, events.CommandSubject(nodeB, events.VerbPull), "", map[string]string{"image": "x"}, nil)
+		_, err := a.PublishCommand(c2, events.PullSubject(nodeB), "", map[string]string{"image": "x"}, nil)
 		wantViolation(t, "A queues a pull on B", err)
+		c3, cancel3 := short(t)
+		defer cancel3()
+		_, err = a.PublishCommand(c3, events.LegacyPullSubject(nodeB), "", map[string]string{"image": "x"}, nil)
+		wantViolation(t, "A queues a pull on B's legacy queue", err)
 		if n := bGot.Load() - base; n != 0 {
 			t.Errorf("B ran %d commands sent by A", n)
 		}
@@ -234,52 +238,75 @@ func TestSecurityNodeIsolation(t *testing.T) {
 		<-done
 	})
 	t.Run("own pull queue only", func(t *testing.T) {
-		if _, err := admin.PublishCommand(ctx, events.CommandSubject(nodeA, events.VerbPull), "p1", map[string]string{"image": "busybox"}, nil); err != nil {
+		if events.PullStreamOf(nodeA) == events.PullStreamOf(nodeB) {
+			t.Fatalf("nodes %s and %s share pull partition %s: the cross-partition cases need two", nodeA, nodeB, events.PullStreamOf(nodeA))
+		}
+		// consumeOne consumes durable on stream with filter as A and returns the first body delivered.
+		consumeOne := func(t *testing.T, stream, filter string) {
+			t.Helper()
+			cctx, cancel := context.WithCancel(ctx)
+			got := make(chan string, 1)
+			done := make(chan error, 1)
+			go func() {
+				done <- a.Consume(cctx, bus.ConsumerConfig{Stream: stream, Durable: events.PullerDurable(nodeA),
+					FilterSubjects: []string{filter}, MaxAckPending: 2},
+					func(_ context.Context, m *bus.Msg) error {
+						select {
+						case got <- string(m.Data):
+						default:
+						}
+						return nil
+					})
+			}()
+			select {
+			case body := <-got:
+				if !strings.Contains(body, "busybox") {
+					t.Errorf("A's pull command = %s", body)
+				}
+			case err := <-done:
+				t.Fatalf("consume own pull queue on %s: %v", stream, err)
+			case <-time.After(10 * time.Second):
+				t.Fatalf("A's pull command not delivered to A's consumer on %s", stream)
+			}
+			cancel()
+			<-done
+		}
+		if _, err := admin.PublishCommand(ctx, events.PullSubject(nodeA), "p1", map[string]string{"image": "busybox"}, nil); err != nil {
 			t.Fatal(err)
 		}
-		cctx, cancel := context.WithCancel(ctx)
-		got := make(chan string, 1)
-		done := make(chan error, 1)
-		go func() {
-			done <- a.Consume(cctx, bus.ConsumerConfig{Stream: events.PullStream, Durable: events.PullerDurable(nodeA),
-				FilterSubjects: []string{events.CommandSubject(nodeA, events.VerbPull)}, MaxAckPending: 2},
-				func(_ context.Context, m *bus.Msg) error {
-					select {
-					case got <- string(m.Data):
-					default:
-					}
-					return nil
-				})
-		}()
-		select {
-		case body := <-got:
-			if !strings.Contains(body, "busybox") {
-				t.Errorf("A's pull command = %s", body)
-			}
-		case err := <-done:
-			t.Fatalf("consume own pull queue: %v", err)
-		case <-time.After(10 * time.Second):
-			t.Fatal("A's pull command not delivered to A's consumer")
+		consumeOne(t, events.PullStreamOf(nodeA), events.PullSubject(nodeA))
+		// Its legacy durable on the single queue of earlier releases, drained during an upgrade.
+		if _, err := admin.PublishCommand(ctx, events.LegacyPullSubject(nodeA), "p2", map[string]string{"image": "busybox"}, nil); err != nil {
+			t.Fatal(err)
 		}
-		cancel()
-		<-done
+		consumeOne(t, events.PullStream, events.LegacyPullSubject(nodeA))
 
-		c, cancel2 := short(t)
-		defer cancel2()
-		durB := events.PullerDurable(nodeB)
-		err := a.Consume(c, bus.ConsumerConfig{Stream: events.PullStream, Durable: durB,
-			FilterSubjects: []string{events.CommandSubject(nodeB, events.VerbPull)}}, func(context.Context, *bus.Msg) error { return nil })
-		if err == nil {
-			t.Fatal("A created a consumer on B's pull queue")
+		refused := func(t *testing.T, what, stream, durable, filter string) {
+			t.Helper()
+			c, cancel := short(t)
+			defer cancel()
+			cc := bus.ConsumerConfig{Stream: stream, Durable: durable}
+			if filter != "" {
+				cc.FilterSubjects = []string{filter}
+			}
+			if err := a.Consume(c, cc, func(context.Context, *bus.Msg) error { return nil }); err == nil {
+				t.Fatalf("A created %s", what)
+			}
+			if filter != "" {
+				waitViolation(t, a, "$JS.API.CONSUMER.CREATE."+stream+"."+durable+"."+filter)
+			}
 		}
-		waitViolation(t, a, "$JS.API.CONSUMER.CREATE."+events.PullStream+"."+durB+"."+events.CommandSubject(nodeB, events.VerbPull))
-		// Nor a consumer of its own name over the whole queue (no filter).
-		c3, cancel3 := short(t)
-		defer cancel3()
-		if err := a.Consume(c3, bus.ConsumerConfig{Stream: events.PullStream, Durable: events.PullerDurable(nodeA) + "-all"},
-			func(context.Context, *bus.Msg) error { return nil }); err == nil {
-			t.Error("A created an unfiltered consumer on the pull queue")
-		}
+		durA, durB := events.PullerDurable(nodeA), events.PullerDurable(nodeB)
+		refused(t, "B's consumer on B's partition", events.PullStreamOf(nodeB), durB, events.PullSubject(nodeB))
+		refused(t, "B's legacy consumer", events.PullStream, durB, events.LegacyPullSubject(nodeB))
+		// Its own name on B's partition stream, filtered to B's requests.
+		refused(t, "a consumer on B's partition", events.PullStreamOf(nodeB), durA, events.PullSubject(nodeB))
+		// Its own name on its partition, filtered to the whole partition (every node of it).
+		refused(t, "a consumer over its whole partition", events.PullStreamOf(nodeA), durA,
+			events.PullPartitionSubjects(events.PullPartition(nodeA)))
+		// Nor a consumer of its own name over a whole queue (no filter).
+		refused(t, "an unfiltered consumer on its partition", events.PullStreamOf(nodeA), durA+"-all", "")
+		refused(t, "an unfiltered consumer on the legacy queue", events.PullStream, durA+"-all", "")
 	})
 	t.Run("own records only", func(t *testing.T) {
 		kv, err := a.KVExisting(ctx, "imagefleet-records")
@@ -370,7 +397,7 @@ func TestSecurityFleetAndInventory(t *testing.T) {
 		_ = a.Serve(serveCtx, events.CommandSubject(node, events.VerbGC), "gc", func(context.Context, []byte) (any, error) { return "ok", nil })
 	}()
 	waitServing(t, fleet, events.CommandSubject(node, events.VerbGC))
-	if _, err := fleet.PublishCommand(ctx, events.CommandSubject(node, events.VerbPull), "f1", map[string]string{"image": "x"}, nil); err != nil {
+	if _, err := fleet.PublishCommand(ctx, events.PullSubject(node), "f1", map[string]string{"image": "x"}, nil); err != nil {
 		t.Errorf("fleet queues a pull: %v", err)
 	}
 	ev, _ := events.New(node, events.EntityImage, events.ActionRemoved, nil)
@@ -598,7 +625,7 @@ func TestSecurityAgentRunsWithANodeIdentity(t *testing.T) {
 	if err != nil {
 		t.Fatalf("bus init with the admin identity: %v\n%s", err, out)
 	}
-	for _, s := range []string{events.EventsStream, events.PullStream, events.DeadLetterStream, "KV_" + events.RecordsBucket, "KV_" + events.PodsBucket, "KV_" + events.KubeEventsBucket, "KV_" + events.GCLeaseBucket} {
+	for _, s := range []string{events.EventsStream, events.PullStream, events.PullPartitionStream(0), events.PullPartitionStream(events.PullPartitions - 1), events.DeadLetterStream, "KV_" + events.RecordsBucket, "KV_" + events.PodsBucket, "KV_" + events.KubeEventsBucket, "KV_" + events.GCLeaseBucket} {
 		if !strings.Contains(string(out), s) {
 			t.Errorf("bus init output lacks %s:\n%s", s, out)
 		}

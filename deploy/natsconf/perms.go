@@ -53,15 +53,24 @@ func inbox(pub string) string { return "_INBOX." + pub + ".>" }
 func NodePermissions(node, pub string) Permissions {
 	t := events.NodeToken(node)
 	durable := events.PullerDurable(node)
-	pullFilter := events.CommandSubject(node, events.VerbPull)
+	pullStream, pullFilter := events.PullStreamOf(node), events.PullSubject(node)
+	legacyFilter := events.LegacyPullSubject(node)
 	pub1 := []string{
 		events.Prefix + ".evt." + t + ".>",
 		events.Prefix + ".cmd." + t + ".>",
 		events.Prefix + ".qry." + t + ".>",
 		"$JS.API.INFO",
 		"$JS.API.STREAM.INFO.*",
-		// The node's pull consumer: create (only with its own filter), info, fetch, ack.
-		"$JS.API.CONSUMER.CREATE." + events.PullStream + "." + durable + "." + pullFilter,
+		// The node's pull consumer on its partition stream: create (only with its own filter), info, fetch,
+		// ack. Not on any other partition, nor under another name.
+		"$JS.API.CONSUMER.CREATE." + pullStream + "." + durable + "." + pullFilter,
+		"$JS.API.CONSUMER.INFO." + pullStream + "." + durable,
+		"$JS.API.CONSUMER.MSG.NEXT." + pullStream + "." + durable,
+		"$JS.ACK." + pullStream + "." + durable + ".>",
+		// Legacy: the same durable on the single pull queue of earlier releases, which new agents drain during
+		// an upgrade (info, fetch, ack). Create stays allowed with the node's own filter only, so an agent of
+		// the previous release run with credentials made by this one still opens its consumer.
+		"$JS.API.CONSUMER.CREATE." + events.PullStream + "." + durable + "." + legacyFilter,
 		"$JS.API.CONSUMER.INFO." + events.PullStream + "." + durable,
 		"$JS.API.CONSUMER.MSG.NEXT." + events.PullStream + "." + durable,
 		"$JS.ACK." + events.PullStream + "." + durable + ".>",

@@ -221,7 +221,7 @@ func (w *PullWatch) Action() NodeAction {
 		ch := w.wait(id)
 		req := events.PullRequest{ID: id, Image: w.image, Policy: w.policy, AllowPrivate: w.AllowPrivate, Enqueued: time.Now().UTC()}
 		if err := retryTransient(ctx, func(ctx context.Context) error {
-			_, err := w.b.PublishCommand(ctx, events.CommandSubject(node, events.VerbPull), id, req, nil)
+			_, err := w.b.PublishCommand(ctx, events.PullSubject(node), id, req, nil)
 			return err
 		}); err != nil {
 			return events.RolloutNodeResult{Node: node, Error: err.Error()}

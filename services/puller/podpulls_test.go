@@ -150,7 +150,7 @@ func TestPodAddedEnqueuesPulls(t *testing.T) {
 	if n := rt.pulls.Load(); n != 2 {
 		t.Errorf("runtime pulls = %d, want 2 (app and proxy, once each)", n)
 	}
-	st, err := b.Stream(t.Context(), events.PullStream)
+	st, err := b.Stream(t.Context(), events.PullStreamOf(testNode))
 	if err != nil {
 		t.Fatal(err)
 	}

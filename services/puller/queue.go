@@ -17,11 +17,11 @@ import (
 // so the caller gets backpressure instead of blocking, whatever the number of publishers or pullers.
 var ErrPullQueueFull = errors.New("pull queue full")
 
-// Enqueue stores a pull request in node's work queue (de-duplicated by its ID) and returns its stream
-// sequence. The pull stream's only limit is the per-node one, so the stream's refusal (bus.ErrStreamLimit,
-// the server's error code, not its text) is ErrPullQueueFull.
+// Enqueue stores a pull request in node's work queue, its partition stream (events.PullSubject; de-duplicated
+// by its ID) and returns its stream sequence. The pull stream's only limit is the per-node one, so the
+// stream's refusal (bus.ErrStreamLimit, the server's error code, not its text) is ErrPullQueueFull.
 func Enqueue(ctx context.Context, b *bus.Bus, node string, req events.PullRequest) (uint64, error) {
-	subject := events.CommandSubject(node, events.VerbPull)
+	subject := events.PullSubject(node)
 	seq, err := b.PublishCommand(ctx, subject, req.ID, req, nil)
 	if errors.Is(err, bus.ErrStreamLimit) {
 		return 0, fmt.Errorf("publish command to %s: %w", subject, ErrPullQueueFull)
@@ -30,13 +30,15 @@ func Enqueue(ctx context.Context, b *bus.Bus, node string, req events.PullReques
 }
 
 // QueueCollector exports, for each node, the depth of its pull work queue and the pull tokens in use,
-// read from the node's durable pull consumer (events.PullerDurable) at every scrape:
+// read from the node's durable pull consumer (events.PullerDurable on its partition stream,
+// events.PullStreamOf) at every scrape:
 //
 //	imagefleet_pull_queue_depth{node}      pull commands waiting (the consumer's NumPending)
 //	imagefleet_pull_tokens_in_use{node}    pulls in flight (NumAckPending)
 //	imagefleet_pull_tokens{node}           the node's token limit (MaxAckPending)
 //
-// A node whose consumer does not exist yet is left out of the scrape.
+// A node whose consumer does not exist yet is left out of the scrape. While a node still has a durable on
+// the legacy single queue (a rolling upgrade), its waiting and in-flight requests are added in.
 type QueueCollector struct {
 	b       *bus.Bus
 	nodes   []string
@@ -67,9 +69,13 @@ func (c *QueueCollector) Collect(ch chan<- prometheus.Metric) {
 	ctx, cancel := context.WithTimeout(context.Background(), c.timeout)
 	defer cancel()
 	for _, node := range c.nodes {
-		q, err := c.b.Consumer(ctx, events.PullStream, events.PullerDurable(node))
+		q, err := c.b.Consumer(ctx, events.PullStreamOf(node), events.PullerDurable(node))
 		if err != nil {
 			continue
+		}
+		// During an upgrade the node also drains its legacy durable: its requests count too.
+		if l, err := c.b.Consumer(ctx, events.PullStream, events.PullerDurable(node)); err == nil {
+			q.NumPending, q.NumAckPending = q.NumPending+l.NumPending, q.NumAckPending+l.NumAckPending
 		}
 		ch <- prometheus.MustNewConstMetric(c.depth, prometheus.GaugeValue, float64(q.NumPending), node)
 		ch <- prometheus.MustNewConstMetric(c.inUse, prometheus.GaugeValue, float64(q.NumAckPending), node)

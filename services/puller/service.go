@@ -128,18 +128,11 @@ func (s *Service) Run(ctx context.Context) error {
 			})
 		})
 	}
-	goRun(func() error {
-		tokens := s.cfg.Tokens()
-		cc := bus.ConsumerConfig{Stream: events.PullStream, Durable: events.PullerDurable(s.cfg.Node),
-			FilterSubjects: []string{events.CommandSubject(s.cfg.Node, events.VerbPull)},
-			MaxAckPending:  tokens, AckWait: s.cfg.AckWait, MaxDeliver: s.cfg.MaxDeliver}
-		if tokens == 0 {
-			cc.MaxAckPending, cc.Concurrency = 1000, 256
-		}
-		return s.bus.Consume(ctx, cc, func(ctx context.Context, m *bus.Msg) error {
-			return s.HandlePull(ctx, m.Data, Delivery{Count: m.NumDelivered, InProgress: m.InProgress})
-		})
-	})
+	handle := func(ctx context.Context, m *bus.Msg) error {
+		return s.HandlePull(ctx, m.Data, Delivery{Count: m.NumDelivered, InProgress: m.InProgress})
+	}
+	goRun(func() error { return s.bus.Consume(ctx, ConsumerConfig(s.cfg), handle) })
+	goRun(func() error { return drainLegacy(ctx, s.bus, s.cfg, handle) })
 	goRun(func() error {
 		t := time.NewTicker(time.Minute)
 		defer t.Stop()

@@ -250,7 +250,7 @@ func TestTokensAcrossReplicas(t *testing.T) {
 	if got := rt.inFlight.Load(); got != 2 {
 		t.Fatalf("%d pulls in flight, want 2", got)
 	}
-	st, err := b.Consumer(t.Context(), events.PullStream, events.PullerDurable(testNode))
+	st, err := b.Consumer(t.Context(), events.PullStreamOf(testNode), events.PullerDurable(testNode))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -395,7 +395,7 @@ func TestMalformedRequests(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	startService(t, b, rt, Config{Registerer: reg})
 	sub := subscribePull(t, b)
-	subject := events.CommandSubject(testNode, events.VerbPull)
+	subject := events.PullSubject(testNode)
 	bodies := []any{
 		map[string]any{"id": "m1", "image": "busybox", "policy": "Sometimes"},
 		map[string]any{"id": "m2", "image": "busybox", "unknown": 1},

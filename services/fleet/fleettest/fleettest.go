@@ -158,6 +158,6 @@ func (n *Node) Pull(ctx context.Context, m *bus.Msg) error {
 
 // ServePulls consumes the node's pull work queue until ctx ends.
 func (n *Node) ServePulls(ctx context.Context) error {
-	return n.Bus.Consume(ctx, bus.ConsumerConfig{Stream: events.PullStream, Durable: "fleettest-puller-" + events.NodeToken(n.Name),
-		FilterSubjects: []string{events.CommandSubject(n.Name, events.VerbPull)}, MaxAckPending: 2, AckWait: time.Minute}, n.Pull)
+	return n.Bus.Consume(ctx, bus.ConsumerConfig{Stream: events.PullStreamOf(n.Name), Durable: "fleettest-puller-" + events.NodeToken(n.Name),
+		FilterSubjects: []string{events.PullSubject(n.Name)}, MaxAckPending: 2, AckWait: time.Minute}, n.Pull)
 }

@@ -1,0 +1,43 @@
+package bus
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// openConsumer creates or updates the consumer cc on cfg.Stream, or with cfg.Bind only finds it.
+func (b *Bus) openConsumer(ctx context.Context, cfg ConsumerConfig, cc jetstream.ConsumerConfig) (jetstream.Consumer, error) {
+	if cfg.Bind {
+		return b.js.Consumer(ctx, cfg.Stream, cfg.Durable)
+	}
+	return b.js.CreateOrUpdateConsumer(ctx, cfg.Stream, cc)
+}
+
+// EnsureConsumer creates (or updates) the durable consumer cfg describes, with the settings Consume gives
+// it, without consuming: for tools and benchmarks that make consumers as the workers do.
+func (b *Bus) EnsureConsumer(ctx context.Context, cfg ConsumerConfig) error {
+	cfg, cc := consumerSettings(cfg)
+	return b.retryTransient(ctx, "consumer "+cfg.Durable, func(actx context.Context) error {
+		if _, err := b.js.CreateOrUpdateConsumer(actx, cfg.Stream, cc); err != nil {
+			return fmt.Errorf("consumer %s on %s: %w", cfg.Durable, cfg.Stream, err)
+		}
+		return nil
+	})
+}
+
+// IsStreamNotFound reports whether err says the stream does not exist.
+func IsStreamNotFound(err error) bool { return errors.Is(err, jetstream.ErrStreamNotFound) }
+
+// IsMaxConsumers reports whether err is the server's refusal of a consumer over its stream's, account's or
+// server's consumer limit (JSMaximumConsumersLimitErr, 10026).
+func IsMaxConsumers(err error) bool {
+	var apiErr *jetstream.APIError
+	return errors.As(err, &apiErr) && apiErr.ErrorCode == jsMaxConsumers
+}
+
+// jsMaxConsumers is the JetStream API error code "maximum consumers limit reached" (10026); nats.go names
+// no constant for it.
+const jsMaxConsumers jetstream.ErrorCode = 10026
