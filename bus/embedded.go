@@ -131,3 +131,25 @@ func (s serverLog) Tracef(format string, v ...any) {
 // NumLeafNodes is the number of leaf node connections the server has (a hub's leaf servers, or a leaf's
 // connection to its hub).
 func (s *Server) NumLeafNodes() int { return s.s.NumLeafNodes() }
+
+// LeafTraffic is what crossed the server's leaf node connections since they were made, summed over them:
+// messages and bytes in (from the leaves) and out (to them).
+type LeafTraffic struct {
+	InMsgs, OutMsgs, InBytes, OutBytes int64
+}
+
+// LeafTraffic sums the traffic of the server's leaf node connections.
+func (s *Server) LeafTraffic() (LeafTraffic, error) {
+	z, err := s.s.Leafz(nil)
+	if err != nil {
+		return LeafTraffic{}, fmt.Errorf("leafz: %w", err)
+	}
+	var t LeafTraffic
+	for _, l := range z.Leafs {
+		t.InMsgs += l.InMsgs
+		t.OutMsgs += l.OutMsgs
+		t.InBytes += l.InBytes
+		t.OutBytes += l.OutBytes
+	}
+	return t, nil
+}

@@ -96,6 +96,11 @@ type NodeInfo struct {
 	ImageFs        ImageFsUsage      `json:"imageFs"`
 	AgentVersion   string            `json:"agentVersion,omitempty"`
 	Workers        []string          `json:"workers,omitempty"`
+	// JSDomain is the JetStream domain holding the node's pull work queue when it is not the fleet's: the
+	// node's agent is connected to a leaf nats-server with a domain of its own (docs/scale.md). A pull
+	// request for the node is published to events.DomainSubject(JSDomain, subject) there. Empty: the
+	// fleet's domain.
+	JSDomain string `json:"jsDomain,omitempty"`
 	// Started is when the agent started; Heartbeat when this heartbeat was sent; Period the heartbeat period.
 	Started   time.Time `json:"started"`
 	Heartbeat time.Time `json:"heartbeat"`

@@ -30,6 +30,7 @@ type cli struct {
 	timeout   time.Duration
 	logLevel  string
 	logFormat string
+	jsDomain  string
 }
 
 func newRootCmd() *cobra.Command {
@@ -72,6 +73,7 @@ func newRootCmd() *cobra.Command {
 	pf.StringVar(&cl.tlsCA, "tls-ca", "", "CA certificate for the NATS server")
 	pf.StringVar(&cl.tlsCert, "tls-cert", "", "client certificate for NATS")
 	pf.StringVar(&cl.tlsKey, "tls-key", "", "client key for NATS")
+	pf.StringVar(&cl.jsDomain, "js-domain", "", "JetStream domain of the fleet-wide streams and buckets when --nats is a leaf server with a domain of its own (e.g. hub): the node's pull queues and records stay in the leaf's domain (docs/operations.md)")
 	pf.DurationVar(&cl.timeout, "timeout", 30*time.Second, "how long a command waits for an answer")
 	pf.StringVar(&cl.logLevel, "log-level", "info", "log level: debug, info, warn, error")
 	pf.StringVar(&cl.logFormat, "log-format", "text", "log format: text or json")
@@ -98,7 +100,7 @@ func (cl *cli) setupLogging(w io.Writer) error {
 // busOptions are the connection options from the global flags.
 func (cl *cli) busOptions(name string) bus.Options {
 	return bus.Options{Name: name, CredsFile: cl.creds, NKeyFile: cl.nkey, TLSCA: cl.tlsCA, TLSCert: cl.tlsCert,
-		TLSKey: cl.tlsKey, ConnectTimeout: cl.timeout, Logger: slog.Default()}
+		TLSKey: cl.tlsKey, ConnectTimeout: cl.timeout, Logger: slog.Default(), JSDomain: cl.jsDomain}
 }
 
 // connect connects a client command to NATS.

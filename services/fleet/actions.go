@@ -94,6 +94,9 @@ type PullWatch struct {
 	// set it before Action runs.
 	AllowPrivate bool
 
+	// domains are the JetStream domains of the nodes whose pull queue is on a leaf (NodeInfo.JSDomain).
+	domains map[string]string
+
 	mu      sync.Mutex
 	results map[string]events.PullResult
 	waiters map[string]chan events.PullResult
@@ -112,8 +115,12 @@ func StartPullWatch(ctx context.Context, b *bus.Bus, rolloutID, image, policy st
 	}); err != nil {
 		return nil, fmt.Errorf("pull rollout: %w", err)
 	}
+	domains, err := nodeDomains(ctx, b)
+	if err != nil {
+		return nil, fmt.Errorf("pull rollout: %w", err)
+	}
 	wctx, cancel := context.WithCancel(ctx)
-	w := &PullWatch{b: b, rolloutID: rolloutID, image: image, policy: policy,
+	w := &PullWatch{b: b, rolloutID: rolloutID, image: image, policy: policy, domains: domains,
 		results: map[string]events.PullResult{}, waiters: map[string]chan events.PullResult{},
 		cancel: cancel, done: make(chan struct{})}
 	go w.follow(wctx, start)
@@ -221,7 +228,7 @@ func (w *PullWatch) Action() NodeAction {
 		ch := w.wait(id)
 		req := events.PullRequest{ID: id, Image: w.image, Policy: w.policy, AllowPrivate: w.AllowPrivate, Enqueued: time.Now().UTC()}
 		if err := retryTransient(ctx, func(ctx context.Context) error {
-			_, err := w.b.PublishCommand(ctx, events.PullSubject(node), id, req, nil)
+			_, err := w.b.PublishCommand(ctx, w.pullSubject(node), id, req, nil)
 			return err
 		}); err != nil {
 			return events.RolloutNodeResult{Node: node, Error: err.Error()}

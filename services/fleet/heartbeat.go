@@ -179,7 +179,8 @@ func (h *Heartbeat) Beat(ctx context.Context) (events.NodeInfo, error) {
 // Info reads the runtime and builds the heartbeat (runtime problems go into Error, not into err).
 func (h *Heartbeat) Info(ctx context.Context) events.NodeInfo {
 	info := events.NodeInfo{Node: h.cfg.Node, Labels: h.cfg.Labels, AgentVersion: h.cfg.AgentVersion,
-		Workers: h.cfg.Workers, Started: h.started, Period: events.Duration{Duration: h.cfg.Period}}
+		Workers: h.cfg.Workers, Started: h.started, Period: events.Duration{Duration: h.cfg.Period},
+		JSDomain: h.b.PullDomain()}
 	var problems []string
 	name, version, err := h.rt.Version(ctx)
 	if err != nil {

@@ -1,0 +1,240 @@
+package integration_test
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/bus/bustest"
+	"github.com/imagefleet/imagefleet/deploy/natsconf"
+	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/services/fleet"
+)
+
+// leafLayout is docs/scale.md's leaf-node layout at small scale, from deploy/nats/leaf-hub.conf and
+// leaf-edge.conf (TLS on the leaf connections with test certificates): a hub in JetStream domain "hub" and
+// one leaf nats-server per zone, each in a domain of its own.
+type leafLayout struct {
+	hub    *bus.Server
+	leaves map[string]*bus.Server // by domain
+	b      *bus.Bus               // a client of the hub
+}
+
+// startLeafLayout starts the hub and a leaf per domain (embedded nats-servers from the deploy configs) and
+// waits until every leaf is connected to the hub.
+func startLeafLayout(t testing.TB, domains ...string) *leafLayout {
+	t.Helper()
+	certs, err := natsconf.GenerateCerts(t.TempDir(), nil, time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	certPaths := []string{
+		"/etc/imagefleet/tls/server.pem", certs.ServerCert, "/etc/imagefleet/tls/server-key.pem", certs.ServerKey,
+		"/etc/imagefleet/tls/client.pem", certs.ClientCert, "/etc/imagefleet/tls/client-key.pem", certs.ClientKey,
+		"/etc/imagefleet/tls/ca.pem", certs.CA,
+	}
+	dir := t.TempDir()
+	render := func(src, name string, repl ...string) string {
+		raw, err := os.ReadFile(filepath.Join("..", "deploy", "nats", src))
+		if err != nil {
+			t.Fatal(err)
+		}
+		out := filepath.Join(dir, name+".conf")
+		if err := os.WriteFile(out, []byte(strings.NewReplacer(append(certPaths, repl...)...).Replace(string(raw))), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return out
+	}
+	start := func(name, conf string) *bus.Server {
+		srv, err := bus.StartServer(bus.ServerConfig{ConfigFile: conf, Listen: "127.0.0.1:-1",
+			StoreDir: filepath.Join(dir, name), ServerName: "imagefleet-" + name})
+		if err != nil {
+			t.Fatalf("start %s from %s: %v", name, conf, err)
+		}
+		t.Cleanup(srv.Shutdown)
+		return srv
+	}
+	leafPort := freePort(t)
+	l := &leafLayout{leaves: map[string]*bus.Server{}}
+	l.hub = start("hub", render("leaf-hub.conf", "hub", `"0.0.0.0:7422"`, fmt.Sprintf(`"127.0.0.1:%d"`, leafPort)))
+	t.Setenv("IMAGEFLEET_HUB_LEAF_URL", fmt.Sprintf("nats-leaf://127.0.0.1:%d", leafPort))
+	for _, d := range domains {
+		l.leaves[d] = start(d, render("leaf-edge.conf", d, `"edge-1"`, fmt.Sprintf("%q", d)))
+	}
+	bustest.WaitWithin(t, "every leaf connected to the hub", time.Minute, func() bool { return l.hub.NumLeafNodes() == len(domains) })
+	b, err := bus.Connect(t.Context(), l.hub.ClientURL(), bus.Options{Name: "leaf-test"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(b.Close)
+	if err := b.EnsureStreams(t.Context(), bus.StreamsConfig{}); err != nil {
+		t.Fatal(err)
+	}
+	l.b = b
+	return l
+}
+
+// leafTraffic reads what crossed the hub's leaf connections so far.
+func (l *leafLayout) leafTraffic(t testing.TB) bus.LeafTraffic {
+	t.Helper()
+	tr, err := l.hub.LeafTraffic()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tr
+}
+
+// pullQueues sums, over the pull work queues of the server c is connected to (its own domain), the
+// requests ever stored.
+func pullQueues(ctx context.Context, c *bus.Bus) (uint64, error) {
+	names, err := c.StreamNames(ctx)
+	if err != nil {
+		return 0, err
+	}
+	var stored uint64
+	for _, n := range names {
+		if n != events.PullStream && !strings.HasPrefix(n, events.PullStream+"_") {
+			continue
+		}
+		info, err := c.Stream(ctx, n)
+		if err != nil {
+			return 0, err
+		}
+		stored += info.LastSeq
+	}
+	return stored, nil
+}
+
+// TestLeafDomainsFleetRollouts: a hub and two leaf domains from the deploy configs, three hollow agents with
+// the real workers on each leaf (imagefleet hollow --js-domain hub), and a fleet GC and a fleet pre-pull
+// started at the hub: both reach the six nodes across the leaf connections and complete, each node acts
+// once (its result events stored in the hub's stream), every pull request is stored once, in the node's
+// own leaf domain, and none in the hub's queues.
+func TestLeafDomainsFleetRollouts(t *testing.T) {
+	const perLeaf, images = 3, 4
+	ctx := t.Context()
+	bin := imagefleetBinary(t)
+	domains := []string{"leaf-a", "leaf-b"}
+	l := startLeafLayout(t, domains...)
+	hubURL := l.hub.ClientURL()
+
+	var hollows []*proc
+	for i, d := range domains {
+		hollows = append(hollows, startHollow(t, bin, "hollow-"+d, l.leaves[d].ClientURL(), perLeaf,
+			"--first", fmt.Sprint(i*perLeaf), "--last", fmt.Sprint(len(domains)*perLeaf), "--js-domain", "hub",
+			"--images-per-node", fmt.Sprint(images), "--heartbeat-period", "1s"))
+	}
+	n := len(domains) * perLeaf
+	nodes, waited := waitReady(t, l.b, hollows[0], "hollow-", n, 2*time.Minute)
+	t.Logf("%d hollow nodes on 2 leaf domains Ready in the hub's registry after %s", len(nodes), waited.Round(time.Millisecond))
+
+	// Each node reports its leaf's domain.
+	reg, err := fleet.OpenRegistry(ctx, l.b, fleet.RegistryOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	listed, err := reg.Nodes(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, nd := range listed {
+		var i int
+		if _, err := fmt.Sscanf(nd.Node, "hollow-%05d", &i); err != nil {
+			continue
+		}
+		if want := domains[i/perLeaf]; nd.JSDomain != want {
+			t.Errorf("node %s reports domain %q, want %q", nd.Node, nd.JSDomain, want)
+		}
+	}
+
+	// A fleet GC from the hub: core requests to each node's executor across the leaf connections.
+	before, err := streamEnd(ctx, l.b, events.EventsStream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	link := l.leafTraffic(t)
+	began := time.Now()
+	var gcRes events.RolloutResult
+	if err := cliJSON(t, bin, &gcRes, "fleet", "gc", "--all-unused", "--nats", hubURL); err != nil {
+		t.Fatal(err)
+	}
+	gcWall, gcLink := time.Since(began), l.leafTraffic(t)
+	if gcRes.Succeeded != n || len(gcRes.Failed) != 0 {
+		t.Fatalf("fleet gc: %d succeeded, failed %v", gcRes.Succeeded, gcRes.Failed)
+	}
+	for _, nr := range gcRes.Nodes {
+		if nr.GC == nil || len(nr.GC.Removed) != images {
+			t.Fatalf("node %s: gc result %+v", nr.Node, nr.GC)
+		}
+	}
+	bustest.Eventually(t, "one gc.finished event of each node in the hub's stream", time.Minute, func() error {
+		counts, err := gcFinishedPerNode(ctx, l.b, before, false)
+		if err != nil {
+			return err
+		}
+		if bad := onceEach(nodes, counts); bad != "" {
+			return fmt.Errorf("%s", bad)
+		}
+		return nil
+	})
+
+	// A fleet pre-pull from the hub: each request addressed to its node's leaf domain.
+	const image = "registry.local/leaf/app:v1"
+	before, err = streamEnd(ctx, l.b, events.EventsStream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hubQueued, err := pullQueues(ctx, l.b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	link2 := l.leafTraffic(t)
+	began = time.Now()
+	var pullRes events.RolloutResult
+	if err := cliJSON(t, bin, &pullRes, "fleet", "pull", image, "--nats", hubURL); err != nil {
+		t.Fatal(err)
+	}
+	pullWall, pullLink := time.Since(began), l.leafTraffic(t)
+	if pullRes.Succeeded != n || len(pullRes.Failed) != 0 {
+		t.Fatalf("fleet pull: %d succeeded, failed %v", pullRes.Succeeded, pullRes.Failed)
+	}
+	bustest.Eventually(t, "one pull result of each node in the hub's stream", time.Minute, func() error {
+		counts, err := pullResultsPerNode(ctx, l.b, before, pullRes.ID)
+		if err != nil {
+			return err
+		}
+		if bad := onceEach(nodes, counts); bad != "" {
+			return fmt.Errorf("%s", bad)
+		}
+		return nil
+	})
+	if q, err := pullQueues(ctx, l.b); err != nil || q != hubQueued {
+		t.Errorf("the hub's pull queues stored %d requests (%v); want none", q-hubQueued, err)
+	}
+	for _, d := range domains {
+		c, err := bus.Connect(ctx, l.leaves[d].ClientURL(), bus.Options{Name: "leaf-test-" + d})
+		if err != nil {
+			t.Fatal(err)
+		}
+		q, err := pullQueues(ctx, c)
+		c.Close()
+		if err != nil || q != perLeaf {
+			t.Errorf("%s's pull queues stored %d requests (%v); want %d, one per node of the leaf", d, q, err, perLeaf)
+		}
+	}
+	if t.Failed() {
+		return
+	}
+	perNode := func(a, b bus.LeafTraffic) string {
+		return fmt.Sprintf("%.1f msgs/node (%.1f to the leaves, %.1f from them), %.0f bytes/node",
+			float64(b.OutMsgs+b.InMsgs-a.OutMsgs-a.InMsgs)/float64(n), float64(b.OutMsgs-a.OutMsgs)/float64(n),
+			float64(b.InMsgs-a.InMsgs)/float64(n), float64(b.OutBytes+b.InBytes-a.OutBytes-a.InBytes)/float64(n))
+	}
+	t.Logf("fleet gc across 2 leaf domains, %d nodes: %s wall, leaf links %s", n, gcWall.Round(time.Millisecond), perNode(link, gcLink))
+	t.Logf("fleet pull across 2 leaf domains, %d nodes: %s wall, leaf links %s", n, pullWall.Round(time.Millisecond), perNode(link2, pullLink))
+}
