@@ -39,6 +39,8 @@ type hollowConfig struct {
 	StartRate string
 	// Zones, when > 0, labels node i zone=z<i mod Zones> (besides --node-labels).
 	Zones int
+	// MemProfile, when set, is where the heap profile goes 10 s after every agent runs (diagnostics).
+	MemProfile string
 }
 
 // hollowDefaults are the agent flags whose default differs in `imagefleet hollow` (docs/hollow.md).
@@ -85,6 +87,8 @@ func (h *hollowConfig) flags(fs *pflag.FlagSet) {
 	fs.DurationVar(&h.PullDelay, "pull-delay", 100*time.Millisecond, "how long every pull takes on a hollow runtime (the hollow registry's delay); the image appears when it ends")
 	fs.StringVar(&h.StartRate, "start-rate", "500/s", "agents started per second (N/s or N), so N connections do not arrive at once")
 	fs.IntVar(&h.Zones, "zones", 0, "label node i zone=z<i mod zones> for fleet selectors (0: no zone label)")
+	fs.StringVar(&h.MemProfile, "mem-profile", "", "write the heap profile to this file 10 s after every agent runs (diagnostics)")
+	_ = fs.MarkHidden("mem-profile") // bound just above
 }
 
 // parseStartRate reads "500/s" or "500": agents per second, > 0.
@@ -266,8 +270,17 @@ func runHollow(ctx context.Context, cl *cli, cmd *cobra.Command, h *hollowConfig
 			fmt.Fprintf(stderr, "hollow: %d agents running (%s to %s, started in %s)\n", h.Nodes, p.names[0], p.names[len(p.names)-1],
 				time.Since(began).Round(time.Millisecond))
 		case <-gctx.Done():
+			return nil
 		}
-		return nil
+		if h.MemProfile == "" {
+			return nil
+		}
+		select {
+		case <-time.After(10 * time.Second):
+			return writeMemProfile(h.MemProfile)
+		case <-gctx.Done():
+			return nil
+		}
 	})
 	err = g.Wait()
 	fmt.Fprintf(stderr, "hollow: %d agents stopped\n", running.Load())
@@ -304,7 +317,7 @@ func runHollowNode(ctx context.Context, cl *cli, cmd *cobra.Command, h *hollowCo
 	var client *cri.Client
 	if needsCRI(p.defs) {
 		// A real gRPC CRI connection, in memory: ten thousand nodes use no file descriptor for it.
-		cc, stop, err := rt.DialWith(context.WithoutCancel(ctx), hollow.DialOptions{BufferSize: 32 << 10,
+		cc, stop, err := rt.DialWith(context.WithoutCancel(ctx), hollow.DialOptions{BufferSize: 8 << 10,
 			Client: cri.Config{Timeout: c.CRITimeout}})
 		if err != nil {
 			return err
