@@ -2,6 +2,7 @@ package bus
 
 import (
 	"context"
+	"errors"
 	"fmt"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -36,4 +37,17 @@ func (k *KV) Range(ctx context.Context, filter string, fn func(Entry) bool) erro
 			}
 		}
 	}
+}
+
+// DeleteIf removes key only if its latest revision is still rev (compare and delete); otherwise it returns an
+// error wrapping ErrConflict.
+func (k *KV) DeleteIf(ctx context.Context, key string, rev uint64) error {
+	err := k.kv.Delete(ctx, key, jetstream.LastRevision(rev))
+	if err != nil {
+		if errors.Is(err, jetstream.ErrKeyExists) || errors.Is(err, jetstream.ErrKeyRevisionMismatch) || isWrongLastSeq(err) {
+			return fmt.Errorf("kv delete %s/%s: %w", k.kv.Bucket(), key, ErrConflict)
+		}
+		return fmt.Errorf("kv delete %s/%s: %w", k.kv.Bucket(), key, err)
+	}
+	return nil
 }

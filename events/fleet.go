@@ -1,6 +1,8 @@
 package events
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
 	"fmt"
 	"strings"
 	"time"
@@ -20,7 +22,9 @@ const (
 	// NodesSeenBucket holds each node's last heartbeat without a TTL, so a node that stops is shown as lost
 	// instead of vanishing.
 	NodesSeenBucket = "imagefleet-nodes-seen"
-	// InventoryBucket holds the fleet inventory: one key per node and image, <node token>.<image id hex>.
+	// InventoryBucket holds the fleet inventory: one key per image and node, InventoryKey (image first, so
+	// the nodes holding an image are one key-filtered read); the previous release's keys were node first,
+	// InventoryNodeFirstKey, and are re-keyed in place by this release's replicas.
 	InventoryBucket = "imagefleet-inventory"
 	// RolloutStream stores every rollout's event stream (imagefleet.fleet.rollout.>).
 	RolloutStream = "IMAGEFLEET_ROLLOUTS"
@@ -33,6 +37,31 @@ const (
 	// PullEventsFilter matches every pull event of every node (a pre-pull's results).
 	PullEventsFilter = Prefix + ".evt.*." + EntityPull + ".>"
 )
+
+// InventoryImageToken makes an image ID one KV key token: "sha256:<hex>" becomes "sha256_<hex>"; anything
+// with other characters becomes "h_" and the SHA-256 of it.
+func InventoryImageToken(id string) string {
+	t := strings.ReplaceAll(id, ":", "_")
+	for _, r := range t {
+		if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '_' || r == '-' || r == '=') {
+			sum := sha256.Sum256([]byte(id))
+			return "h_" + hex.EncodeToString(sum[:])
+		}
+	}
+	return t
+}
+
+// InventoryKey is the key of image id on node in InventoryBucket: <image token>.<node token>.
+func InventoryKey(id, node string) string { return InventoryImageToken(id) + "." + NodeToken(node) }
+
+// InventoryImageKeys is the key filter of every node holding image id in InventoryBucket. (A node-first key
+// of the previous release can match it too, for a node named like an image token: a reader checks the value.)
+func InventoryImageKeys(id string) string { return InventoryImageToken(id) + ".*" }
+
+// InventoryNodeFirstKey is the previous release's key of image id on node: <node token>.<image token>.
+func InventoryNodeFirstKey(node, id string) string {
+	return NodeToken(node) + "." + InventoryImageToken(id)
+}
 
 // Rollout event kinds (the subject token after the rollout id).
 const (
@@ -140,6 +169,9 @@ type InventoryQuery struct {
 	Image string `json:"image,omitempty"`
 	// Limit caps the answer (0: no cap).
 	Limit int `json:"limit,omitempty"`
+	// Continue is the previous answer's Continue: this answer starts after it (added in issue 15; a replica of
+	// an earlier release refuses a query that sets it).
+	Continue string `json:"continue,omitempty"`
 }
 
 // Inventory query kinds.
@@ -208,6 +240,8 @@ type InventoryReply struct {
 	// Total counts the entries before Limit; TotalBytes sums them.
 	Total      int   `json:"total"`
 	TotalBytes int64 `json:"totalBytes"`
+	// Continue is set when entries follow this answer: the query's Continue for the next page.
+	Continue string `json:"continue,omitempty"`
 	// Replica names the replica that answered.
 	Replica string `json:"replica,omitempty"`
 }

@@ -49,6 +49,9 @@ func wireNames() [][2]string {
 		c("RemovalsDurablePrefix", RemovalsDurablePrefix), c("RemovalsDurable(node)", RemovalsDurable(node)),
 		// Keys.
 		c("RecordKey(node, \"sha256:ab\")", RecordKey(node, "sha256:ab")), c("RecordKeys(node)", RecordKeys(node)),
+		c("InventoryKey(\"sha256:ab\", node)", InventoryKey("sha256:ab", node)),
+		c("InventoryImageKeys(\"sha256:ab\")", InventoryImageKeys("sha256:ab")),
+		c("InventoryNodeFirstKey(node, \"sha256:ab\")", InventoryNodeFirstKey(node, "sha256:ab")),
 		// Fleet subjects and filters.
 		c("InventoryQuerySubject", InventoryQuerySubject), c("ImageEventsFilter", ImageEventsFilter),
 		c("PullEventsFilter", PullEventsFilter),

@@ -159,6 +159,12 @@ func formatLabels(l map[string]string) string {
 	return strings.Join(parts, ",")
 }
 
+// inventoryChunk is the page size in which fleet images|where fetch a whole answer when no --limit is given:
+// one reply stays far under NATS's 1 MiB max payload (a where of an image on 10,000 nodes is ~3 MB).
+const inventoryChunk = 1000
+
+// inventoryQuery asks the inventory. With q.Limit set, one page; without, every page after q.Continue in
+// chunks, joined into one answer.
 func (cl *cli) inventoryQuery(cmd *cobra.Command, q events.InventoryQuery) (events.InventoryReply, error) {
 	ctx, cancel := cl.contextTimeout(cmd.Context())
 	defer cancel()
@@ -167,20 +173,50 @@ func (cl *cli) inventoryQuery(cmd *cobra.Command, q events.InventoryQuery) (even
 		return events.InventoryReply{}, err
 	}
 	defer b.Close()
-	var rep events.InventoryReply
-	if err := b.Request(ctx, events.InventoryQuerySubject, q, &rep); err != nil {
-		return rep, fmt.Errorf("fleet inventory: %w", err)
+	ask := func(q events.InventoryQuery) (events.InventoryReply, error) {
+		var rep events.InventoryReply
+		if err := b.Request(ctx, events.InventoryQuerySubject, q, &rep); err != nil {
+			return rep, fmt.Errorf("fleet inventory: %w", err)
+		}
+		return rep, nil
 	}
-	return rep, nil
+	if q.Limit > 0 {
+		return ask(q)
+	}
+	q.Limit = inventoryChunk
+	all, err := ask(q)
+	if err != nil {
+		return all, err
+	}
+	if n := len(all.Images) + len(all.Placements) + len(all.Nodes); q.Continue == "" && all.Continue == "" && n < all.Total {
+		fmt.Fprintf(cmd.ErrOrStderr(), "warning: the inventory answered %d of %d (a replica of an earlier release does not page: upgrade it)\n", n, all.Total)
+	}
+	for next := all.Continue; next != ""; {
+		q.Continue = next
+		rep, err := ask(q)
+		if err != nil {
+			return all, err
+		}
+		all.Images = append(all.Images, rep.Images...)
+		all.Placements = append(all.Placements, rep.Placements...)
+		all.Nodes = append(all.Nodes, rep.Nodes...)
+		next = rep.Continue
+	}
+	all.Continue = ""
+	return all, nil
 }
 
 func newFleetImagesCmd(cl *cli) *cobra.Command {
-	var limit int
+	var pf pageFlags
 	cmd := &cobra.Command{
-		Use:   "images",
+		Use:   "images [--limit N [--continue TOKEN]]",
 		Short: "Every image in the fleet: on how many nodes, and the bytes it takes in all (from the inventory)",
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			rep, err := cl.inventoryQuery(cmd, events.InventoryQuery{What: events.InventoryImages, Limit: limit})
+			q, err := pf.inventoryQuery(events.InventoryQuery{What: events.InventoryImages})
+			if err != nil {
+				return err
+			}
+			rep, err := cl.inventoryQuery(cmd, q)
 			if err != nil {
 				return err
 			}
@@ -194,20 +230,29 @@ func newFleetImagesCmd(cl *cli) *cobra.Command {
 					im.Nodes, FormatSize(im.TotalBytes), fmtTime(im.LastUsed))
 			}
 			fmt.Fprintf(tw, "%d images\t\t\t\t%s\t\n", rep.Total, FormatSize(rep.TotalBytes))
-			return tw.Flush()
+			if err := tw.Flush(); err != nil {
+				return err
+			}
+			printContinue(cmd, rep.Continue)
+			return nil
 		},
 	}
-	cmd.Flags().IntVar(&limit, "limit", 0, "show at most this many images, biggest fleet total first (0: all)")
+	pf.register(cmd, false)
 	return cmd
 }
 
 func newFleetWhereCmd(cl *cli) *cobra.Command {
-	return &cobra.Command{
-		Use:   "where IMAGE",
+	var pf pageFlags
+	cmd := &cobra.Command{
+		Use:   "where IMAGE [--limit N [--continue TOKEN]]",
 		Short: "The nodes holding an image (by ID, ID prefix, tag or digest)",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			rep, err := cl.inventoryQuery(cmd, events.InventoryQuery{What: events.InventoryWhere, Image: args[0]})
+			q, err := pf.inventoryQuery(events.InventoryQuery{What: events.InventoryWhere, Image: args[0]})
+			if err != nil {
+				return err
+			}
+			rep, err := cl.inventoryQuery(cmd, q)
 			if err != nil {
 				return err
 			}
@@ -220,9 +265,24 @@ func newFleetWhereCmd(cl *cli) *cobra.Command {
 				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%v\t%s\n", p.Node, shortID(p.ID), strings.Join(p.RepoTags, ","), FormatSize(p.Size), p.InUse, fmtTime(p.LastUsed))
 			}
 			fmt.Fprintf(tw, "%d nodes\t\t\t%s\t\t\n", rep.Total, FormatSize(rep.TotalBytes))
-			return tw.Flush()
+			if err := tw.Flush(); err != nil {
+				return err
+			}
+			printContinue(cmd, rep.Continue)
+			return nil
 		},
 	}
+	pf.register(cmd, false)
+	return cmd
+}
+
+// inventoryQuery adds the page flags to q.
+func (f *pageFlags) inventoryQuery(q events.InventoryQuery) (events.InventoryQuery, error) {
+	if f.limit < 0 {
+		return q, fmt.Errorf("--limit %d must not be negative", f.limit)
+	}
+	q.Limit, q.Continue = f.limit, f.cont
+	return q, nil
 }
 
 // rolloutFlags are the flags of fleet gc and fleet pull.

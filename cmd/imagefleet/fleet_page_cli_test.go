@@ -89,3 +89,86 @@ func TestFleetNodesPages(t *testing.T) {
 		t.Fatalf("bad selector: exit %d\n%s", code, stderr)
 	}
 }
+
+// TestFleetWhereAndImagesPages drives `imagefleet fleet where|images --limit --continue` against a real
+// inventory replica: the JSON answer carries the continue token, the table prints it on stderr.
+func TestFleetWhereAndImagesPages(t *testing.T) {
+	srv, b := bustest.Start(t)
+	var evs []events.Event
+	for n := range 5 {
+		for i := range 3 {
+			ev, err := events.New(fmt.Sprintf("node-%d", n), events.EntityImage, events.ActionDetected, events.ImageRecord{
+				ID: fmt.Sprintf("sha256:%064x", i), RepoTags: []string{fmt.Sprintf("docker.io/library/app%d:1", i)}, Size: int64(10 * (i + 1)),
+				FirstDetected: time.Now().UTC(), LastUsed: time.Now().UTC()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			evs = append(evs, ev)
+		}
+	}
+	// One image on 1,001 nodes: more than one chunk of the unpaged where.
+	for n := range 1001 {
+		ev, err := events.New(fmt.Sprintf("big-%04d", n), events.EntityImage, events.ActionDetected, events.ImageRecord{
+			ID: fmt.Sprintf("sha256:%064x", 99), RepoTags: []string{"docker.io/library/big:1"}, Size: 1,
+			FirstDetected: time.Now().UTC(), LastUsed: time.Now().UTC()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		evs = append(evs, ev)
+	}
+	for i := 0; i < len(evs); i += 500 {
+		if err := b.PublishAll(t.Context(), evs[i:min(i+500, len(evs))]); err != nil {
+			t.Fatal(err)
+		}
+	}
+	inv, err := fleet.NewInventory(t.Context(), fleet.InventoryConfig{Replica: "r1"}, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := bustest.RunService(t, inv)
+	defer stop()
+	bustest.WaitFor(t, "inventory applied", func() bool { return inv.Ready() && inv.Stats().Applied == int64(len(evs)) })
+	nats := []string{"--nats", srv.ClientURL()}
+	var got []string
+	cont := ""
+	for pages := 0; ; pages++ {
+		if pages > 5 {
+			t.Fatal("paging does not end")
+		}
+		args := append([]string{"fleet", "where", "app1:1", "--limit", "2", "-o", "json"}, nats...)
+		if cont != "" {
+			args = append(args, "--continue", cont)
+		}
+		stdout, stderr, code := run(t, args...)
+		var rep events.InventoryReply
+		if code != 0 || json.Unmarshal([]byte(stdout), &rep) != nil || rep.Total != 5 {
+			t.Fatalf("where page %d: exit %d\n%s\n%s", pages, code, stdout, stderr)
+		}
+		for _, p := range rep.Placements {
+			got = append(got, p.Node)
+		}
+		if rep.Continue == "" {
+			break
+		}
+		cont = rep.Continue
+	}
+	if want := []string{"node-0", "node-1", "node-2", "node-3", "node-4"}; !slices.Equal(got, want) {
+		t.Fatalf("where pages %v, want %v", got, want)
+	}
+	// Without --limit, every page, fetched in chunks.
+	stdout, stderr, code := run(t, append([]string{"fleet", "where", "big:1", "-o", "json"}, nats...)...)
+	var whole events.InventoryReply
+	if code != 0 || json.Unmarshal([]byte(stdout), &whole) != nil || whole.Total != 1001 || len(whole.Placements) != 1001 ||
+		whole.Continue != "" || whole.Placements[1000].Node != "big-1000" {
+		t.Fatalf("where big: exit %d, %d of %d placements\n%s", code, len(whole.Placements), whole.Total, stderr)
+	}
+	stdout, stderr, code = run(t, append([]string{"fleet", "images", "--limit", "1"}, nats...)...)
+	want := fmt.Sprintf("more follow: --continue 1001/sha256:%064x", 99)
+	if code != 0 || !strings.Contains(stdout, "big:1") || strings.Contains(stdout, "app2:1") || !strings.Contains(stderr, want) {
+		t.Fatalf("images page: exit %d\n%s\n%s", code, stdout, stderr)
+	}
+	stdout, stderr, code = run(t, append([]string{"fleet", "images", "--limit", "1", "--continue", fmt.Sprintf("1001/sha256:%064x", 99)}, nats...)...)
+	if code != 0 || !strings.Contains(stdout, "app2:1") || strings.Contains(stdout, "big:1") {
+		t.Fatalf("images next page: exit %d\n%s\n%s", code, stdout, stderr)
+	}
+}

@@ -2,14 +2,13 @@ package fleet
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
 	"os"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -44,23 +43,39 @@ type InventoryConfig struct {
 // events (the server hands each event to one replica), apply it to the inventory bucket with
 // compare-and-set guarded by the event's stream sequence (so a redelivered or reordered event changes
 // nothing), keep an in-memory index by watching the bucket, and answer queries in one queue group.
+//
+// Keys are image first (events.InventoryKey), so `where` reads only the keys of the images asked for. A key
+// of the previous release's node-first layout (events.InventoryNodeFirstKey), found at start or written
+// later by a replica of that release still running, is re-keyed: copied to its image-first key under the
+// same sequence guard, then deleted if unchanged since it was read.
 type Inventory struct {
 	cfg InventoryConfig
 	b   *bus.Bus
 	kv  *bus.KV
 
-	applied, duplicates, ignored atomic.Int64
+	applied, duplicates, ignored, rekeyed atomic.Int64
 
 	mu    sync.RWMutex
-	index map[string]events.Placement // key -> live placement
+	index map[string]events.Placement // image-first key -> placement (Gone: a tombstone with its sequence)
+	ids   map[string]int              // image ID -> live placements
+	refs  map[string]map[string]int   // repo tag or digest -> image ID -> live placements
 	ready bool
+}
+
+// legacyEntry is a node-first key to re-key, or (marker) the end of the keys found at start.
+type legacyEntry struct {
+	key    string
+	rev    uint64
+	p      events.Placement
+	marker bool
 }
 
 // InventoryStats count what this replica did with the events it was handed.
 type InventoryStats struct {
 	// Applied events changed the inventory; Duplicates were already applied (or older than what the bucket
-	// holds); Ignored are image events the inventory has no use for.
-	Applied, Duplicates, Ignored int64
+	// holds); Ignored are image events the inventory has no use for; Rekeyed are node-first keys of the
+	// previous release moved to their image-first key.
+	Applied, Duplicates, Ignored, Rekeyed int64
 }
 
 // NewInventory validates cfg and opens the inventory bucket.
@@ -88,17 +103,19 @@ func NewInventory(ctx context.Context, cfg InventoryConfig, b *bus.Bus) (*Invent
 	if err != nil {
 		return nil, fmt.Errorf("inventory: %w", err)
 	}
-	return &Inventory{cfg: cfg, b: b, kv: kv, index: map[string]events.Placement{}}, nil
+	return &Inventory{cfg: cfg, b: b, kv: kv, index: map[string]events.Placement{}, ids: map[string]int{},
+		refs: map[string]map[string]int{}}, nil
 }
 
 func inventoryBucket(replicas int) bus.KVConfig {
 	return bus.KVConfig{Bucket: events.InventoryBucket, Replicas: replicas,
-		Description: "imagefleet fleet inventory: one key per node and image"}
+		Description: "imagefleet fleet inventory: one key per node and image"} // unchanged: an opener whose settings differ updates the bucket
 }
 
 // Stats returns this replica's counters.
 func (s *Inventory) Stats() InventoryStats {
-	return InventoryStats{Applied: s.applied.Load(), Duplicates: s.duplicates.Load(), Ignored: s.ignored.Load()}
+	return InventoryStats{Applied: s.applied.Load(), Duplicates: s.duplicates.Load(), Ignored: s.ignored.Load(),
+		Rekeyed: s.rekeyed.Load()}
 }
 
 // Run applies events, keeps the index and answers queries until ctx ends.
@@ -114,20 +131,48 @@ func (s *Inventory) Run(ctx context.Context) error {
 			return nil
 		})
 	}
+	legacy := make(chan legacyEntry, 1024)
 	run("watch", func() error {
-		var once sync.Once
 		return s.kv.Watch(ctx, ">", func(e bus.Entry, initialDone bool) {
+			var le legacyEntry
 			if initialDone {
-				once.Do(func() {
-					s.mu.Lock()
-					s.ready = true
-					s.mu.Unlock()
-					close(loaded)
-				})
+				le.marker = true
+			} else if p, ok := s.indexEntry(e); ok {
+				le = legacyEntry{key: e.Key, rev: e.Revision, p: p}
+			} else {
 				return
 			}
-			s.indexEntry(e)
+			select {
+			case legacy <- le:
+			case <-ctx.Done():
+			}
 		})
+	})
+	run("rekey", func() error {
+		var once sync.Once
+		for {
+			select {
+			case <-ctx.Done():
+				return nil
+			case le := <-legacy:
+				if le.marker {
+					// Every node-first key found at start is re-keyed: `where` reads image-first keys only.
+					once.Do(func() {
+						s.mu.Lock()
+						s.ready = true
+						s.mu.Unlock()
+						close(loaded)
+					})
+					continue
+				}
+				if err := s.rekey(ctx, le); err != nil {
+					if ctx.Err() != nil {
+						return nil
+					}
+					s.cfg.Logger.Warn("inventory re-key failed", "key", le.key, "err", err)
+				}
+			}
+		}
 	})
 	run("consume", func() error {
 		return s.b.Consume(ctx, bus.ConsumerConfig{Stream: events.EventsStream, Durable: s.cfg.Durable,
@@ -156,38 +201,101 @@ func (s *Inventory) Ready() bool {
 	return s.ready
 }
 
-func (s *Inventory) indexEntry(e bus.Entry) {
+// indexEntry applies one bucket change to the index. A node-first key of the previous release is indexed
+// under its image-first key and returned for re-keying (ok); a value that is no placement, or whose key is
+// neither of its two keys, is ignored.
+func (s *Inventory) indexEntry(e bus.Entry) (legacy events.Placement, ok bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if e.Deleted {
-		delete(s.index, e.Key)
-		return
+		// Only image-first keys are in the index; a deleted node-first key was re-keyed (its placement is
+		// under its image-first key now).
+		if cur, found := s.index[e.Key]; found {
+			s.unref(cur)
+			delete(s.index, e.Key)
+		}
+		return legacy, false
 	}
 	var p events.Placement
-	if err := json.Unmarshal(e.Value, &p); err != nil || p.Gone {
-		delete(s.index, e.Key)
-		return
+	if err := json.Unmarshal(e.Value, &p); err != nil || p.Node == "" || p.ID == "" {
+		if cur, found := s.index[e.Key]; found {
+			s.unref(cur)
+			delete(s.index, e.Key)
+		}
+		return legacy, false
 	}
-	s.index[e.Key] = p
-}
-
-// placementKey is the bucket key of image id on node: <node token>.<id as a key token>.
-func placementKey(node, id string) string {
-	return events.NodeToken(node) + "." + keyToken(id)
-}
-
-// keyToken makes an image ID one KV key token: "sha256:<hex>" becomes "sha256_<hex>"; anything with other
-// characters becomes "h_" and the SHA-256 of it.
-func keyToken(id string) string {
-	t := strings.ReplaceAll(id, ":", "_")
-	for _, r := range t {
-		if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '_' || r == '-' || r == '=') {
-			sum := sha256.Sum256([]byte(id))
-			return "h_" + hex.EncodeToString(sum[:])
+	key := events.InventoryKey(p.ID, p.Node)
+	switch e.Key {
+	case key:
+	case events.InventoryNodeFirstKey(p.Node, p.ID):
+		ok = true
+	default:
+		return legacy, false
+	}
+	cur, found := s.index[key]
+	if found && cur.Seq > p.Seq {
+		return p, ok
+	}
+	if found {
+		s.unref(cur)
+	}
+	if p.Gone {
+		s.index[key] = events.Placement{Node: p.Node, ID: p.ID, Seq: p.Seq, Gone: true}
+		return p, ok
+	}
+	s.index[key] = p
+	s.ids[p.ID]++
+	for _, refs := range [][]string{p.RepoTags, p.RepoDigests} {
+		for _, r := range refs {
+			m := s.refs[r]
+			if m == nil {
+				m = map[string]int{}
+				s.refs[r] = m
+			}
+			m[p.ID]++
 		}
 	}
-	return t
+	return p, ok
 }
+
+// unref takes a live placement out of the ID and reference counts (s.mu held).
+func (s *Inventory) unref(p events.Placement) {
+	if p.Gone {
+		return
+	}
+	if s.ids[p.ID]--; s.ids[p.ID] <= 0 {
+		delete(s.ids, p.ID)
+	}
+	for _, refs := range [][]string{p.RepoTags, p.RepoDigests} {
+		for _, r := range refs {
+			if m := s.refs[r]; m != nil {
+				if m[p.ID]--; m[p.ID] <= 0 {
+					delete(m, p.ID)
+				}
+				if len(m) == 0 {
+					delete(s.refs, r)
+				}
+			}
+		}
+	}
+}
+
+// rekey moves a node-first key to its image-first key: the placement is written there under the sequence
+// guard (a later one already there wins), then the old key is deleted only if no replica of the previous
+// release rewrote it meanwhile (if one did, the watch brings the new value, which is re-keyed in turn).
+func (s *Inventory) rekey(ctx context.Context, le legacyEntry) error {
+	if _, err := s.put(ctx, le.p); err != nil {
+		return err
+	}
+	if err := s.kv.DeleteIf(ctx, le.key, le.rev); err != nil && !errors.Is(err, bus.ErrConflict) {
+		return err
+	}
+	s.rekeyed.Add(1)
+	return nil
+}
+
+// placementKey is the bucket key of image id on node: image first, <image token>.<node token>.
+func placementKey(node, id string) string { return events.InventoryKey(id, node) }
 
 // Apply applies one image event. A malformed event is terminated (dead letter); an event the bucket already
 // reflects (same or later stream sequence) is acked without change; a compare-and-set conflict with another
@@ -281,19 +389,28 @@ func (s *Inventory) put(ctx context.Context, p events.Placement) (bool, error) {
 	return false, fmt.Errorf("apply %s: too many conflicting writers", key)
 }
 
-// Query answers an inventory query from the in-memory index.
-func (s *Inventory) Query(_ context.Context, data []byte) (any, error) {
+// Query answers an inventory query: images and nodes from the in-memory index, where from the bucket, one
+// key-filtered read per image ID the query names (image-first keys: only that image's placements are read).
+func (s *Inventory) Query(ctx context.Context, data []byte) (any, error) {
 	var q events.InventoryQuery
 	if err := events.DecodeStrict(data, &q); err != nil {
 		return nil, err
 	}
-	s.mu.RLock()
-	placements := make([]events.Placement, 0, len(s.index))
-	for _, p := range s.index {
-		placements = append(placements, p)
+	var rep events.InventoryReply
+	var err error
+	if q.What == events.InventoryWhere {
+		rep, err = s.where(ctx, q)
+	} else {
+		s.mu.RLock()
+		rep, err = answer(q, func(yield func(events.Placement)) {
+			for _, p := range s.index {
+				if !p.Gone {
+					yield(p)
+				}
+			}
+		})
+		s.mu.RUnlock()
 	}
-	s.mu.RUnlock()
-	rep, err := Answer(q, placements)
 	if err != nil {
 		return nil, err
 	}
@@ -301,13 +418,97 @@ func (s *Inventory) Query(_ context.Context, data []byte) (any, error) {
 	return rep, nil
 }
 
-// Answer computes an inventory reply from live placements (a pure function).
+// where reads the placements of the image IDs q.Image names from the bucket.
+func (s *Inventory) where(ctx context.Context, q events.InventoryQuery) (events.InventoryReply, error) {
+	if err := q.Validate(); err != nil {
+		return events.InventoryReply{}, fmt.Errorf("%w: %v", events.ErrMalformed, err)
+	}
+	ids := s.resolve(q.Image)
+	var placements []events.Placement
+	for _, id := range ids {
+		err := s.kv.Range(ctx, events.InventoryImageKeys(id), func(e bus.Entry) bool {
+			var p events.Placement
+			// A node-first key of a node named like the image token matches the filter too: the key must be
+			// the placement's own image-first key.
+			if json.Unmarshal(e.Value, &p) == nil && !p.Gone && p.ID == id && e.Key == events.InventoryKey(p.ID, p.Node) {
+				placements = append(placements, p)
+			}
+			return true
+		})
+		if err != nil {
+			return events.InventoryReply{}, fmt.Errorf("where %s: %w", q.Image, err)
+		}
+	}
+	return answer(q, func(yield func(events.Placement)) {
+		for _, p := range placements {
+			yield(p)
+		}
+	})
+}
+
+// resolve turns an image ID, an ID prefix of at least 6 hex digits, a tag or a digest reference into the
+// image IDs the index knows by it, sorted. A full ID is kept even if the index does not know it yet.
+func (s *Inventory) resolve(image string) []string {
+	m := newImageMatcher(image)
+	found := map[string]bool{}
+	if strings.HasPrefix(m.raw, "sha256:") && len(m.raw) == len("sha256:")+64 && isHex(m.raw[len("sha256:"):]) {
+		found[m.raw] = true
+	}
+	s.mu.RLock()
+	if s.ids[m.raw] > 0 {
+		found[m.raw] = true
+	}
+	if m.idPrefix != "" {
+		for id := range s.ids {
+			if strings.HasPrefix(id, m.idPrefix) {
+				found[id] = true
+			}
+		}
+	}
+	for _, r := range []string{m.raw, m.normalized} {
+		for id := range s.refs[r] {
+			found[id] = true
+		}
+	}
+	s.mu.RUnlock()
+	out := make([]string, 0, len(found))
+	for id := range found {
+		out = append(out, id)
+	}
+	sort.Strings(out)
+	return out
+}
+
+// Answer computes an inventory reply from live placements (a pure function: where scans them all).
 func Answer(q events.InventoryQuery, placements []events.Placement) (events.InventoryReply, error) {
+	if q.What == events.InventoryWhere {
+		m := newImageMatcher(q.Image)
+		return answer(q, func(yield func(events.Placement)) {
+			for _, p := range placements {
+				if m.matches(p) {
+					yield(p)
+				}
+			}
+		})
+	}
+	return answer(q, func(yield func(events.Placement)) {
+		for _, p := range placements {
+			yield(p)
+		}
+	})
+}
+
+// answer aggregates the placements each yields (for where: the matching ones) into a reply, sorted, and
+// keeps the page after q.Continue of at most q.Limit entries. Total and TotalBytes count every page.
+func answer(q events.InventoryQuery, each func(yield func(events.Placement))) (events.InventoryReply, error) {
 	var rep events.InventoryReply
+	if q.Limit < 0 {
+		return rep, fmt.Errorf("%w: limit %d must not be negative", events.ErrMalformed, q.Limit)
+	}
 	switch q.What {
 	case events.InventoryImages:
 		byID := map[string]*events.InventoryImage{}
-		for _, p := range placements {
+		each(func(p events.Placement) {
 			im := byID[p.ID]
 			if im == nil {
 				im = &events.InventoryImage{ID: p.ID, Size: p.Size}
@@ -321,25 +522,29 @@ func Answer(q events.InventoryQuery, placements []events.Placement) (events.Inve
 			if p.LastUsed.After(im.LastUsed) {
 				im.LastUsed = p.LastUsed
 			}
-		}
+		})
 		for _, im := range byID {
 			rep.Images = append(rep.Images, *im)
 			rep.TotalBytes += im.TotalBytes
 		}
-		sort.Slice(rep.Images, func(i, j int) bool {
-			a, b := rep.Images[i], rep.Images[j]
-			if a.TotalBytes != b.TotalBytes {
-				return a.TotalBytes > b.TotalBytes
-			}
-			return a.ID < b.ID
-		})
+		sort.Slice(rep.Images, func(i, j int) bool { return imageBefore(rep.Images[i], rep.Images[j]) })
 		rep.Total = len(rep.Images)
+		if q.Continue != "" {
+			after, err := parseImageContinue(q.Continue)
+			if err != nil {
+				return rep, err
+			}
+			i := sort.Search(len(rep.Images), func(i int) bool { return imageBefore(after, rep.Images[i]) })
+			rep.Images = rep.Images[i:]
+		}
 		if q.Limit > 0 && len(rep.Images) > q.Limit {
 			rep.Images = rep.Images[:q.Limit]
+			last := rep.Images[q.Limit-1]
+			rep.Continue = fmt.Sprintf("%d/%s", last.TotalBytes, last.ID)
 		}
 	case events.InventoryNodes:
 		byNode := map[string]*events.InventoryNode{}
-		for _, p := range placements {
+		each(func(p events.Placement) {
 			n := byNode[p.Node]
 			if n == nil {
 				n = &events.InventoryNode{Node: p.Node}
@@ -347,39 +552,69 @@ func Answer(q events.InventoryQuery, placements []events.Placement) (events.Inve
 			}
 			n.Images++
 			n.TotalBytes += p.Size
-		}
+		})
 		for _, n := range byNode {
 			rep.Nodes = append(rep.Nodes, *n)
 			rep.TotalBytes += n.TotalBytes
 		}
 		sort.Slice(rep.Nodes, func(i, j int) bool { return rep.Nodes[i].Node < rep.Nodes[j].Node })
 		rep.Total = len(rep.Nodes)
+		if q.Continue != "" {
+			i := sort.Search(len(rep.Nodes), func(i int) bool { return rep.Nodes[i].Node > q.Continue })
+			rep.Nodes = rep.Nodes[i:]
+		}
 		if q.Limit > 0 && len(rep.Nodes) > q.Limit {
 			rep.Nodes = rep.Nodes[:q.Limit]
+			rep.Continue = rep.Nodes[q.Limit-1].Node
 		}
 	case events.InventoryWhere:
-		m := newImageMatcher(q.Image)
-		for _, p := range placements {
-			if m.matches(p) {
-				rep.Placements = append(rep.Placements, p)
-				rep.TotalBytes += p.Size
-			}
-		}
-		sort.Slice(rep.Placements, func(i, j int) bool {
-			a, b := rep.Placements[i], rep.Placements[j]
-			if a.Node != b.Node {
-				return a.Node < b.Node
-			}
-			return a.ID < b.ID
+		each(func(p events.Placement) {
+			rep.Placements = append(rep.Placements, p)
+			rep.TotalBytes += p.Size
 		})
+		sort.Slice(rep.Placements, func(i, j int) bool { return placementBefore(rep.Placements[i], rep.Placements[j]) })
 		rep.Total = len(rep.Placements)
+		if q.Continue != "" {
+			node, id, _ := strings.Cut(q.Continue, "/")
+			after := events.Placement{Node: node, ID: id}
+			i := sort.Search(len(rep.Placements), func(i int) bool { return placementBefore(after, rep.Placements[i]) })
+			rep.Placements = rep.Placements[i:]
+		}
 		if q.Limit > 0 && len(rep.Placements) > q.Limit {
 			rep.Placements = rep.Placements[:q.Limit]
+			last := rep.Placements[q.Limit-1]
+			rep.Continue = last.Node + "/" + last.ID
 		}
 	default:
 		return rep, fmt.Errorf("%w: what %q must be images, where or nodes", events.ErrMalformed, q.What)
 	}
 	return rep, nil
+}
+
+// imageBefore orders images by fleet bytes, biggest first, then by ID.
+func imageBefore(a, b events.InventoryImage) bool {
+	if a.TotalBytes != b.TotalBytes {
+		return a.TotalBytes > b.TotalBytes
+	}
+	return a.ID < b.ID
+}
+
+// placementBefore orders placements by node, then image ID.
+func placementBefore(a, b events.Placement) bool {
+	if a.Node != b.Node {
+		return a.Node < b.Node
+	}
+	return a.ID < b.ID
+}
+
+// parseImageContinue reads an images page's continue token: <total bytes>/<image ID>.
+func parseImageContinue(token string) (events.InventoryImage, error) {
+	n, id, ok := strings.Cut(token, "/")
+	bytes, err := strconv.ParseInt(n, 10, 64)
+	if !ok || err != nil || id == "" {
+		return events.InventoryImage{}, fmt.Errorf("%w: continue token %q is not one of an images page", events.ErrMalformed, token)
+	}
+	return events.InventoryImage{TotalBytes: bytes, ID: id}, nil
 }
 
 func union(a, b []string) []string {
