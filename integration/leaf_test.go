@@ -113,8 +113,8 @@ func pullQueues(ctx context.Context, c *bus.Bus) (uint64, error) {
 // TestLeafDomainsFleetRollouts: a hub and two leaf domains from the deploy configs, three hollow agents with
 // the real workers on each leaf (imagefleet hollow --js-domain hub), and a fleet GC and a fleet pre-pull
 // started at the hub: both reach the six nodes across the leaf connections and complete, each node acts
-// once (its result events stored in the hub's stream), every pull request is stored once, in the node's
-// own leaf domain, and none in the hub's queues.
+// once (its result events stored in the hub's stream), every pull request (and one `imagefleet pull --node`
+// at the hub) is stored once, in the node's own leaf domain, and none in the hub's queues.
 func TestLeafDomainsFleetRollouts(t *testing.T) {
 	const perLeaf, images = 3, 4
 	ctx := t.Context()
@@ -213,6 +213,19 @@ func TestLeafDomainsFleetRollouts(t *testing.T) {
 		}
 		return nil
 	})
+	// One node's pull queued at the hub (imagefleet pull) finds the node's domain in the registry.
+	one := nodes[len(nodes)-1]
+	var single struct {
+		Node     string `json:"node"`
+		ImageRef string `json:"imageRef"`
+		Error    string `json:"error"`
+	}
+	if err := cliJSON(t, bin, &single, "pull", "--node", one, "--wait", "--wait-timeout", "1m", "registry.local/leaf/one:v1", "--nats", hubURL); err != nil {
+		t.Fatal(err)
+	}
+	if single.Node != one || single.ImageRef == "" || single.Error != "" {
+		t.Fatalf("imagefleet pull --node %s from the hub: %+v", one, single)
+	}
 	if q, err := pullQueues(ctx, l.b); err != nil || q != hubQueued {
 		t.Errorf("the hub's pull queues stored %d requests (%v); want none", q-hubQueued, err)
 	}
@@ -223,8 +236,12 @@ func TestLeafDomainsFleetRollouts(t *testing.T) {
 		}
 		q, err := pullQueues(ctx, c)
 		c.Close()
-		if err != nil || q != perLeaf {
-			t.Errorf("%s's pull queues stored %d requests (%v); want %d, one per node of the leaf", d, q, err, perLeaf)
+		want := uint64(perLeaf)
+		if d == domains[len(domains)-1] {
+			want++ // the single pull
+		}
+		if err != nil || q != want {
+			t.Errorf("%s's pull queues stored %d requests (%v); want %d", d, q, err, want)
 		}
 	}
 	if t.Failed() {

@@ -11,6 +11,7 @@ import (
 
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/services/fleet"
 	"github.com/imagefleet/imagefleet/services/puller"
 )
 
@@ -90,7 +91,13 @@ func (cl *cli) runPull(ctx context.Context, cmd *cobra.Command, b *bus.Bus, node
 		defer sub.Close()
 	}
 	pctx, cancel := cl.contextTimeout(ctx)
-	_, err := puller.Enqueue(pctx, b, node, req)
+	defer cancel()
+	// A node on a leaf with a JetStream domain of its own is reached through its domain (docs/operations.md).
+	domain, err := fleet.NodeDomain(pctx, b, node)
+	if err != nil {
+		return err
+	}
+	_, err = puller.EnqueueIn(pctx, b, domain, node, req)
 	cancel()
 	if errors.Is(err, puller.ErrPullQueueFull) {
 		return fmt.Errorf("pull queue of node %s is full (%d requests in flight or waiting): try again later", node, events.MaxPullRequestsPerNode)

@@ -2,6 +2,8 @@ package fleet
 
 import (
 	"context"
+	"encoding/json"
+	"errors"
 	"fmt"
 
 	"github.com/imagefleet/imagefleet/bus"
@@ -34,4 +36,29 @@ func nodeDomains(ctx context.Context, b *bus.Bus) (map[string]string, error) {
 // the node's JetStream domain when it has one of its own.
 func (w *PullWatch) pullSubject(node string) string {
 	return events.DomainSubject(w.domains[node], events.PullSubject(node))
+}
+
+// NodeDomain is the JetStream domain of node's pull work queue as its last full heartbeat reports it
+// (events.NodeInfo.JSDomain): "" for a node in the fleet's own domain, and for a node the registry does not
+// know. A command that queues a pull for one node (imagefleet pull) addresses it there.
+func NodeDomain(ctx context.Context, b *bus.Bus, node string) (string, error) {
+	seen, err := b.KVExisting(ctx, events.NodesSeenBucket)
+	if errors.Is(err, bus.ErrBucketNotFound) {
+		return "", nil
+	}
+	if err != nil {
+		return "", fmt.Errorf("domain of node %s: %w", node, err)
+	}
+	raw, _, err := seen.Get(ctx, events.NodeToken(node))
+	if errors.Is(err, bus.ErrKeyNotFound) {
+		return "", nil
+	}
+	if err != nil {
+		return "", fmt.Errorf("domain of node %s: %w", node, err)
+	}
+	var info events.NodeInfo
+	if err := json.Unmarshal(raw, &info); err != nil {
+		return "", fmt.Errorf("domain of node %s: heartbeat record: %w", node, err)
+	}
+	return info.JSDomain, nil
 }

@@ -21,7 +21,14 @@ var ErrPullQueueFull = errors.New("pull queue full")
 // by its ID) and returns its stream sequence. The pull stream's only limit is the per-node one, so the
 // stream's refusal (bus.ErrStreamLimit, the server's error code, not its text) is ErrPullQueueFull.
 func Enqueue(ctx context.Context, b *bus.Bus, node string, req events.PullRequest) (uint64, error) {
-	subject := events.PullSubject(node)
+	return EnqueueIn(ctx, b, "", node, req)
+}
+
+// EnqueueIn is Enqueue for a node whose pull queue is in the JetStream domain domain (a leaf's, as the node's
+// heartbeat reports it in events.NodeInfo.JSDomain; "" is the fleet's own): the request is addressed to that
+// domain (events.DomainSubject), where only the node's leaf stores it.
+func EnqueueIn(ctx context.Context, b *bus.Bus, domain, node string, req events.PullRequest) (uint64, error) {
+	subject := events.DomainSubject(domain, events.PullSubject(node))
 	seq, err := b.PublishCommand(ctx, subject, req.ID, req, nil)
 	if errors.Is(err, bus.ErrStreamLimit) {
 		return 0, fmt.Errorf("publish command to %s: %w", subject, ErrPullQueueFull)
