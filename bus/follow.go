@@ -32,9 +32,12 @@ func (b *Bus) follow(ctx context.Context, stream, filter string, startSeq, stopS
 		occ.DeliverPolicy = jetstream.DeliverByStartSequencePolicy
 		occ.OptStartSeq = startSeq
 	}
+	// The context bounds only the consumer's creation (nats.go keeps none of it), so each attempt gets its
+	// own: a create whose reply was lost with a server is asked again after AttemptTimeout instead of
+	// holding the caller until its deadline (seen: a rollout's records unreadable for a minute after a kill).
 	var cons jetstream.Consumer
-	err := b.retryTransientFor(ctx, "read "+stream, kvRetryFor, func(context.Context) (err error) {
-		cons, err = b.js.OrderedConsumer(ctx, stream, occ)
+	err := b.retryTransientFor(ctx, "read "+stream, kvRetryFor, func(actx context.Context) (err error) {
+		cons, err = b.js.OrderedConsumer(actx, stream, occ)
 		return err
 	})
 	if err != nil {

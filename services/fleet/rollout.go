@@ -418,7 +418,9 @@ func (r *Rollout) node(ctx context.Context, st rolloutState, node string, batch 
 			// Refused because a claim is stored: it may be this run's own, from an attempt whose ack was
 			// lost (a server killed, a leader change) and that the server did not answer as a duplicate.
 			// The first claim stored is the one that counts (loadRollout), so ask the stream whose it is.
-			claimed, err = r.firstClaimIsOurs(ctx, claimSubject)
+			if claimed, err = r.firstClaimIsOurs(ctx, claimSubject); claimed {
+				cfg.Logger.Info("claim stored by an earlier attempt of this run", "rollout", cfg.ID, "node", node)
+			}
 		}
 		return err
 	}); err != nil {

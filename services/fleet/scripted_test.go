@@ -23,6 +23,8 @@ type scriptedGC struct {
 	imageSize int64
 	// fail, when set, makes the nodes it names answer with a kubelet-style failure.
 	fail func(node string) bool
+	// delay is how long a pass takes (a repeated id waits for nothing).
+	delay time.Duration
 
 	mu       sync.Mutex
 	passes   map[string]int  // node -> passes run
@@ -43,7 +45,7 @@ func (s *scriptedGC) serve(t testing.TB, ctx context.Context, b *bus.Bus) {
 	go func() {
 		defer wg.Done()
 		close(ready)
-		_ = b.ServeConcurrent(ctx, events.Prefix+".cmd.*."+events.VerbGC, "", 16, s.handle)
+		_ = b.ServeConcurrent(ctx, events.Prefix+".cmd.*."+events.VerbGC, "", s.handlers(), s.handle)
 	}()
 	t.Cleanup(wg.Wait)
 	<-ready
@@ -62,11 +64,15 @@ func (s *scriptedGC) handle(_ context.Context, data []byte) (any, error) {
 	}
 	s.requests.Add(1)
 	s.mu.Lock()
-	if !s.seen[req.ID] { // a repeated id is answered from memory: the same answer, no second pass
+	first := !s.seen[req.ID]
+	if first { // a repeated id is answered from memory: the same answer, no second pass
 		s.seen[req.ID] = true
 		s.passes[node]++
 	}
 	s.mu.Unlock()
+	if first && s.delay > 0 {
+		time.Sleep(s.delay)
+	}
 	res := events.GCResult{Node: node, DryRun: req.DryRun, AllUnused: req.AllUnused, Started: time.Now().UTC(),
 		Removed: make([]events.GCRemoved, 0, s.images), Skipped: []events.GCSkipped{}}
 	if s.fail != nil && s.fail(node) {
@@ -81,6 +87,14 @@ func (s *scriptedGC) handle(_ context.Context, data []byte) (any, error) {
 		}
 	}
 	return res, nil
+}
+
+// handlers is how many requests are answered at once: enough that scripted delays overlap.
+func (s *scriptedGC) handlers() int {
+	if s.delay > 0 {
+		return 256
+	}
+	return 16
 }
 
 // passesOf returns the passes run per node.
