@@ -153,3 +153,13 @@ func (s *Server) LeafTraffic() (LeafTraffic, error) {
 	}
 	return t, nil
 }
+
+// MsgCounts are the messages the server received from and sent to all its connections (clients, routes,
+// leaf nodes) since it started.
+func (s *Server) MsgCounts() (in, out int64, err error) {
+	v, err := s.s.Varz(nil)
+	if err != nil {
+		return 0, 0, fmt.Errorf("varz: %w", err)
+	}
+	return v.InMsgs, v.OutMsgs, nil
+}
