@@ -41,6 +41,12 @@ type Options struct {
 	// EventVersion is the type version events are written in: events.V1 or events.V2 (see
 	// SetEventVersion; "" is events.V1).
 	EventVersion string
+	// PublishAckTimeout bounds the wait for the server's ack of an asynchronous publish (KV.Batch, PublishMsgs,
+	// PublishAll) (default 10s). An ack can be lost for good: the server that stored the message died before
+	// answering, or the connection moved to another server meanwhile. Without a bound the publisher waits for
+	// it forever (a detector holding its lock, and every GC request of its node behind it, after a cluster lost
+	// a server); with one it hears nats.ErrAsyncPublishTimeout and tries again as with any failed publish.
+	PublishAckTimeout time.Duration
 	// Replicas is the replica count of the streams and buckets this connection creates or ensures when
 	// their own config leaves it at 0 (3 on a three-server cluster): one setting (`--stream-replicas`) puts
 	// every worker's state on as many servers. 0: new streams and buckets get 1, existing ones keep theirs
@@ -52,6 +58,10 @@ type Options struct {
 	// server's (domains.go). "": every stream and bucket in the server's own domain.
 	JSDomain string
 }
+
+// DefaultPublishAckTimeout is Options.PublishAckTimeout's default: twice the JetStream API's own timeout
+// (AttemptTimeout), so a busy cluster's slow ack is not taken for a lost one.
+const DefaultPublishAckTimeout = 2 * AttemptTimeout
 
 // Bus is a connection to NATS with JetStream.
 type Bus struct {
@@ -154,7 +164,11 @@ func Connect(ctx context.Context, url string, o Options) (*Bus, error) {
 		return nil, fmt.Errorf("connect to nats %s: %w", redact(url), err)
 	}
 	b.nc = nc
-	if err := b.connectDomains(ctx, nc, o.JSDomain); err != nil {
+	ackTimeout := o.PublishAckTimeout
+	if ackTimeout <= 0 {
+		ackTimeout = DefaultPublishAckTimeout
+	}
+	if err := b.connectDomains(ctx, nc, o.JSDomain, jetstream.WithPublishAsyncTimeout(ackTimeout)); err != nil {
 		nc.Close()
 		return nil, err
 	}

@@ -71,8 +71,8 @@ func (d domains) split() bool { return d.local != "" && d.local != d.fleet }
 // connectDomains sets b.js for Options.JSDomain: the plain JetStream context when the connection's server is
 // in that domain (or no domain is asked for), else a router that sends fleet-wide streams to the fleet's
 // domain and the rest to the server's own.
-func (b *Bus) connectDomains(ctx context.Context, nc *nats.Conn, fleet string) error {
-	local, err := jetstream.New(nc)
+func (b *Bus) connectDomains(ctx context.Context, nc *nats.Conn, fleet string, opts ...jetstream.JetStreamOpt) error {
+	local, err := jetstream.New(nc, opts...)
 	if err != nil {
 		return fmt.Errorf("jetstream: %w", err)
 	}
@@ -83,7 +83,7 @@ func (b *Bus) connectDomains(ctx context.Context, nc *nats.Conn, fleet string) e
 	if err := events.ValidateDomain(fleet); err != nil {
 		return err
 	}
-	hub, err := jetstream.NewWithDomain(nc, fleet)
+	hub, err := jetstream.NewWithDomain(nc, fleet, opts...)
 	if err != nil {
 		return fmt.Errorf("jetstream domain %s: %w", fleet, err)
 	}
