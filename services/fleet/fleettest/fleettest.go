@@ -1,8 +1,10 @@
-// Package fleettest has stand-in node workers for fleet tests and benchmarks: a GC responder and a puller
-// that answer the real subjects (imagefleet.cmd.<node>.gc, the pull work queue) over a real bus, reading a
-// real CRI runtime (the hollow runtime or a lab containerd). They implement only what a fleet rollout
-// observes (remove every unused, unpinned image; pull and report), not the kubelet's policies: those belong
-// to services/gc and services/puller.
+// Package fleettest has scripted node responders for the unit tests of the rollout orchestrator's own
+// logic (services/fleet): a GC responder and a puller that answer the real subjects
+// (imagefleet.cmd.<node>.gc, the pull work queue) over a real bus, reading a real CRI runtime, and that a
+// test can make fail (Fail) or stall (Delay) on chosen nodes, and count what each node was asked. They
+// implement only what a rollout observes, not the kubelet's policies (services/gc, services/puller). Scale
+// tests and benchmarks do not use them: they run the real workers with `imagefleet hollow`
+// (integration/hollow_test.go, integration/fleet_bench_test.go).
 package fleettest
 
 import (
