@@ -123,6 +123,16 @@ func TestLeafDomainsFleetRollouts(t *testing.T) {
 	l := startLeafLayout(t, domains...)
 	hubURL := l.hub.ClientURL()
 
+	// docs/operations.md's steps: bus init at the hub (startLeafLayout), then at each site with the hub's
+	// domain; the site's pull queues take the subject addressed to its domain.
+	for _, d := range domains {
+		ictx, cancel := context.WithTimeout(ctx, time.Minute)
+		_, err := cli(ictx, bin, "bus", "init", "--nats", l.leaves[d].ClientURL(), "--js-domain", "hub")
+		cancel()
+		if err != nil {
+			t.Fatalf("bus init at %s: %v", d, err)
+		}
+	}
 	var hollows []*proc
 	for i, d := range domains {
 		hollows = append(hollows, startHollow(t, bin, "hollow-"+d, l.leaves[d].ClientURL(), perLeaf,
