@@ -55,20 +55,25 @@ type Inventory struct {
 
 	applied, duplicates, ignored, rekeyed atomic.Int64
 
+	// The index mirrors the bucket's image-first layout: the placements of one image are one map, so where
+	// reads only them (BenchmarkInventoryQueries: faster than the same filtered read from the bucket, whose
+	// keys of one image are spread over the whole stream).
 	mu    sync.RWMutex
-	index map[string]events.Placement // image-first key -> placement (Gone: a tombstone with its sequence)
-	ids   map[string]int              // image ID -> live placements
-	refs  map[string]map[string]int   // repo tag or digest -> image ID -> live placements
+	index map[string]map[string]events.Placement // image token -> node token -> placement (Gone: a tombstone)
+	ids   map[string]int                         // image ID -> live placements
+	refs  map[string]map[string]int              // repo tag or digest -> image ID -> live placements
 	ready bool
 }
 
-// legacyEntry is a node-first key to re-key, or (marker) the end of the keys found at start.
+// legacyEntry is a node-first key to re-key.
 type legacyEntry struct {
-	key    string
-	rev    uint64
-	p      events.Placement
-	marker bool
+	key string
+	rev uint64
+	p   events.Placement
 }
+
+// rekeyWorkers is how many node-first keys a replica re-keys at once.
+const rekeyWorkers = 4
 
 // InventoryStats count what this replica did with the events it was handed.
 type InventoryStats struct {
@@ -103,7 +108,7 @@ func NewInventory(ctx context.Context, cfg InventoryConfig, b *bus.Bus) (*Invent
 	if err != nil {
 		return nil, fmt.Errorf("inventory: %w", err)
 	}
-	return &Inventory{cfg: cfg, b: b, kv: kv, index: map[string]events.Placement{}, ids: map[string]int{},
+	return &Inventory{cfg: cfg, b: b, kv: kv, index: map[string]map[string]events.Placement{}, ids: map[string]int{},
 		refs: map[string]map[string]int{}}, nil
 }
 
@@ -133,47 +138,45 @@ func (s *Inventory) Run(ctx context.Context) error {
 	}
 	legacy := make(chan legacyEntry, 1024)
 	run("watch", func() error {
+		var once sync.Once
 		return s.kv.Watch(ctx, ">", func(e bus.Entry, initialDone bool) {
-			var le legacyEntry
 			if initialDone {
-				le.marker = true
-			} else if p, ok := s.indexEntry(e); ok {
-				le = legacyEntry{key: e.Key, rev: e.Revision, p: p}
-			} else {
+				// A node-first key is indexed under its image-first key at once: the index is whole now,
+				// whether or not the re-keying below is done.
+				once.Do(func() {
+					s.mu.Lock()
+					s.ready = true
+					s.mu.Unlock()
+					close(loaded)
+				})
+				return
+			}
+			p, ok := s.indexEntry(e)
+			if !ok {
 				return
 			}
 			select {
-			case legacy <- le:
+			case legacy <- legacyEntry{key: e.Key, rev: e.Revision, p: p}:
 			case <-ctx.Done():
 			}
 		})
 	})
-	run("rekey", func() error {
-		var once sync.Once
-		for {
-			select {
-			case <-ctx.Done():
-				return nil
-			case le := <-legacy:
-				if le.marker {
-					// Every node-first key found at start is re-keyed: `where` reads image-first keys only.
-					once.Do(func() {
-						s.mu.Lock()
-						s.ready = true
-						s.mu.Unlock()
-						close(loaded)
-					})
-					continue
-				}
-				if err := s.rekey(ctx, le); err != nil {
-					if ctx.Err() != nil {
-						return nil
+	// Re-keying runs beside the rest, a few keys at a time: the first start after an upgrade moves every
+	// placement of the fleet (two writes each), which must not hold up events or queries.
+	for range rekeyWorkers {
+		run("rekey", func() error {
+			for {
+				select {
+				case <-ctx.Done():
+					return nil
+				case le := <-legacy:
+					if err := s.rekey(ctx, le); err != nil && ctx.Err() == nil {
+						s.cfg.Logger.Warn("inventory re-key failed", "key", le.key, "err", err)
 					}
-					s.cfg.Logger.Warn("inventory re-key failed", "key", le.key, "err", err)
 				}
 			}
-		}
-	})
+		})
+	}
 	run("consume", func() error {
 		return s.b.Consume(ctx, bus.ConsumerConfig{Stream: events.EventsStream, Durable: s.cfg.Durable,
 			FilterSubjects: []string{events.ImageEventsFilter}, MaxAckPending: 4 * s.cfg.Concurrency,
@@ -210,29 +213,28 @@ func (s *Inventory) indexEntry(e bus.Entry) (legacy events.Placement, ok bool) {
 	if e.Deleted {
 		// Only image-first keys are in the index; a deleted node-first key was re-keyed (its placement is
 		// under its image-first key now).
-		if cur, found := s.index[e.Key]; found {
-			s.unref(cur)
-			delete(s.index, e.Key)
-		}
+		s.drop(e.Key)
 		return legacy, false
 	}
 	var p events.Placement
 	if err := json.Unmarshal(e.Value, &p); err != nil || p.Node == "" || p.ID == "" {
-		if cur, found := s.index[e.Key]; found {
-			s.unref(cur)
-			delete(s.index, e.Key)
-		}
+		s.drop(e.Key)
 		return legacy, false
 	}
-	key := events.InventoryKey(p.ID, p.Node)
 	switch e.Key {
-	case key:
+	case events.InventoryKey(p.ID, p.Node):
 	case events.InventoryNodeFirstKey(p.Node, p.ID):
 		ok = true
 	default:
 		return legacy, false
 	}
-	cur, found := s.index[key]
+	img, node := events.InventoryImageToken(p.ID), events.NodeToken(p.Node)
+	nodes := s.index[img]
+	if nodes == nil {
+		nodes = map[string]events.Placement{}
+		s.index[img] = nodes
+	}
+	cur, found := nodes[node]
 	if found && cur.Seq > p.Seq {
 		return p, ok
 	}
@@ -240,10 +242,10 @@ func (s *Inventory) indexEntry(e bus.Entry) (legacy events.Placement, ok bool) {
 		s.unref(cur)
 	}
 	if p.Gone {
-		s.index[key] = events.Placement{Node: p.Node, ID: p.ID, Seq: p.Seq, Gone: true}
+		nodes[node] = events.Placement{Node: p.Node, ID: p.ID, Seq: p.Seq, Gone: true}
 		return p, ok
 	}
-	s.index[key] = p
+	nodes[node] = p
 	s.ids[p.ID]++
 	for _, refs := range [][]string{p.RepoTags, p.RepoDigests} {
 		for _, r := range refs {
@@ -256,6 +258,21 @@ func (s *Inventory) indexEntry(e bus.Entry) (legacy events.Placement, ok bool) {
 		}
 	}
 	return p, ok
+}
+
+// drop removes an image-first key's placement from the index (s.mu held).
+func (s *Inventory) drop(key string) {
+	img, node, _ := strings.Cut(key, ".")
+	nodes := s.index[img]
+	cur, found := nodes[node]
+	if !found {
+		return
+	}
+	s.unref(cur)
+	delete(nodes, node)
+	if len(nodes) == 0 {
+		delete(s.index, img)
+	}
 }
 
 // unref takes a live placement out of the ID and reference counts (s.mu held).
@@ -389,61 +406,48 @@ func (s *Inventory) put(ctx context.Context, p events.Placement) (bool, error) {
 	return false, fmt.Errorf("apply %s: too many conflicting writers", key)
 }
 
-// Query answers an inventory query: images and nodes from the in-memory index, where from the bucket, one
-// key-filtered read per image ID the query names (image-first keys: only that image's placements are read).
-func (s *Inventory) Query(ctx context.Context, data []byte) (any, error) {
+// Query answers an inventory query from the in-memory index: where reads only the placements of the image
+// IDs the query names, images and nodes aggregate the index in place (no copy of it).
+func (s *Inventory) Query(_ context.Context, data []byte) (any, error) {
 	var q events.InventoryQuery
 	if err := events.DecodeStrict(data, &q); err != nil {
 		return nil, err
 	}
-	var rep events.InventoryReply
-	var err error
 	if q.What == events.InventoryWhere {
-		rep, err = s.where(ctx, q)
-	} else {
-		s.mu.RLock()
-		rep, err = answer(q, func(yield func(events.Placement)) {
-			for _, p := range s.index {
+		if err := q.Validate(); err != nil {
+			return nil, fmt.Errorf("%w: %v", events.ErrMalformed, err)
+		}
+	}
+	var ids []string
+	if q.What == events.InventoryWhere {
+		ids = s.resolve(q.Image)
+	}
+	s.mu.RLock()
+	rep, err := answer(q, func(yield func(events.Placement)) {
+		if q.What == events.InventoryWhere {
+			for _, id := range ids {
+				for _, p := range s.index[events.InventoryImageToken(id)] {
+					if !p.Gone && p.ID == id {
+						yield(p)
+					}
+				}
+			}
+			return
+		}
+		for _, nodes := range s.index {
+			for _, p := range nodes {
 				if !p.Gone {
 					yield(p)
 				}
 			}
-		})
-		s.mu.RUnlock()
-	}
+		}
+	})
+	s.mu.RUnlock()
 	if err != nil {
 		return nil, err
 	}
 	rep.Replica = s.cfg.Replica
 	return rep, nil
-}
-
-// where reads the placements of the image IDs q.Image names from the bucket.
-func (s *Inventory) where(ctx context.Context, q events.InventoryQuery) (events.InventoryReply, error) {
-	if err := q.Validate(); err != nil {
-		return events.InventoryReply{}, fmt.Errorf("%w: %v", events.ErrMalformed, err)
-	}
-	ids := s.resolve(q.Image)
-	var placements []events.Placement
-	for _, id := range ids {
-		err := s.kv.Range(ctx, events.InventoryImageKeys(id), func(e bus.Entry) bool {
-			var p events.Placement
-			// A node-first key of a node named like the image token matches the filter too: the key must be
-			// the placement's own image-first key.
-			if json.Unmarshal(e.Value, &p) == nil && !p.Gone && p.ID == id && e.Key == events.InventoryKey(p.ID, p.Node) {
-				placements = append(placements, p)
-			}
-			return true
-		})
-		if err != nil {
-			return events.InventoryReply{}, fmt.Errorf("where %s: %w", q.Image, err)
-		}
-	}
-	return answer(q, func(yield func(events.Placement)) {
-		for _, p := range placements {
-			yield(p)
-		}
-	})
 }
 
 // resolve turns an image ID, an ID prefix of at least 6 hex digits, a tag or a digest reference into the

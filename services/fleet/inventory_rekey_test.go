@@ -88,10 +88,14 @@ func TestInventoryRekeysNodeFirstKeys(t *testing.T) {
 	inv, stop := runInventory(t, b, "new")
 	defer stop()
 	bustest.WaitFor(t, "replica ready", inv.Ready)
-	keys, nodeFirst := bucketLayout(t, kv)
-	if len(nodeFirst) != 0 || len(keys) != 4 {
-		t.Fatalf("after start: keys %v, node-first %v", keys, nodeFirst)
+	// The index is whole at once (node-first keys indexed under their image-first key); the bucket follows.
+	if got, want := wherePlacements(t, b, "nginx:1.27"), []string{"n1/100", "n2.example/100"}; !slices.Equal(got, want) {
+		t.Fatalf("where nginx at ready = %v, want %v", got, want)
 	}
+	bustest.WaitFor(t, "bucket re-keyed", func() bool {
+		keys, nodeFirst := bucketLayout(t, kv)
+		return len(nodeFirst) == 0 && len(keys) == 4
+	})
 	if got, want := wherePlacements(t, b, "nginx:1.27"), []string{"n1/100", "n2.example/100"}; !slices.Equal(got, want) {
 		t.Fatalf("where nginx = %v, want %v", got, want)
 	}
