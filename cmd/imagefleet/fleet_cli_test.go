@@ -1,14 +1,21 @@
 package main_test
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
+	"os"
+	"os/exec"
 	"slices"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
+	"time"
 
+	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
 )
@@ -24,25 +31,11 @@ func TestFleetGCStreamsItsOutput(t *testing.T) {
 	t.Cleanup(func() { cancel(); wg.Wait() })
 	var mu sync.Mutex
 	passes := map[string]int{}
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		_ = b.ServeConcurrent(ctx, events.Prefix+".cmd.*."+events.VerbGC, "", 4, func(_ context.Context, data []byte) (any, error) {
-			var req events.GCRequest
-			if err := events.DecodeStrict(data, &req); err != nil {
-				return nil, err
-			}
-			_, node, _ := strings.Cut(req.ID, ".")
-			mu.Lock()
-			passes[node]++
-			mu.Unlock()
-			res := events.GCResult{Node: node, DryRun: req.DryRun, Skipped: []events.GCSkipped{{ID: "sha256:p", Why: "pinned"}}}
-			for i := range 2 {
-				res.Removed = append(res.Removed, events.GCRemoved{ID: fmt.Sprintf("sha256:%d", i), RepoTags: []string{fmt.Sprintf("app-%d:v1", i)}, Size: 1 << 20, Reason: "unused"})
-			}
-			return res, nil
-		})
-	}()
+	serveScriptedGC(t, ctx, &wg, b, 2, func(node string) {
+		mu.Lock()
+		passes[node]++
+		mu.Unlock()
+	})
 	nodes := "n1,n2,n3,n4,n5"
 	common := []string{"--nats", srv.ClientURL(), "--nodes", nodes, "--max-in-flight", "2"}
 	bustest.Eventually(t, "the scripted GC answers", pollTimeout, func() error {
@@ -109,4 +102,79 @@ func TestFleetGCStreamsItsOutput(t *testing.T) {
 			t.Errorf("%s: %d GC passes, want 2", n, passes[n])
 		}
 	}
+}
+
+// serveScriptedGC answers every node's GC command (imagefleet.cmd.*.gc) on one subscription of b with a
+// scripted result removing `images` images of 1 MiB, calling pass for each request; it serves until ctx ends.
+func serveScriptedGC(t testing.TB, ctx context.Context, wg *sync.WaitGroup, b *bus.Bus, images int, pass func(node string)) {
+	t.Helper()
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		_ = b.ServeConcurrent(ctx, events.Prefix+".cmd.*."+events.VerbGC, "", 1024, func(_ context.Context, data []byte) (any, error) {
+			var req events.GCRequest
+			if err := events.DecodeStrict(data, &req); err != nil {
+				return nil, err
+			}
+			_, node, _ := strings.Cut(req.ID, ".")
+			if pass != nil {
+				pass(node)
+			}
+			res := events.GCResult{Node: node, DryRun: req.DryRun, Skipped: []events.GCSkipped{{ID: "sha256:p", Why: "pinned"}}}
+			for i := range images {
+				res.Removed = append(res.Removed, events.GCRemoved{ID: fmt.Sprintf("sha256:%064x", i),
+					RepoTags: []string{fmt.Sprintf("registry.example/app-%d:v1", i)}, Size: 1 << 20, Reason: "unused"})
+			}
+			return res, nil
+		})
+	}()
+}
+
+// BenchmarkFleetGCCommand runs the built `imagefleet fleet gc -o json` against 1,000 and 10,000 nodes
+// answered by scripted GC responders (8 images each) on one connection in the benchmark's process, and
+// reports the command's own peak RSS and CPU: the orchestrator's cost, measured on its process alone. With
+// IMAGEFLEET_BASELINE_BINARY set to an earlier build, that binary runs too (bin=baseline), in the same run.
+func BenchmarkFleetGCCommand(b *testing.B) {
+	bins := [][2]string{{"current", binary}}
+	if base := os.Getenv("IMAGEFLEET_BASELINE_BINARY"); base != "" {
+		bins = append([][2]string{{"baseline", base}}, bins...)
+	}
+	srv := bustest.Server(b)
+	agents := bustest.Connect(b, srv)
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	b.Cleanup(func() { cancel(); wg.Wait() })
+	serveScriptedGC(b, ctx, &wg, agents, 8, nil)
+	for _, n := range []int{1000, 10000} {
+		names := make([]string, n)
+		for i := range names {
+			names[i] = fmt.Sprintf("node-%05d", i)
+		}
+		for _, bin := range bins {
+			b.Run(fmt.Sprintf("nodes=%d/bin=%s", n, bin[0]), func(b *testing.B) {
+				var rss int64
+				var cpu time.Duration
+				for i := 0; i < b.N; i++ {
+					cmd := exec.Command(bin[1], "fleet", "gc", "--all-unused", "--nats", srv.ClientURL(), "--nodes", strings.Join(names, ","),
+						"--node-timeout", "2m", "--id", fmt.Sprintf("gc-bench-%s-%d-%d", bin[0], n, time.Now().UnixNano()), "-o", "json")
+					var errb bytes.Buffer
+					cmd.Stdout, cmd.Stderr = io.Discard, &errb
+					if err := cmd.Run(); err != nil {
+						b.Fatalf("fleet gc: %v\n%s", err, tailLines(errb.String(), 5))
+					}
+					ru := cmd.ProcessState.SysUsage().(*syscall.Rusage)
+					rss = max(rss, ru.Maxrss)
+					cpu += cmd.ProcessState.UserTime() + cmd.ProcessState.SystemTime()
+				}
+				b.ReportMetric(float64(rss)/1024, "peak-rss-MiB")
+				b.ReportMetric(cpu.Seconds()/float64(b.N), "cpu-s/rollout")
+				b.ReportMetric(b.Elapsed().Seconds()/float64(b.N), "s/rollout")
+			})
+		}
+	}
+}
+
+func tailLines(s string, n int) string {
+	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
+	return strings.Join(lines[max(0, len(lines)-n):], "\n")
 }

@@ -32,6 +32,10 @@ type scriptedGC struct {
 	requests atomic.Int64    // requests answered, repeats included
 }
 
+// scriptedHandlers is how many requests are answered at once: enough that a batch of 1,000 requests in flight
+// never overflows the subscription (a dropped request would cost GCAction's 15 s attempt timeout).
+const scriptedHandlers = 1024
+
 func newScriptedGC(images int) *scriptedGC {
 	return &scriptedGC{images: images, imageSize: 10 << 20, passes: map[string]int{}, seen: map[string]bool{}}
 }
@@ -45,7 +49,7 @@ func (s *scriptedGC) serve(t testing.TB, ctx context.Context, b *bus.Bus) {
 	go func() {
 		defer wg.Done()
 		close(ready)
-		_ = b.ServeConcurrent(ctx, events.Prefix+".cmd.*."+events.VerbGC, "", s.handlers(), s.handle)
+		_ = b.ServeConcurrent(ctx, events.Prefix+".cmd.*."+events.VerbGC, "", scriptedHandlers, s.handle)
 	}()
 	t.Cleanup(wg.Wait)
 	<-ready
@@ -87,14 +91,6 @@ func (s *scriptedGC) handle(_ context.Context, data []byte) (any, error) {
 		}
 	}
 	return res, nil
-}
-
-// handlers is how many requests are answered at once: enough that scripted delays overlap.
-func (s *scriptedGC) handlers() int {
-	if s.delay > 0 {
-		return 256
-	}
-	return 16
 }
 
 // passesOf returns the passes run per node.
