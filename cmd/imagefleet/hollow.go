@@ -19,6 +19,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 
 	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/events"
 	"github.com/imagefleet/imagefleet/services/cri"
 	"github.com/imagefleet/imagefleet/services/cri/hollow"
 )
@@ -149,6 +150,9 @@ func (h *hollowConfig) plan() (*hollowPlan, error) {
 	r, err := parseStartRate(h.StartRate)
 	if err != nil {
 		return nil, err
+	}
+	if _, err := events.ParseEventVersion(h.Agent.EventVersion); err != nil {
+		return nil, fmt.Errorf("--event-version: %w", err)
 	}
 	defs, err := selectWorkers(h.Agent.Workers)
 	if err != nil {

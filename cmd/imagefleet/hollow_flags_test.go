@@ -2,6 +2,7 @@ package main
 
 import (
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -91,6 +92,7 @@ func TestHollowFlags(t *testing.T) {
 		{"negative delay", []string{"--nodes", "1", "--pull-delay", "-1s"}, "--pull-delay -1s"},
 		{"unknown worker", []string{"--nodes", "1", "--workers", "gc,nope"}, `unknown worker "nope"`},
 		{"metrics", []string{"--nodes", "1", "--workers", "gc,metrics"}, "metrics cannot run in hollow agents"},
+		{"bad event version", []string{"--nodes", "1", "--event-version", "v9"}, "--event-version"},
 		{"bad capacity", []string{"--nodes", "1", "--image-fs-capacity", "lots"}, "imageFsCapacity (--image-fs-capacity)"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -107,5 +109,28 @@ func TestParseStartRate(t *testing.T) {
 		if got, err := parseStartRate(in); err != nil || got != want {
 			t.Errorf("parseStartRate(%q) = %v, %v; want %v", in, got, err, want)
 		}
+	}
+}
+
+func TestRaiseNoFile(t *testing.T) {
+	var lim syscall.Rlimit
+	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &lim); err != nil {
+		t.Fatal(err)
+	}
+	// At or under the current limit: nothing to do, nothing changed.
+	if err := raiseNoFile(lim.Cur); err != nil {
+		t.Fatalf("raiseNoFile(%d) at the current limit: %v", lim.Cur, err)
+	}
+	// Past the hard limit as a process that may not raise it (an unprivileged one, or past the kernel's
+	// nr_open even for root): an error that says the limit found.
+	if err := raiseNoFile(1 << 40); err == nil || !strings.Contains(err.Error(), "could not be raised") {
+		t.Fatalf("raiseNoFile(2^40) = %v, want the limit it could not raise", err)
+	}
+	var after syscall.Rlimit
+	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &after); err != nil {
+		t.Fatal(err)
+	}
+	if after != lim {
+		t.Fatalf("a failed raise changed the limit: %+v, was %+v", after, lim)
 	}
 }
