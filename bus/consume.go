@@ -168,7 +168,13 @@ func (b *Bus) consume(ctx context.Context, cfg ConsumerConfig, cc jetstream.Cons
 	mu.Lock()
 	current = first
 	mu.Unlock()
+	// A handler slot is taken before a message is pulled, never after: a message is fetched only when a
+	// handler can start it at once. With Concurrency 1 no message waits here unstarted behind a running
+	// handler, so a stopping consumer holds none it must hand back, and the server holds no pull request of
+	// ours that a message naked by a stopping handler would be redelivered into (TestPullSurvivesRestart
+	// saw that third delivery).
 	sem := make(chan struct{}, cfg.Concurrency)
+	var busy atomic.Int32      // handlers running
 	var noWaiting atomic.Int32 // consecutive checks that found no pull request of ours at the server
 	// The stall watchdog: stopping the iterator makes the loop below pull anew.
 	go func() {
@@ -190,14 +196,15 @@ func (b *Bus) consume(ctx context.Context, cfg ConsumerConfig, cc jetstream.Cons
 			ictx, cancel := context.WithTimeout(ctx, 5*time.Second)
 			info, err := cons.Info(ictx)
 			cancel()
+			room := int(busy.Load()) < cfg.Concurrency
 			switch {
 			case err != nil && idle >= 2*cfg.StallAfter:
 				// The consumer does not answer (no leader yet, or its server is gone): make it anew, which
 				// waits for the cluster.
 				log.Warn("consumer does not answer; pulling anew", "idle", idle.Round(time.Second), "err", err)
-			case err == nil && info.NumWaiting == 0 && len(sem) < cap(sem) && noWaiting.Add(1) < 2:
+			case err == nil && info.NumWaiting == 0 && room && noWaiting.Add(1) < 2:
 				continue // a pull request may be between its expiry and the next: ask again at the next tick
-			case err == nil && info.NumWaiting == 0 && len(sem) < cap(sem):
+			case err == nil && info.NumWaiting == 0 && room:
 				// Room for messages here, but the server holds no pull request of this consumer: ours went
 				// to a server that is gone and nats.go has not noticed (the fleet test's pullers missed a
 				// pre-pull command for 90 s after a server was killed).
@@ -217,21 +224,34 @@ func (b *Bus) consume(ctx context.Context, cfg ConsumerConfig, cc jetstream.Cons
 			msgs.Stop()
 		}
 	}()
+	// Shutting down, a message is handed back (naked) only once the pull subscription is gone at the
+	// server (drained: its unsubscribe went out before the nak, on the same connection), so the server
+	// cannot redeliver it into a pull request of this stopping consumer, which would hand it back again and
+	// spend one more of its MaxDeliver deliveries.
+	pullsClosed := make(chan struct{})
+	var handBack []jetstream.Msg // delivered after the cancel, never started
 	var wg sync.WaitGroup
 	stopped := make(chan struct{})
 	go func() {
 		<-ctx.Done()
 		mu.Lock()
-		current.Stop()
+		current.Drain()
 		mu.Unlock()
 		close(stopped)
 	}()
-	for {
+	rechecks := len(recheckWaits)
+	for ctx.Err() == nil {
+		select {
+		case sem <- struct{}{}:
+		case <-ctx.Done():
+			continue
+		}
 		mu.Lock()
 		msgs := current
 		mu.Unlock()
-		jm, err := msgs.Next()
+		jm, err := next(msgs, &rechecks)
 		if err != nil {
+			<-sem
 			if ctx.Err() != nil {
 				break
 			}
@@ -241,7 +261,7 @@ func (b *Bus) consume(ctx context.Context, cfg ConsumerConfig, cc jetstream.Cons
 			case <-stopped:
 			case <-time.After(250 * time.Millisecond):
 			}
-			next, oErr := open()
+			fresh, oErr := open()
 			if oErr != nil {
 				// A closed connection is its owner's shutdown, not the consumer's failure.
 				if ctx.Err() == nil && !b.nc.IsClosed() {
@@ -252,32 +272,80 @@ func (b *Bus) consume(ctx context.Context, cfg ConsumerConfig, cc jetstream.Cons
 			}
 			mu.Lock()
 			if ctx.Err() != nil {
-				next.Stop()
+				fresh.Stop()
 			}
-			current = next
+			current = fresh
 			mu.Unlock()
+			rechecks = len(recheckWaits)
 			continue
 		}
 		lastActive.Store(time.Now().UnixNano())
-		select {
-		case sem <- struct{}{}:
-		case <-ctx.Done():
-			_ = jm.Nak()
+		rechecks = 0
+		if ctx.Err() != nil {
+			<-sem
+			handBack = append(handBack, jm)
 			continue
 		}
+		busy.Add(1)
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			defer func() { <-sem }()
-			b.handle(ctx, cfg, jm, h)
+			defer func() { busy.Add(-1); <-sem }()
+			b.handle(ctx, cfg, jm, h, pullsClosed)
 		}()
 	}
 	<-stopped
+	// Wait for the drain (bounded: a connection that is down does not complete it), taking what it still
+	// delivers, then hand back.
+	mu.Lock()
+	last := current
+	mu.Unlock()
+	for deadline := time.Now().Add(2 * time.Second); ; {
+		wait := time.Until(deadline)
+		if wait <= 0 {
+			break
+		}
+		jm, err := last.Next(jetstream.NextMaxWait(wait))
+		if err != nil {
+			break
+		}
+		handBack = append(handBack, jm)
+	}
+	close(pullsClosed)
+	for _, jm := range handBack {
+		_ = jm.Nak()
+	}
 	wg.Wait()
 	return loopErr
 }
 
-func (b *Bus) handle(ctx context.Context, cfg ConsumerConfig, jm jetstream.Msg, h MsgHandler) {
+// recheckWaits are the waits of the Next calls that follow a delivery, before one that waits without end.
+// nats.go's iterator sends its next pull request from Next, but skips it while its own pull goroutine has
+// not yet marked the previous request sent (pullSubscription.fetchInProgress, nats.go v1.55.0). When that
+// request was already answered in full (with PullMaxMessages(1): by the one message just handed out), the
+// server holds none of ours and nothing comes to wake Next to send it: the consumer stalls until nats.go
+// misses two heartbeats (30 s) or the watchdog steps in (StallAfter), with messages waiting. Under -race
+// TestConsumeOneAtATimeNeverStalls stalled so two runs in three. Each Next call starts with the request the
+// previous one skipped, so a few short, growing waits after a delivery close that gap; an idle consumer
+// then waits in one call again, at no cost.
+var recheckWaits = []time.Duration{5 * time.Millisecond, 20 * time.Millisecond, 80 * time.Millisecond,
+	320 * time.Millisecond, 1280 * time.Millisecond}
+
+// next returns the iterator's next message; rechecks counts the short waits spent since the last delivery.
+func next(msgs jetstream.MessagesContext, rechecks *int) (jetstream.Msg, error) {
+	for *rechecks < len(recheckWaits) {
+		jm, err := msgs.Next(jetstream.NextMaxWait(recheckWaits[*rechecks]))
+		if !errors.Is(err, nats.ErrTimeout) {
+			return jm, err
+		}
+		*rechecks++
+	}
+	return msgs.Next()
+}
+
+// handle runs h on jm and acks, naks or terminates it by what h returned. A message handed back because the
+// consumer stops is naked once pullsClosed is closed.
+func (b *Bus) handle(ctx context.Context, cfg ConsumerConfig, jm jetstream.Msg, h MsgHandler, pullsClosed <-chan struct{}) {
 	meta, _ := jm.Metadata()
 	m := &Msg{Subject: jm.Subject(), Data: jm.Data(), Header: jm.Headers(), m: jm}
 	if meta != nil {
@@ -301,6 +369,7 @@ func (b *Bus) handle(ctx context.Context, cfg ConsumerConfig, jm jetstream.Msg, 
 	case ctx.Err() != nil:
 		// Shutting down: let another replica (or our restart) take it at once.
 		countHandled(cfg.Durable, "nak", err)
+		<-pullsClosed
 		_ = jm.Nak()
 	case IsPermanent(err) || int(m.NumDelivered) >= cfg.MaxDeliver:
 		countHandled(cfg.Durable, "term", err)

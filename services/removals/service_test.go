@@ -69,10 +69,7 @@ func TestForeignRemovals(t *testing.T) {
 	stop := run()
 	time.Sleep(500 * time.Millisecond)
 	publish(t, b, events.ActionRemoved, events.ImageRemoved{ID: "sha256:cc", Size: 30, Reason: "space"})
-	// 60 s, not 15: under -race in CI (ci3 of stop 11) the consumer once stopped pulling after a handled event
-	// (NumWaiting 0, NumAckPending 0, 4 pending); bus.Consume's stall watchdog pulls anew after StallAfter
-	// (15 s) and two checks, so a wait shorter than that failed where the worker recovers by design.
-	bustest.Eventually(t, "the removals consumer drained and a warning published", time.Minute, func() error {
+	bustest.Eventually(t, "the removals consumer drained and a warning published", 15*time.Second, func() error {
 		st, err := b.Consumer(t.Context(), events.EventsStream, events.RemovalsDurable(node))
 		if err == nil && (st.NumPending != 0 || st.NumAckPending != 0 || len(warnings(t, b)) == 0) {
 			err = fmt.Errorf("not drained: %+v", st)
@@ -85,7 +82,7 @@ func TestForeignRemovals(t *testing.T) {
 		t.Logf("delete consumer: %v", err)
 	}
 	stop = run()
-	bustest.Eventually(t, "the restarted removals consumer read the stream again", time.Minute, func() error {
+	bustest.Eventually(t, "the restarted removals consumer read the stream again", 15*time.Second, func() error {
 		st, err := b.Consumer(t.Context(), events.EventsStream, events.RemovalsDurable(node))
 		if err == nil && (st.NumPending != 0 || st.NumAckPending != 0) {
 			err = fmt.Errorf("not drained: %+v", st)
