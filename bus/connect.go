@@ -213,8 +213,8 @@ func redact(url string) string {
 
 // Close drains subscriptions and closes the connection.
 func (b *Bus) Close() {
-	if b == nil || b.nc == nil {
-		return
+	if b == nil || b.nc == nil || b.domains.view != "" {
+		return // a view (InDomain) shares its connection
 	}
 	b.closeJournal()
 	_ = b.nc.Drain()

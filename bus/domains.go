@@ -63,6 +63,8 @@ func isPullStream(stream string) bool {
 // the connection is on when that is another one (a leaf's).
 type domains struct {
 	fleet, local string
+	// view, set on a view (InDomain), is the one domain of every stream and bucket.
+	view string
 }
 
 // split reports whether the connection's streams are split between two domains.
@@ -120,6 +122,25 @@ func (b *Bus) PullDomain() string { return b.domains.local }
 // JSDomain is the fleet's JetStream domain this connection was opened with (Options.JSDomain).
 func (b *Bus) JSDomain() string { return b.domains.fleet }
 
+// InDomain returns a view of the connection in which every stream and bucket is the JetStream domain
+// domain's, such as a node's leaf domain (events.NodeInfo.JSDomain): how a command elsewhere in the fleet
+// reads that node's own buckets (its image records). With domain "", or the domain this connection already
+// keeps the node buckets in, it returns b. The view shares b's connection: closing it does nothing, and it
+// is for reading and writing streams and buckets, not for publishing events.
+func (b *Bus) InDomain(domain string) (*Bus, error) {
+	if domain == "" || domain == b.domains.view || (b.domains.split() && domain == b.domains.local) {
+		return b, nil
+	}
+	if err := events.ValidateDomain(domain); err != nil {
+		return nil, err
+	}
+	js, err := jetstream.NewWithDomain(b.nc, domain)
+	if err != nil {
+		return nil, fmt.Errorf("jetstream domain %s: %w", domain, err)
+	}
+	return &Bus{nc: b.nc, js: js, log: b.log, replicas: b.replicas, domains: domains{view: domain}}, nil
+}
+
 // inDomain adds to a pull work queue on a leaf domain its domain-addressed subjects, stored under the plain
 // ones (see the package comment above); other streams, and every stream of a connection in one domain, are
 // returned as they are.
@@ -152,6 +173,9 @@ func wildcardsToRefs(filter string) string {
 // $JS.<domain>.API.$KV.<bucket>. for a bucket in another domain (a plain $KV subject does not cross a
 // leaf connection into another domain).
 func (b *Bus) kvPutPrefix(bucket string) string {
+	if b.domains.view != "" {
+		return "$JS." + b.domains.view + ".API.$KV." + bucket + "."
+	}
 	if b.domains.split() && fleetWide("KV_"+bucket) {
 		return "$JS." + b.domains.fleet + ".API.$KV." + bucket + "."
 	}

@@ -161,6 +161,30 @@ func TestLeafDomains(t *testing.T) {
 	if _, err := hb.KVExisting(ctx, events.RecordsBucket); err == nil {
 		t.Errorf("records bucket of a leaf's node made in the hub's domain")
 	}
+	// The hub reads and writes them through a view of leaf-a's domain (imagefleet records at the hub).
+	view, err := hb.InDomain("leaf-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	viewRecords, err := view.KVExisting(ctx, events.RecordsBucket)
+	if err != nil {
+		t.Fatalf("leaf-a's records from the hub: %v", err)
+	}
+	if err := viewRecords.Batch(ctx, map[string][]byte{"node-a.y": []byte("r2")}, nil); err != nil {
+		t.Fatalf("batch to leaf-a's records from the hub: %v", err)
+	}
+	for k, want := range map[string]string{"node-a.x": "r", "node-a.y": "r2"} {
+		if v, _, err := viewRecords.Get(ctx, k); err != nil || string(v) != want {
+			t.Errorf("leaf-a's record %s read from the hub: %q, %v; want %q", k, v, err, want)
+		}
+	}
+	view.Close() // a view shares the hub connection: closing it leaves that open
+	if !hb.Connected() {
+		t.Fatal("closing a view closed its connection")
+	}
+	if same, _ := agents["leaf-a"].InDomain("leaf-a"); same != agents["leaf-a"] {
+		t.Error("InDomain of the connection's own node domain is not the connection itself")
+	}
 
 	// Pull requests: addressed to leaf-a's domain from the hub, stored in leaf-a only, as the plain subject.
 	node := "node-a"

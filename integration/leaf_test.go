@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -13,6 +14,8 @@ import (
 	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/deploy/natsconf"
 	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/services/cri"
+	"github.com/imagefleet/imagefleet/services/cri/hollow"
 	"github.com/imagefleet/imagefleet/services/fleet"
 )
 
@@ -139,9 +142,47 @@ func TestLeafDomainsFleetRollouts(t *testing.T) {
 			"--first", fmt.Sprint(i*perLeaf), "--last", fmt.Sprint(len(domains)*perLeaf), "--js-domain", "hub",
 			"--images-per-node", fmt.Sprint(images), "--heartbeat-period", "1s"))
 	}
-	n := len(domains) * perLeaf
-	nodes, waited := waitReady(t, l.b, hollows[0], "hollow-", n, 2*time.Minute)
+	nodes, waited := waitReady(t, l.b, hollows[0], "hollow-", len(domains)*perLeaf, 2*time.Minute)
 	t.Logf("%d hollow nodes on 2 leaf domains Ready in the hub's registry after %s", len(nodes), waited.Round(time.Millisecond))
+
+	// A real agent with the default workers (journal, detector, cache, heartbeat, removals, gc, pod index,
+	// puller) on leaf-a, its runtime a hollow one on a unix socket, and the inventory at the hub.
+	const siteNode, siteTag = "site-a-node", "registry.example/site/app:1"
+	rt := hollow.New(hollow.Options{Name: siteNode})
+	if _, err := rt.AddImage(cri.Image{RepoTags: []string{siteTag}, Size: 10 << 20}); err != nil {
+		t.Fatal(err)
+	}
+	endpoint, stopRT, err := rt.StartUnix(ctx, filepath.Join(t.TempDir(), "cri.sock"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(stopRT)
+	site := startProc(t, "agent-"+siteNode, bin, "agent", "--node", siteNode, "--cri", endpoint, "--nats", l.leaves["leaf-a"].ClientURL(),
+		"--js-domain", "hub", "--data-dir", t.TempDir(), "--image-fs-capacity", "1Gi", "--minimum-image-ttl-duration", "0s",
+		"--heartbeat-period", "1s", "--image-detect-period", "1s")
+	startProc(t, "inventory", bin, "agent", "--node", "inventory-1", "--nats", hubURL, "--workers", "inventory",
+		"--data-dir", t.TempDir(), "--no-journal")
+	waitReady(t, l.b, site, siteNode, 1, time.Minute)
+	nodes = append(nodes, siteNode)
+	slices.Sort(nodes)
+	n := len(nodes)
+	bustest.Eventually(t, "the site agent's image in the hub's inventory and its records at the site", time.Minute, func() error {
+		where, err := whereNodes(t, bin, hubURL, siteTag)
+		if err != nil {
+			return err
+		}
+		if !slices.Equal(where, []string{siteNode}) {
+			return fmt.Errorf("fleet where %s: %v", siteTag, where)
+		}
+		recs, err := nodeRecords(t, bin, hubURL, siteNode)
+		if err != nil {
+			return err
+		}
+		if !slices.Equal(recs, []string{siteTag}) {
+			return fmt.Errorf("records %v", recs)
+		}
+		return nil
+	})
 
 	// Each node reports its leaf's domain.
 	reg, err := fleet.OpenRegistry(ctx, l.b, fleet.RegistryOptions{})
@@ -153,11 +194,15 @@ func TestLeafDomainsFleetRollouts(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, nd := range listed {
+		var want string // the inventory, at the hub
 		var i int
-		if _, err := fmt.Sscanf(nd.Node, "hollow-%05d", &i); err != nil {
-			continue
+		switch _, err := fmt.Sscanf(nd.Node, "hollow-%05d", &i); {
+		case err == nil:
+			want = domains[i/perLeaf]
+		case nd.Node == siteNode:
+			want = "leaf-a"
 		}
-		if want := domains[i/perLeaf]; nd.JSDomain != want {
+		if nd.JSDomain != want {
 			t.Errorf("node %s reports domain %q, want %q", nd.Node, nd.JSDomain, want)
 		}
 	}
@@ -178,7 +223,11 @@ func TestLeafDomainsFleetRollouts(t *testing.T) {
 		t.Fatalf("fleet gc: %d succeeded, failed %v", gcRes.Succeeded, gcRes.Failed)
 	}
 	for _, nr := range gcRes.Nodes {
-		if nr.GC == nil || len(nr.GC.Removed) != images {
+		want := images
+		if nr.Node == siteNode {
+			want = 1
+		}
+		if nr.GC == nil || len(nr.GC.Removed) != want {
 			t.Fatalf("node %s: gc result %+v", nr.Node, nr.GC)
 		}
 	}
@@ -224,7 +273,7 @@ func TestLeafDomainsFleetRollouts(t *testing.T) {
 		return nil
 	})
 	// One node's pull queued at the hub (imagefleet pull) finds the node's domain in the registry.
-	one := nodes[len(nodes)-1]
+	one := fmt.Sprintf("hollow-%05d", len(domains)*perLeaf-1) // on leaf-b
 	var single struct {
 		Node     string `json:"node"`
 		ImageRef string `json:"imageRef"`
@@ -246,10 +295,7 @@ func TestLeafDomainsFleetRollouts(t *testing.T) {
 		}
 		q, err := pullQueues(ctx, c)
 		c.Close()
-		want := uint64(perLeaf)
-		if d == domains[len(domains)-1] {
-			want++ // the single pull
-		}
+		want := uint64(perLeaf) + 1 // leaf-a: the site agent's; leaf-b: the single pull
 		if err != nil || q != want {
 			t.Errorf("%s's pull queues stored %d requests (%v); want %d", d, q, err, want)
 		}

@@ -12,6 +12,7 @@ import (
 	"github.com/imagefleet/imagefleet/events"
 	"github.com/imagefleet/imagefleet/internal/records"
 	"github.com/imagefleet/imagefleet/services/detector"
+	"github.com/imagefleet/imagefleet/services/fleet"
 )
 
 func requireNode(node string) error {
@@ -74,7 +75,16 @@ func newRecordsCmd(cl *cli) *cobra.Command {
 func (cl *cli) printRecords(cmd *cobra.Command, b *bus.Bus, node string) error {
 	ctx, cancel := cl.contextTimeout(cmd.Context())
 	defer cancel()
-	st, err := records.OpenStore(ctx, b, node)
+	// The records are in the node's JetStream domain: its leaf's when it has one (docs/operations.md).
+	domain, err := fleet.NodeDomain(ctx, b, node)
+	if err != nil {
+		return err
+	}
+	nb, err := b.InDomain(domain)
+	if err != nil {
+		return err
+	}
+	st, err := records.OpenStore(ctx, nb, node)
 	if err != nil {
 		return err
 	}
