@@ -60,9 +60,21 @@ type Inventory struct {
 	// keys of one image are spread over the whole stream).
 	mu    sync.RWMutex
 	index map[string]map[string]events.Placement // image token -> node token -> placement (Gone: a tombstone)
-	ids   map[string]int                         // image ID -> live placements
 	refs  map[string]map[string]int              // repo tag or digest -> image ID -> live placements
-	ready bool
+	// Totals kept up to date with the index, so images and nodes answer in O(images) and O(nodes).
+	images map[string]*imageTotals          // image ID -> its live placements' totals
+	nodes  map[string]*events.InventoryNode // node name -> its live placements' totals
+	ready  bool
+}
+
+// imageTotals sums one image's live placements.
+type imageTotals struct {
+	nodes         int
+	bytes         int64
+	size          int64     // the largest size reported
+	lastUsed      time.Time // the latest use
+	stale         bool      // a removed placement held size or lastUsed: recomputed from the index when asked
+	tags, digests map[string]int
 }
 
 // legacyEntry is a node-first key to re-key.
@@ -108,8 +120,8 @@ func NewInventory(ctx context.Context, cfg InventoryConfig, b *bus.Bus) (*Invent
 	if err != nil {
 		return nil, fmt.Errorf("inventory: %w", err)
 	}
-	return &Inventory{cfg: cfg, b: b, kv: kv, index: map[string]map[string]events.Placement{}, ids: map[string]int{},
-		refs: map[string]map[string]int{}}, nil
+	return &Inventory{cfg: cfg, b: b, kv: kv, index: map[string]map[string]events.Placement{},
+		refs: map[string]map[string]int{}, images: map[string]*imageTotals{}, nodes: map[string]*events.InventoryNode{}}, nil
 }
 
 func inventoryBucket(replicas int) bus.KVConfig {
@@ -246,7 +258,12 @@ func (s *Inventory) indexEntry(e bus.Entry) (legacy events.Placement, ok bool) {
 		return p, ok
 	}
 	nodes[node] = p
-	s.ids[p.ID]++
+	s.ref(p)
+	return p, ok
+}
+
+// ref counts a live placement into the references and totals (s.mu held).
+func (s *Inventory) ref(p events.Placement) {
 	for _, refs := range [][]string{p.RepoTags, p.RepoDigests} {
 		for _, r := range refs {
 			m := s.refs[r]
@@ -257,7 +274,30 @@ func (s *Inventory) indexEntry(e bus.Entry) (legacy events.Placement, ok bool) {
 			m[p.ID]++
 		}
 	}
-	return p, ok
+	im := s.images[p.ID]
+	if im == nil {
+		im = &imageTotals{tags: map[string]int{}, digests: map[string]int{}}
+		s.images[p.ID] = im
+	}
+	im.nodes++
+	im.bytes += p.Size
+	im.size = max(im.size, p.Size)
+	if p.LastUsed.After(im.lastUsed) {
+		im.lastUsed = p.LastUsed
+	}
+	for _, t := range p.RepoTags {
+		im.tags[t]++
+	}
+	for _, d := range p.RepoDigests {
+		im.digests[d]++
+	}
+	n := s.nodes[p.Node]
+	if n == nil {
+		n = &events.InventoryNode{Node: p.Node}
+		s.nodes[p.Node] = n
+	}
+	n.Images++
+	n.TotalBytes += p.Size
 }
 
 // drop removes an image-first key's placement from the index (s.mu held).
@@ -280,8 +320,22 @@ func (s *Inventory) unref(p events.Placement) {
 	if p.Gone {
 		return
 	}
-	if s.ids[p.ID]--; s.ids[p.ID] <= 0 {
-		delete(s.ids, p.ID)
+	if im := s.images[p.ID]; im != nil {
+		im.nodes--
+		im.bytes -= p.Size
+		im.stale = im.stale || p.Size == im.size || p.LastUsed.Equal(im.lastUsed)
+		uncount(im.tags, p.RepoTags)
+		uncount(im.digests, p.RepoDigests)
+		if im.nodes <= 0 {
+			delete(s.images, p.ID)
+		}
+	}
+	if n := s.nodes[p.Node]; n != nil {
+		n.Images--
+		n.TotalBytes -= p.Size
+		if n.Images <= 0 {
+			delete(s.nodes, p.Node)
+		}
 	}
 	for _, refs := range [][]string{p.RepoTags, p.RepoDigests} {
 		for _, r := range refs {
@@ -295,6 +349,44 @@ func (s *Inventory) unref(p events.Placement) {
 			}
 		}
 	}
+}
+
+func uncount(m map[string]int, keys []string) {
+	for _, k := range keys {
+		if m[k]--; m[k] <= 0 {
+			delete(m, k)
+		}
+	}
+}
+
+// imageTotal returns image id's fleet totals, recomputing its largest size and latest use from its
+// placements if a removal made them stale (s.mu held for writing).
+func (s *Inventory) imageTotal(id string, im *imageTotals) events.InventoryImage {
+	if im.stale {
+		im.size, im.lastUsed, im.stale = 0, time.Time{}, false
+		for _, p := range s.index[events.InventoryImageToken(id)] {
+			if !p.Gone && p.ID == id {
+				im.size = max(im.size, p.Size)
+				if p.LastUsed.After(im.lastUsed) {
+					im.lastUsed = p.LastUsed
+				}
+			}
+		}
+	}
+	return events.InventoryImage{ID: id, RepoTags: sortedKeys(im.tags), RepoDigests: sortedKeys(im.digests), Size: im.size,
+		Nodes: im.nodes, TotalBytes: im.bytes, LastUsed: im.lastUsed}
+}
+
+func sortedKeys(m map[string]int) []string {
+	if len(m) == 0 {
+		return nil
+	}
+	out := make([]string, 0, len(m))
+	for k := range m {
+		out = append(out, k)
+	}
+	sort.Strings(out)
+	return out
 }
 
 // rekey moves a node-first key to its image-first key: the placement is written there under the sequence
@@ -407,7 +499,7 @@ func (s *Inventory) put(ctx context.Context, p events.Placement) (bool, error) {
 }
 
 // Query answers an inventory query from the in-memory index: where reads only the placements of the image
-// IDs the query names, images and nodes aggregate the index in place (no copy of it).
+// IDs the query names; images and nodes read the per-image and per-node totals kept with the index.
 func (s *Inventory) Query(_ context.Context, data []byte) (any, error) {
 	var q events.InventoryQuery
 	if err := events.DecodeStrict(data, &q); err != nil {
@@ -418,13 +510,13 @@ func (s *Inventory) Query(_ context.Context, data []byte) (any, error) {
 			return nil, fmt.Errorf("%w: %v", events.ErrMalformed, err)
 		}
 	}
-	var ids []string
-	if q.What == events.InventoryWhere {
-		ids = s.resolve(q.Image)
-	}
-	s.mu.RLock()
-	rep, err := answer(q, func(yield func(events.Placement)) {
-		if q.What == events.InventoryWhere {
+	var rep events.InventoryReply
+	var err error
+	switch q.What {
+	case events.InventoryWhere:
+		ids := s.resolve(q.Image)
+		s.mu.RLock()
+		rep, err = answer(q, func(yield func(events.Placement)) {
 			for _, id := range ids {
 				for _, p := range s.index[events.InventoryImageToken(id)] {
 					if !p.Gone && p.ID == id {
@@ -432,17 +524,27 @@ func (s *Inventory) Query(_ context.Context, data []byte) (any, error) {
 					}
 				}
 			}
-			return
+		})
+		s.mu.RUnlock()
+	case events.InventoryImages:
+		s.mu.Lock() // imageTotal may recompute a stale total
+		list := make([]events.InventoryImage, 0, len(s.images))
+		for id, im := range s.images {
+			list = append(list, s.imageTotal(id, im))
 		}
-		for _, nodes := range s.index {
-			for _, p := range nodes {
-				if !p.Gone {
-					yield(p)
-				}
-			}
+		s.mu.Unlock()
+		rep, err = pageImages(q, list)
+	case events.InventoryNodes:
+		s.mu.RLock()
+		list := make([]events.InventoryNode, 0, len(s.nodes))
+		for _, n := range s.nodes {
+			list = append(list, *n)
 		}
-	})
-	s.mu.RUnlock()
+		s.mu.RUnlock()
+		rep, err = pageNodes(q, list)
+	default:
+		rep, err = answer(q, func(func(events.Placement)) {})
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -459,11 +561,11 @@ func (s *Inventory) resolve(image string) []string {
 		found[m.raw] = true
 	}
 	s.mu.RLock()
-	if s.ids[m.raw] > 0 {
+	if s.images[m.raw] != nil {
 		found[m.raw] = true
 	}
 	if m.idPrefix != "" {
-		for id := range s.ids {
+		for id := range s.images {
 			if strings.HasPrefix(id, m.idPrefix) {
 				found[id] = true
 			}
@@ -527,25 +629,11 @@ func answer(q events.InventoryQuery, each func(yield func(events.Placement))) (e
 				im.LastUsed = p.LastUsed
 			}
 		})
+		list := make([]events.InventoryImage, 0, len(byID))
 		for _, im := range byID {
-			rep.Images = append(rep.Images, *im)
-			rep.TotalBytes += im.TotalBytes
+			list = append(list, *im)
 		}
-		sort.Slice(rep.Images, func(i, j int) bool { return imageBefore(rep.Images[i], rep.Images[j]) })
-		rep.Total = len(rep.Images)
-		if q.Continue != "" {
-			after, err := parseImageContinue(q.Continue)
-			if err != nil {
-				return rep, err
-			}
-			i := sort.Search(len(rep.Images), func(i int) bool { return imageBefore(after, rep.Images[i]) })
-			rep.Images = rep.Images[i:]
-		}
-		if q.Limit > 0 && len(rep.Images) > q.Limit {
-			rep.Images = rep.Images[:q.Limit]
-			last := rep.Images[q.Limit-1]
-			rep.Continue = fmt.Sprintf("%d/%s", last.TotalBytes, last.ID)
-		}
+		return pageImages(q, list)
 	case events.InventoryNodes:
 		byNode := map[string]*events.InventoryNode{}
 		each(func(p events.Placement) {
@@ -557,20 +645,11 @@ func answer(q events.InventoryQuery, each func(yield func(events.Placement))) (e
 			n.Images++
 			n.TotalBytes += p.Size
 		})
+		list := make([]events.InventoryNode, 0, len(byNode))
 		for _, n := range byNode {
-			rep.Nodes = append(rep.Nodes, *n)
-			rep.TotalBytes += n.TotalBytes
+			list = append(list, *n)
 		}
-		sort.Slice(rep.Nodes, func(i, j int) bool { return rep.Nodes[i].Node < rep.Nodes[j].Node })
-		rep.Total = len(rep.Nodes)
-		if q.Continue != "" {
-			i := sort.Search(len(rep.Nodes), func(i int) bool { return rep.Nodes[i].Node > q.Continue })
-			rep.Nodes = rep.Nodes[i:]
-		}
-		if q.Limit > 0 && len(rep.Nodes) > q.Limit {
-			rep.Nodes = rep.Nodes[:q.Limit]
-			rep.Continue = rep.Nodes[q.Limit-1].Node
-		}
+		return pageNodes(q, list)
 	case events.InventoryWhere:
 		each(func(p events.Placement) {
 			rep.Placements = append(rep.Placements, p)
@@ -591,6 +670,61 @@ func answer(q events.InventoryQuery, each func(yield func(events.Placement))) (e
 		}
 	default:
 		return rep, fmt.Errorf("%w: what %q must be images, where or nodes", events.ErrMalformed, q.What)
+	}
+	return rep, nil
+}
+
+// pageImages sorts images (biggest fleet total first) and keeps the page q asks for.
+func pageImages(q events.InventoryQuery, images []events.InventoryImage) (events.InventoryReply, error) {
+	rep := events.InventoryReply{Images: images}
+	if q.Limit < 0 {
+		return rep, fmt.Errorf("%w: limit %d must not be negative", events.ErrMalformed, q.Limit)
+	}
+	for _, im := range images {
+		rep.TotalBytes += im.TotalBytes
+	}
+	sort.Slice(rep.Images, func(i, j int) bool { return imageBefore(rep.Images[i], rep.Images[j]) })
+	rep.Total = len(rep.Images)
+	if q.Continue != "" {
+		after, err := parseImageContinue(q.Continue)
+		if err != nil {
+			return rep, err
+		}
+		i := sort.Search(len(rep.Images), func(i int) bool { return imageBefore(after, rep.Images[i]) })
+		rep.Images = rep.Images[i:]
+	}
+	if q.Limit > 0 && len(rep.Images) > q.Limit {
+		rep.Images = rep.Images[:q.Limit]
+		last := rep.Images[q.Limit-1]
+		rep.Continue = fmt.Sprintf("%d/%s", last.TotalBytes, last.ID)
+	}
+	if len(rep.Images) == 0 {
+		rep.Images = nil
+	}
+	return rep, nil
+}
+
+// pageNodes sorts nodes by name and keeps the page q asks for.
+func pageNodes(q events.InventoryQuery, nodes []events.InventoryNode) (events.InventoryReply, error) {
+	rep := events.InventoryReply{Nodes: nodes}
+	if q.Limit < 0 {
+		return rep, fmt.Errorf("%w: limit %d must not be negative", events.ErrMalformed, q.Limit)
+	}
+	for _, n := range nodes {
+		rep.TotalBytes += n.TotalBytes
+	}
+	sort.Slice(rep.Nodes, func(i, j int) bool { return rep.Nodes[i].Node < rep.Nodes[j].Node })
+	rep.Total = len(rep.Nodes)
+	if q.Continue != "" {
+		i := sort.Search(len(rep.Nodes), func(i int) bool { return rep.Nodes[i].Node > q.Continue })
+		rep.Nodes = rep.Nodes[i:]
+	}
+	if q.Limit > 0 && len(rep.Nodes) > q.Limit {
+		rep.Nodes = rep.Nodes[:q.Limit]
+		rep.Continue = rep.Nodes[q.Limit-1].Node
+	}
+	if len(rep.Nodes) == 0 {
+		rep.Nodes = nil
 	}
 	return rep, nil
 }

@@ -20,7 +20,8 @@ import (
 //
 //   - previous-*: what the previous Query did: copy the whole index into a slice, then scan it (Answer);
 //   - where-*: this release: resolve the name to IDs, read only those images' placements from the index
-//     (kept by image, as the bucket's keys), then page; images-* and nodes-*: aggregate the index in place;
+//     (kept by image, as the bucket's keys), then page; images-* and nodes-*: the per-image and per-node
+//     totals kept up to date with the index, sorted and paged;
 //   - bucket-where-*: the same placements as one key-filtered read of the bucket's image-first keys
 //     (`-again`: the same read at once, the server's block cache warm), the alternative to an index;
 //
