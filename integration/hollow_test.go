@@ -281,5 +281,5 @@ func TestHollowAgentsRealWorkers(t *testing.T) {
 	if code := h.cmd.ProcessState.ExitCode(); code != 0 {
 		t.Fatalf("hollow exited %d after SIGTERM\n%s", code, tail(h.log, 20))
 	}
-	waitLogLine(t, h, fmt.Sprintf("hollow: %d agents stopped", n), 5*time.Second)
+	waitLogLine(t, h, fmt.Sprintf("hollow: %d agents stopped (0 restarts after a failure)", n), 5*time.Second)
 }

@@ -250,7 +250,7 @@ func runHollow(ctx context.Context, cl *cli, cmd *cobra.Command, h *hollowConfig
 	began := time.Now()
 	lim := rate.NewLimiter(rate.Limit(p.rate), 1)
 	g, gctx := errgroup.WithContext(ctx)
-	var running atomic.Int64
+	var running, restarts atomic.Int64 // agents running; agents restarted after a failure
 	allRunning := make(chan struct{})
 	for i, name := range p.names {
 		if err := lim.Wait(gctx); err != nil {
@@ -261,7 +261,7 @@ func runHollow(ctx context.Context, cl *cli, cmd *cobra.Command, h *hollowConfig
 				if running.Add(1) == int64(h.Nodes) {
 					close(allRunning)
 				}
-			})
+			}, &restarts)
 			if err != nil && gctx.Err() == nil {
 				return fmt.Errorf("%s: %w", name, err)
 			}
@@ -287,13 +287,13 @@ func runHollow(ctx context.Context, cl *cli, cmd *cobra.Command, h *hollowConfig
 		}
 	})
 	err = g.Wait()
-	fmt.Fprintf(stderr, "hollow: %d agents stopped\n", running.Load())
+	fmt.Fprintf(stderr, "hollow: %d agents stopped (%d restarts after a failure)\n", running.Load(), restarts.Load())
 	return err
 }
 
 // runHollowNode runs hollow node i until ctx ends: its runtime, its connection, its agent. running is
-// called once the agent's workers are built and started.
-func runHollowNode(ctx context.Context, cl *cli, cmd *cobra.Command, h *hollowConfig, p *hollowPlan, i int, name string, running func()) error {
+// called once the agent's workers are built and started; restarts counts the agent's restarts.
+func runHollowNode(ctx context.Context, cl *cli, cmd *cobra.Command, h *hollowConfig, p *hollowPlan, i int, name string, running func(), restarts *atomic.Int64) error {
 	c := h.Agent // a copy per node: the builds read it, and none writes what another node reads
 	c.Node = name
 	if !c.NoJournal {
@@ -330,7 +330,39 @@ func runHollowNode(ctx context.Context, cl *cli, cmd *cobra.Command, h *hollowCo
 		client = cc
 	}
 
-	opts := cl.busOptions("imagefleet-hollow-" + name)
+	// An agent that stops with an error after it ran (a worker failed) is started again with backoff, on
+	// the same runtime, as systemd or a DaemonSet restarts a node's agent; one that never ran (its
+	// configuration, or no server within --timeout) fails the process.
+	ran := false
+	delay := time.Second
+	for {
+		err := runHollowAgent(ctx, cl, cmd, &c, p, client, log, func() {
+			if !ran {
+				ran = true
+				running()
+			}
+		})
+		if ctx.Err() != nil {
+			return nil
+		}
+		if !ran {
+			return err
+		}
+		restarts.Add(1)
+		log.Error("hollow agent stopped, restarting", "err", err, "after", delay)
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(delay):
+		}
+		delay = min(2*delay, 30*time.Second)
+	}
+}
+
+// runHollowAgent connects one hollow node's agent, builds its workers and runs them until ctx ends or one
+// fails; started is called once they run.
+func runHollowAgent(ctx context.Context, cl *cli, cmd *cobra.Command, c *agentConfig, p *hollowPlan, client *cri.Client, log *slog.Logger, started func()) error {
+	opts := cl.busOptions("imagefleet-hollow-" + c.Node)
 	opts.Logger = log
 	opts.Replicas = c.Replicas
 	opts.JournalDir, opts.JournalMaxBytes = c.agentJournal(), c.JournalMaxBytes
@@ -340,10 +372,10 @@ func runHollowNode(ctx context.Context, cl *cli, cmd *cobra.Command, h *hollowCo
 		return err
 	}
 	defer b.Close()
-	agent, err := buildAgent(ctx, &c, p.defs, agentDeps{Bus: b, CRI: client, Log: log, Changed: cmd.Flags().Changed})
+	agent, err := buildAgent(ctx, c, p.defs, agentDeps{Bus: b, CRI: client, Log: log, Changed: cmd.Flags().Changed})
 	if err != nil {
 		return err
 	}
-	running()
+	started()
 	return agent.Run(ctx)
 }
