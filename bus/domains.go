@@ -199,6 +199,48 @@ func (r *router) pick(stream string) jetstream.JetStream {
 
 func (r *router) bucket(name string) jetstream.JetStream { return r.pick("KV_" + name) }
 
+// StreamNames lists the streams this connection uses: the fleet-wide ones of the fleet's domain, then the
+// others of the server's own (a name both domains have is listed once, from the domain it is used in).
+func (r *router) StreamNames(ctx context.Context, opts ...jetstream.StreamListOpt) jetstream.StreamNameLister {
+	l := &nameLister{names: make(chan string)}
+	go func() {
+		defer close(l.names)
+		for _, side := range []struct {
+			js    jetstream.JetStream
+			fleet bool
+		}{{r.JetStream, true}, {r.local, false}} {
+			names := side.js.StreamNames(ctx, opts...)
+			for n := range names.Name() {
+				if fleetWide(n) != side.fleet {
+					continue
+				}
+				select {
+				case l.names <- n:
+				case <-ctx.Done():
+					for range names.Name() { // let the lister's own goroutine end
+					}
+					l.err = ctx.Err()
+					return
+				}
+			}
+			if err := names.Err(); err != nil {
+				l.err = err
+				return
+			}
+		}
+	}()
+	return l
+}
+
+// nameLister is router.StreamNames' answer; err is set before names is closed.
+type nameLister struct {
+	names chan string
+	err   error
+}
+
+func (l *nameLister) Name() <-chan string { return l.names }
+func (l *nameLister) Err() error          { return l.err }
+
 func (r *router) CreateStream(ctx context.Context, cfg jetstream.StreamConfig) (jetstream.Stream, error) {
 	return r.pick(cfg.Name).CreateStream(ctx, cfg)
 }

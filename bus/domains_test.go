@@ -88,6 +88,16 @@ func TestLeafDomains(t *testing.T) {
 		t.Errorf("hub client with JSDomain hub: PullDomain %q, want none", h.PullDomain())
 	}
 
+	// The agent lists the streams it uses, each once: the hub's fleet-wide ones and its leaf's pull queues.
+	used, err := agents["leaf-a"].StreamNames(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range []string{events.EventsStream, events.PullStream, events.PullStream + "_00"} {
+		if n := len(slices.DeleteFunc(slices.Clone(used), func(u string) bool { return u != s })); n != 1 {
+			t.Errorf("the agent's stream list %v has %s %d times, want once", used, s, n)
+		}
+	}
 	// Where each stream is: read with plain connections to each server (their own domain only).
 	leafA := connect(t, edge["leaf-a"], bus.Options{})
 	hubNames, err := hb.StreamNames(ctx)
