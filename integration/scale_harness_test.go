@@ -75,7 +75,7 @@ func (c *natsCluster) serverPIDs() []int {
 // startHollow runs `imagefleet hollow` with n agents against the cluster; extra are more flags.
 func startHollow(t testing.TB, bin, name, natsURL string, n int, extra ...string) *proc {
 	t.Helper()
-	args := append([]string{"hollow", "--nodes", strconv.Itoa(n), "--nats", natsURL}, extra...)
+	args := append([]string{"hollow", "--nodes", strconv.Itoa(n), "--nats", natsURL, "--data-dir", t.TempDir()}, extra...)
 	return startProc(t, name, bin, args...)
 }
 
