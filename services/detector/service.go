@@ -3,6 +3,7 @@ package detector
 import (
 	"context"
 	"fmt"
+	"slices"
 	"sort"
 	"sync"
 	"time"
@@ -26,10 +27,13 @@ type Service struct {
 	bus   *bus.Bus
 	store *records.Store
 
-	// mu serialises detections and guards records (the in-memory copy of the store).
-	mu      sync.Mutex
-	records *records.Table
-	loaded  bool
+	// mu (a one-slot semaphore, taken with lock) serialises detections and guards records (the in-memory
+	// copy of the store) and unpublished. A detect command waiting for it gives up when its own deadline
+	// ends, and what runs under it (a records load or write, a publish) has a deadline of its own: see call.
+	mu          chan struct{}
+	records     *records.Table
+	loaded      bool
+	unpublished []events.Event // events of earlier detections whose publish failed, oldest first
 
 	// Events between detections (pull.pulled, image.removed): wake the loop; removedIDs waits for it.
 	evMu       sync.Mutex
@@ -46,7 +50,85 @@ func New(cfg Config, rt runtime, b *bus.Bus) (*Service, error) {
 	if rt == nil || b == nil {
 		return nil, fmt.Errorf("detector needs a runtime and a bus")
 	}
-	return &Service{cfg: cfg, rt: rt, bus: b, wake: make(chan struct{}, 1)}, nil
+	return &Service{cfg: cfg, rt: rt, bus: b, wake: make(chan struct{}, 1), mu: make(chan struct{}, 1)}, nil
+}
+
+// lock takes the detection lock, or fails when ctx ends first.
+func (s *Service) lock(ctx context.Context) error {
+	select {
+	case s.mu <- struct{}{}:
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("wait for the running detection: %w", ctx.Err())
+	}
+}
+
+func (s *Service) unlock() { <-s.mu }
+
+// Deadlines of the NATS calls made under the detection lock. Without them a call could wait forever, and
+// every detection and detect command after it with it: an asynchronous publish (the records batch, the
+// events) whose ack never comes (it went to a stream leader that was lost, CI's fleet test killing nats-1)
+// is never failed by nats.go while the connection stays up, and the worker's context has no deadline.
+const (
+	// attemptTimeout bounds one attempt; a batch of n records or events gets a millisecond more per item
+	// (10,000 records write in well under that even on a loaded machine).
+	attemptTimeout = bus.AttemptTimeout
+	// retryFor bounds the attempts of one call: a cluster that lost a server elects new stream leaders
+	// within seconds; past this the detection fails and the next one tries again.
+	retryFor = 30 * time.Second
+	// detectTimeout bounds a detect command (the CLI waits 30 s by default): a reply after it is not read.
+	detectTimeout = 30 * time.Second
+)
+
+// call runs op (a records write, a publish: each safe to repeat) with a deadline per attempt,
+// again after a transient failure (a timeout, no responders, no leader yet) until retryFor has passed.
+func call(ctx context.Context, n int, op func(context.Context) error) error {
+	start, wait := time.Now(), 250*time.Millisecond
+	for {
+		actx, cancel := context.WithTimeout(ctx, attemptTimeout+time.Duration(n)*time.Millisecond)
+		err := op(actx)
+		cancel()
+		if err == nil || ctx.Err() != nil || !bus.IsTransient(err) || time.Since(start)+wait > retryFor {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return err
+		case <-time.After(wait):
+		}
+		wait = min(2*wait, 2*time.Second)
+	}
+}
+
+// load reads the store into memory unless it is there; the caller holds the lock.
+func (s *Service) load(ctx context.Context) error {
+	if s.loaded {
+		return nil
+	}
+	recs, err := s.loadStore(ctx)
+	if err != nil {
+		return err
+	}
+	s.records, s.loaded = records.NewTable(recs), true
+	return nil
+}
+
+// loadStore reads the node's records within retryFor: one attempt, as the bucket's listing retries a
+// transient failure itself and a long listing (10,000 records on a loaded machine) needs the time.
+func (s *Service) loadStore(ctx context.Context) (map[string]events.ImageRecord, error) {
+	ctx, cancel := context.WithTimeout(ctx, retryFor)
+	defer cancel()
+	return s.store.Load(ctx)
+}
+
+// write stores the changes; on failure memory is ahead of the store, so the next detection reloads it.
+// The caller holds the lock.
+func (s *Service) write(ctx context.Context, puts []events.ImageRecord, deletes []string) error {
+	if err := call(ctx, len(puts)+len(deletes), func(ctx context.Context) error { return s.store.Write(ctx, puts, deletes) }); err != nil {
+		s.loaded = false
+		return err
+	}
+	return nil
 }
 
 // Run detects at start, every Period, and on each detect command; it answers record queries. Between
@@ -163,24 +245,18 @@ func (s *Service) onEvents(ctx context.Context, log interface{ Warn(string, ...a
 // Forget deletes the records of images GC removed, as the kubelet's freeImage does. No image.vanished event
 // is published for them: image.removed already said they are gone.
 func (s *Service) Forget(ctx context.Context, ids []string) error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if !s.loaded {
-		recs, err := s.store.Load(ctx)
-		if err != nil {
-			return err
-		}
-		s.records, s.loaded = records.NewTable(recs), true
+	if err := s.lock(ctx); err != nil {
+		return err
+	}
+	defer s.unlock()
+	if err := s.load(ctx); err != nil {
+		return err
 	}
 	gone := s.records.Forget(ids)
 	if len(gone) == 0 {
 		return nil
 	}
-	if err := s.store.Write(ctx, nil, gone); err != nil {
-		s.loaded = false
-		return err
-	}
-	return nil
+	return s.write(ctx, nil, gone)
 }
 
 // Open opens the records store; Run calls it. Tests and benchmarks that call Detect directly call it first.
@@ -197,14 +273,12 @@ func (s *Service) Open(ctx context.Context) error {
 // image.detected and image.vanished events, and returns a summary.
 func (s *Service) Detect(ctx context.Context, detectTime time.Time) (events.DetectReply, error) {
 	start := time.Now()
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if !s.loaded {
-		recs, err := s.store.Load(ctx)
-		if err != nil {
-			return events.DetectReply{}, err
-		}
-		s.records, s.loaded = records.NewTable(recs), true
+	if err := s.lock(ctx); err != nil {
+		return events.DetectReply{}, err
+	}
+	defer s.unlock()
+	if err := s.load(ctx); err != nil {
+		return events.DetectReply{}, err
 	}
 	// The kubelet lists images then containers one after the other; both calls are reads, so they run at
 	// once here (a detection costs about the slower of the two instead of their sum).
@@ -231,9 +305,7 @@ func (s *Service) Detect(ctx context.Context, detectTime time.Time) (events.Dete
 	for _, r := range ch.Removed {
 		removed = append(removed, r.ID)
 	}
-	if err := s.store.Write(ctx, puts, removed); err != nil {
-		// Memory is ahead of the store now: reload it at the next detection, so both agree again.
-		s.loaded = false
+	if err := s.write(ctx, puts, removed); err != nil {
 		return events.DetectReply{}, err
 	}
 	if err := s.publish(ctx, ch); err != nil {
@@ -243,26 +315,41 @@ func (s *Service) Detect(ctx context.Context, detectTime time.Time) (events.Dete
 		Added: len(ch.Added), Removed: len(ch.Removed), Duration: events.Duration{Duration: time.Since(start)}}, nil
 }
 
+// maxUnpublished bounds the events kept for a later publish while NATS does not take them.
+const maxUnpublished = 10000
+
+// publish publishes the changes' image.detected and image.vanished events after those of earlier
+// detections that failed to publish (the records already say what changed, so no later detection would
+// publish them again). A retry publishes an event again with its id, which the stream stores once.
+// The caller holds the lock.
 func (s *Service) publish(ctx context.Context, ch records.Changes) error {
-	if len(ch.Added)+len(ch.Removed) == 0 {
-		return nil
-	}
-	evs := make([]events.Event, 0, len(ch.Added)+len(ch.Removed))
 	for _, r := range ch.Added {
 		ev, err := events.New(s.cfg.Node, events.EntityImage, events.ActionDetected, r)
 		if err != nil {
 			return err
 		}
-		evs = append(evs, ev)
+		s.unpublished = append(s.unpublished, ev)
 	}
 	for _, r := range ch.Removed {
 		ev, err := events.New(s.cfg.Node, events.EntityImage, events.ActionVanished, r)
 		if err != nil {
 			return err
 		}
-		evs = append(evs, ev)
+		s.unpublished = append(s.unpublished, ev)
 	}
-	return s.bus.PublishAll(ctx, evs)
+	if len(s.unpublished) == 0 {
+		return nil
+	}
+	evs := s.unpublished
+	if err := call(ctx, len(evs), func(ctx context.Context) error { return s.bus.PublishAll(ctx, evs) }); err != nil {
+		if n := len(s.unpublished) - maxUnpublished; n > 0 {
+			s.cfg.Logger.Warn("image events dropped: NATS has not taken them", "node", s.cfg.Node, "dropped", n)
+			s.unpublished = slices.Clone(s.unpublished[n:])
+		}
+		return err
+	}
+	s.unpublished = nil
+	return nil
 }
 
 func (s *Service) handleDetect(ctx context.Context, data []byte) (any, error) {
@@ -274,6 +361,8 @@ func (s *Service) handleDetect(ctx context.Context, data []byte) (any, error) {
 	if req.Time != nil {
 		t = *req.Time
 	}
+	ctx, cancel := context.WithTimeout(ctx, detectTimeout)
+	defer cancel()
 	return s.Detect(ctx, t)
 }
 
@@ -282,7 +371,7 @@ func (s *Service) handleRecords(ctx context.Context, data []byte) (any, error) {
 	if err := events.DecodeStrict(data, &q); err != nil {
 		return nil, err
 	}
-	recs, err := s.store.Load(ctx)
+	recs, err := s.loadStore(ctx)
 	if err != nil {
 		return nil, err
 	}
