@@ -39,9 +39,14 @@ func TestRecordsFollowPullsAndRemovals(t *testing.T) {
 	rt := critest.NewRuntime()
 	set(rt, []cri.Image{{ID: "sha256:a", Size: 1}}, nil, nil)
 	defer start(t, b, rt, nil)() // Period 1h: only the start detection and the events
-	if got := recordIDs(t, b); !slices.Equal(got, []string{"sha256:a"}) {
-		t.Fatalf("records %v", got)
-	}
+	// The records query is served as Run starts, before the start detection has written (under -race this
+	// read [] 1 run in 8): wait for that detection.
+	bustest.Eventually(t, "the start detection's record", 10*time.Second, func() error {
+		if got := recordIDs(t, b); !slices.Equal(got, []string{"sha256:a"}) {
+			return fmt.Errorf("records %v", got)
+		}
+		return nil
+	})
 
 	// A pull: a detection at once.
 	set(rt, []cri.Image{{ID: "sha256:a", Size: 1}, {ID: "sha256:b", Size: 2}}, nil, nil)
