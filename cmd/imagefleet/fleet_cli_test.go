@@ -104,40 +104,53 @@ func TestFleetGCStreamsItsOutput(t *testing.T) {
 	}
 }
 
-// serveScriptedGC answers every node's GC command (imagefleet.cmd.*.gc) on one subscription of b with a
-// scripted result removing `images` images of 1 MiB, calling pass for each request; it serves until ctx ends.
+// serveScriptedGC answers every node's GC command (imagefleet.cmd.*.gc) on one connection with a scripted
+// result removing `images` images of 1 MiB, calling pass for each request; it serves until ctx ends. Eight
+// subscriptions share the subject in a queue group, so a burst of a thousand requests (a batch) does not
+// overflow one subscription's buffer (a dropped request costs GCAction's 15 s attempt timeout).
 func serveScriptedGC(t testing.TB, ctx context.Context, wg *sync.WaitGroup, b *bus.Bus, images int, pass func(node string)) {
 	t.Helper()
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		_ = b.ServeConcurrent(ctx, events.Prefix+".cmd.*."+events.VerbGC, "", 1024, func(_ context.Context, data []byte) (any, error) {
-			var req events.GCRequest
-			if err := events.DecodeStrict(data, &req); err != nil {
-				return nil, err
-			}
-			_, node, _ := strings.Cut(req.ID, ".")
-			if pass != nil {
-				pass(node)
-			}
-			res := events.GCResult{Node: node, DryRun: req.DryRun, Skipped: []events.GCSkipped{{ID: "sha256:p", Why: "pinned"}}}
-			for i := range images {
-				res.Removed = append(res.Removed, events.GCRemoved{ID: fmt.Sprintf("sha256:%064x", i),
-					RepoTags: []string{fmt.Sprintf("registry.example/app-%d:v1", i)}, Size: 1 << 20, Reason: "unused"})
-			}
-			return res, nil
-		})
-	}()
+	handle := func(_ context.Context, data []byte) (any, error) {
+		var req events.GCRequest
+		if err := events.DecodeStrict(data, &req); err != nil {
+			return nil, err
+		}
+		_, node, _ := strings.Cut(req.ID, ".")
+		if pass != nil {
+			pass(node)
+		}
+		res := events.GCResult{Node: node, DryRun: req.DryRun, Skipped: []events.GCSkipped{{ID: "sha256:p", Why: "pinned"}}}
+		for i := range images {
+			res.Removed = append(res.Removed, events.GCRemoved{ID: fmt.Sprintf("sha256:%064x", i),
+				RepoTags: []string{fmt.Sprintf("registry.example/app-%d:v1", i)}, Size: 1 << 20, Reason: "unused"})
+		}
+		return res, nil
+	}
+	for range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_ = b.ServeConcurrent(ctx, events.Prefix+".cmd.*."+events.VerbGC, "scripted-gc", 64, handle)
+		}()
+	}
 }
 
 // BenchmarkFleetGCCommand runs the built `imagefleet fleet gc -o json` against 1,000 and 10,000 nodes
 // answered by scripted GC responders (8 images each) on one connection in the benchmark's process, and
-// reports the command's own peak RSS and CPU: the orchestrator's cost, measured on its process alone. With
+// reports the command's own peak RSS and CPU: the orchestrator's cost, measured on its process alone. The
+// current binary runs with --max-in-flight 250, 1000 (the default) and 10000 (no cap at these sizes); with
 // IMAGEFLEET_BASELINE_BINARY set to an earlier build, that binary runs too (bin=baseline), in the same run.
 func BenchmarkFleetGCCommand(b *testing.B) {
-	bins := [][2]string{{"current", binary}}
+	type variant struct {
+		name, bin string
+		extra     []string
+	}
+	var bins []variant
 	if base := os.Getenv("IMAGEFLEET_BASELINE_BINARY"); base != "" {
-		bins = append([][2]string{{"baseline", base}}, bins...)
+		bins = append(bins, variant{"baseline", base, nil})
+	}
+	for _, m := range []string{"250", "1000", "10000"} {
+		bins = append(bins, variant{"current/inflight=" + m, binary, []string{"--max-in-flight", m}})
 	}
 	srv := bustest.Server(b)
 	agents := bustest.Connect(b, srv)
@@ -151,12 +164,13 @@ func BenchmarkFleetGCCommand(b *testing.B) {
 			names[i] = fmt.Sprintf("node-%05d", i)
 		}
 		for _, bin := range bins {
-			b.Run(fmt.Sprintf("nodes=%d/bin=%s", n, bin[0]), func(b *testing.B) {
+			b.Run(fmt.Sprintf("nodes=%d/bin=%s", n, bin.name), func(b *testing.B) {
 				var rss int64
 				var cpu time.Duration
 				for i := 0; i < b.N; i++ {
-					cmd := exec.Command(bin[1], "fleet", "gc", "--all-unused", "--nats", srv.ClientURL(), "--nodes", strings.Join(names, ","),
-						"--node-timeout", "2m", "--id", fmt.Sprintf("gc-bench-%s-%d-%d", bin[0], n, time.Now().UnixNano()), "-o", "json")
+					args := append([]string{"fleet", "gc", "--all-unused", "--nats", srv.ClientURL(), "--nodes", strings.Join(names, ","),
+						"--node-timeout", "2m", "--id", fmt.Sprintf("gc-bench-%d-%d", n, time.Now().UnixNano()), "-o", "json"}, bin.extra...)
+					cmd := exec.Command(bin.bin, args...)
 					var errb bytes.Buffer
 					cmd.Stdout, cmd.Stderr = io.Discard, &errb
 					if err := cmd.Run(); err != nil {

@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"time"
 
@@ -197,7 +198,12 @@ func (w *PullWatch) deliver(r events.PullResult) {
 		ch <- r
 		return
 	}
-	w.results[r.RequestID] = r
+	// Kept for a waiter still to come: only this rollout's requests. The follower sees every node's pull
+	// results (the kubelet's own pulls too); keeping those would grow with the fleet's pulls for the whole
+	// rollout.
+	if strings.HasPrefix(r.RequestID, w.rolloutID+".") {
+		w.results[r.RequestID] = r
+	}
 }
 
 func (w *PullWatch) wait(id string) chan events.PullResult {

@@ -32,27 +32,30 @@ type scriptedGC struct {
 	requests atomic.Int64    // requests answered, repeats included
 }
 
-// scriptedHandlers is how many requests are answered at once: enough that a batch of 1,000 requests in flight
-// never overflows the subscription (a dropped request would cost GCAction's 15 s attempt timeout).
-const scriptedHandlers = 1024
+// scriptedSubs subscriptions in one queue group answer scriptedHandlers requests at once: a burst of a
+// thousand requests (a batch) overflows no subscription's buffer (a dropped request would cost GCAction's
+// 15 s attempt timeout) and scripted delays overlap.
+const (
+	scriptedSubs     = 8
+	scriptedHandlers = 1024
+)
 
 func newScriptedGC(images int) *scriptedGC {
 	return &scriptedGC{images: images, imageSize: 10 << 20, passes: map[string]int{}, seen: map[string]bool{}}
 }
 
-// serve answers until ctx ends; it returns once subscribed (the subscription ends with ctx).
+// serve answers until ctx ends (the subscriptions end with ctx).
 func (s *scriptedGC) serve(t testing.TB, ctx context.Context, b *bus.Bus) {
 	t.Helper()
 	var wg sync.WaitGroup
-	ready := make(chan struct{})
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		close(ready)
-		_ = b.ServeConcurrent(ctx, events.Prefix+".cmd.*."+events.VerbGC, "", scriptedHandlers, s.handle)
-	}()
+	for range scriptedSubs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_ = b.ServeConcurrent(ctx, events.Prefix+".cmd.*."+events.VerbGC, "scripted-gc", scriptedHandlers/scriptedSubs, s.handle)
+		}()
+	}
 	t.Cleanup(wg.Wait)
-	<-ready
 }
 
 // handle runs one GC request. The node is the request id's part after the rollout id (GCAction sets
