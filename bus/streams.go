@@ -55,6 +55,8 @@ func (b *Bus) EnsureStreams(ctx context.Context, cfg StreamsConfig) error {
 			Duplicates:  2 * time.Minute,
 			Replicas:    cfg.Replicas,
 			Discard:     jetstream.DiscardOld,
+			// Every node holds consumers of its own here (removals, kube-events): past the server's default.
+			MaxConsumers: events.SharedStreamMaxConsumers,
 		},
 		{
 			// The pod events, copied by the server from the events stream as they are stored, with limits of
@@ -70,6 +72,8 @@ func (b *Bus) EnsureStreams(ctx context.Context, cfg StreamsConfig) error {
 			Duplicates:  2 * time.Minute,
 			Replicas:    cfg.Replicas,
 			Discard:     jetstream.DiscardOld,
+			// Every node's pod index holds an ordered consumer here: past the server's default.
+			MaxConsumers: events.SharedStreamMaxConsumers,
 		},
 		// Legacy: the single pull queue of earlier releases, kept so that their CLIs and orchestrators can
 		// still queue pulls during a rolling upgrade (new agents drain it; docs/operations.md).
@@ -196,9 +200,10 @@ func streamMatches(have, want jetstream.StreamConfig) bool {
 }
 
 // enoughConsumers: a stream's MaxConsumers is a floor, not a pin. An operator who raised it (nats stream
-// edit, to hold more nodes in a partition) keeps the higher value; 0 wants the server's default.
+// edit, to hold more nodes in a partition) keeps the higher value; 0 wants the server's default. A stream's
+// -1 is not unlimited: the server then applies its default_max_consumers (1,000), so it is not enough.
 func enoughConsumers(have, want int) bool {
-	return want == 0 || have < 0 || have >= want
+	return want == 0 || have >= want
 }
 
 // sameSources reports whether two streams source the same streams with the same filters.

@@ -123,6 +123,14 @@ const (
 	PullPartitionMaxConsumers = 1000
 )
 
+// SharedStreamMaxConsumers is the MaxConsumers of the streams every node holds a consumer of its own on:
+// EventsStream (the removals worker's durable, the Kubernetes Events bridge's, short-lived ordered readers)
+// and PodsStream (the pod index's ordered consumer of its node's pod events). nats-server counts every
+// consumer, ordered ones too, against a default of 1,000 per stream, which a stream opts out of only with a
+// positive limit of its own: about two per node for 16,000 nodes (the pull partitions' limit) with room for
+// readers.
+const SharedStreamMaxConsumers = 40000
+
 // PullPartition is node's pull partition: FNV-1a (32 bits) of the node name, mod PullPartitions.
 func PullPartition(node string) int {
 	h := fnv.New32a()

@@ -26,6 +26,7 @@ func wireNames() [][2]string {
 		// The partitioned pull queue: the partition of a node is contract (a changed hash moves nodes).
 		c("PullPartitions", fmt.Sprint(PullPartitions)), c("PullPartitionMaxConsumers", fmt.Sprint(PullPartitionMaxConsumers)),
 		c("PullPartitionStreamPrefix", PullPartitionStreamPrefix),
+		c("SharedStreamMaxConsumers", fmt.Sprint(SharedStreamMaxConsumers)),
 		c("PullPartitionStream(0)", PullPartitionStream(0)), c("PullPartitionStream(15)", PullPartitionStream(15)),
 		c("PullPartitionSubjects(0)", PullPartitionSubjects(0)), c("PullPartitionSubjects(15)", PullPartitionSubjects(15)),
 		c("PullSubject(node)", PullSubject(node)), c("PullStreamOf(node)", PullStreamOf(node)),

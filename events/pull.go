@@ -10,8 +10,9 @@ import (
 
 // Pull requests, cancellations and results.
 //
-// A pull request is a command stored in the work-queue stream PullStream on imagefleet.cmd.<node>.pull with
-// Nats-Msg-Id = its ID, so a retried publish is stored once. What happens to it is told by events on
+// A pull request is a command stored in the node's partition of the work queue, PullStreamOf(node), on
+// PullSubject(node) = imagefleet.cmd.<node>.pull.<pp> (earlier releases: the single PullStream on
+// imagefleet.cmd.<node>.pull), with Nats-Msg-Id = its ID, so a retried publish is stored once. What happens to it is told by events on
 // imagefleet.evt.<node>.pull.<action>: at most one pull.pulling (the kubelet's Normal Pulling event) and then
 // exactly one terminal event, pull.pulled or pull.failed, whose id is PullResultEventID(request ID): a
 // duplicate result (a request redelivered after a puller died between publishing and acking) is dropped by
@@ -24,7 +25,8 @@ const (
 	ActionFailed  = "failed"  // terminal failure (reason Failed, BackOff, InspectFailed or ErrImageNeverPull)
 
 	// VerbPullCancel is the core NATS subject token of pull cancellations: imagefleet.cmd.<node>.pullcancel.
-	// It is not in PullStream (the stream takes only ...pull) and every puller replica of the node hears it.
+	// It is in no pull stream (they take only ...pull and ...pull.<pp>) and every puller replica of the node
+	// hears it.
 	VerbPullCancel = "pullcancel"
 
 	// MaxPullRequestsPerNode is the most pull requests of one node the work queue holds at once, in flight
@@ -66,7 +68,8 @@ type PodRef struct {
 // String is namespace/name/uid.
 func (p PodRef) String() string { return p.Namespace + "/" + p.Name + "/" + p.UID }
 
-// PullRequest is the body of imagefleet.cmd.<node>.pull.
+// PullRequest is the body of imagefleet.cmd.<node>.pull.<pp> (PullSubject) and of the legacy
+// imagefleet.cmd.<node>.pull.
 type PullRequest struct {
 	// ID identifies the request: it is the Nats-Msg-Id of the command and the key of its result event.
 	ID string `json:"id"`
