@@ -104,13 +104,14 @@ func (b *Bus) connectDomains(ctx context.Context, nc *nats.Conn, fleet string, o
 	if err != nil {
 		return fmt.Errorf("jetstream domain of %s: %w", nc.ConnectedServerName(), err)
 	}
-	b.domains = domains{fleet: fleet, local: own}
-	if !b.domains.split() {
-		b.domains.local = ""
-		b.js = hub
-		return nil
+	switch own {
+	case fleet: // on a server of the fleet's domain: its own API is the fleet's
+		b.domains = domains{fleet: fleet}
+	case "": // on a leaf without JetStream: every stream and bucket is the fleet's
+		b.domains, b.js = domains{fleet: fleet}, hub
+	default:
+		b.domains, b.js = domains{fleet: fleet, local: own}, &router{JetStream: hub, local: local}
 	}
-	b.js = &router{JetStream: hub, local: local}
 	return nil
 }
 

@@ -34,6 +34,8 @@ func wireNames() [][2]string {
 		c("PullPartition(hollow-0)", fmt.Sprint(PullPartition("hollow-0"))),
 		c("PullPartition(hollow-1100)", fmt.Sprint(PullPartition("hollow-1100"))),
 		c("PullPartition(ip-10-0-0-1.ec2.internal)", fmt.Sprint(PullPartition("ip-10-0-0-1.ec2.internal"))),
+		// A pull request addressed to a node's leaf domain (docs/operations.md, "Leaf nodes").
+		c("DomainRoot", DomainRoot), c("DomainSubject(leaf-a, PullSubject(node))", DomainSubject("leaf-a", PullSubject(node))),
 		c("RolloutStream", RolloutStream), c("RolloutSubjects", RolloutSubjects),
 		c("DeadLetterStream", DeadLetterStream), c("DeadLetterPrefix", DeadLetterPrefix),
 		// Buckets.
