@@ -148,13 +148,20 @@ func (s *Inventory) Run(ctx context.Context) error {
 			return nil
 		})
 	}
-	legacy := make(chan legacyEntry, 1024)
+	// Node-first keys of the previous release: those found by the initial load are re-keyed by one pass over
+	// the bucket once the index is loaded (streamed, not held: at the first start after an upgrade that is
+	// every placement of the fleet); those written later by a replica of that release still running are
+	// queued by the watch (a few) and re-keyed as they come. Neither holds up the watch, events or queries.
+	var atStart atomic.Bool
+	live := newRekeyQueue()
 	run("watch", func() error {
 		var once sync.Once
+		loadedAll := false // the watch callback's own: the initial values are done
 		return s.kv.Watch(ctx, ">", func(e bus.Entry, initialDone bool) {
 			if initialDone {
 				// A node-first key is indexed under its image-first key at once: the index is whole now,
-				// whether or not the re-keying below is done.
+				// whether or not the re-keying is done.
+				loadedAll = true
 				once.Do(func() {
 					s.mu.Lock()
 					s.ready = true
@@ -164,31 +171,38 @@ func (s *Inventory) Run(ctx context.Context) error {
 				return
 			}
 			p, ok := s.indexEntry(e)
-			if !ok {
-				return
-			}
-			select {
-			case legacy <- legacyEntry{key: e.Key, rev: e.Revision, p: p}:
-			case <-ctx.Done():
+			switch {
+			case !ok:
+			case !loadedAll:
+				atStart.Store(true)
+			default:
+				live.push(legacyEntry{key: e.Key, rev: e.Revision, p: p})
 			}
 		})
 	})
-	// Re-keying runs beside the rest, a few keys at a time: the first start after an upgrade moves every
-	// placement of the fleet (two writes each), which must not hold up events or queries.
-	for range rekeyWorkers {
-		run("rekey", func() error {
-			for {
-				select {
-				case <-ctx.Done():
-					return nil
-				case le := <-legacy:
-					if err := s.rekey(ctx, le); err != nil && ctx.Err() == nil {
-						s.cfg.Logger.Warn("inventory re-key failed", "key", le.key, "err", err)
-					}
+	run("rekey", func() error {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-loaded:
+		}
+		if atStart.Load() {
+			if err := s.rekeyAll(ctx); err != nil && ctx.Err() == nil {
+				s.cfg.Logger.Warn("inventory re-key pass failed; the next start tries again", "err", err)
+			}
+		}
+		for {
+			les, ok := live.wait(ctx)
+			if !ok {
+				return nil
+			}
+			for _, le := range les {
+				if err := s.rekey(ctx, le); err != nil && ctx.Err() == nil {
+					s.cfg.Logger.Warn("inventory re-key failed", "key", le.key, "err", err)
 				}
 			}
-		})
-	}
+		}
+	})
 	run("consume", func() error {
 		return s.b.Consume(ctx, bus.ConsumerConfig{Stream: events.EventsStream, Durable: s.cfg.Durable,
 			FilterSubjects: []string{events.ImageEventsFilter}, MaxAckPending: 4 * s.cfg.Concurrency,
@@ -387,6 +401,75 @@ func sortedKeys(m map[string]int) []string {
 	}
 	sort.Strings(out)
 	return out
+}
+
+// rekeyAll re-keys every node-first key of the bucket, streaming it, rekeyWorkers at a time.
+func (s *Inventory) rekeyAll(ctx context.Context) error {
+	work := make(chan legacyEntry)
+	var wg sync.WaitGroup
+	for range rekeyWorkers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for le := range work {
+				if err := s.rekey(ctx, le); err != nil && ctx.Err() == nil {
+					s.cfg.Logger.Warn("inventory re-key failed", "key", le.key, "err", err)
+				}
+			}
+		}()
+	}
+	err := s.kv.Range(ctx, ">", func(e bus.Entry) bool {
+		var p events.Placement
+		if json.Unmarshal(e.Value, &p) != nil || p.Node == "" || p.ID == "" || e.Key != events.InventoryNodeFirstKey(p.Node, p.ID) {
+			return true
+		}
+		select {
+		case work <- legacyEntry{key: e.Key, rev: e.Revision, p: p}:
+			return true
+		case <-ctx.Done():
+			return false
+		}
+	})
+	close(work)
+	wg.Wait()
+	return err
+}
+
+// rekeyQueue holds node-first keys the watch saw after the initial load, for the re-keyer.
+type rekeyQueue struct {
+	mu     sync.Mutex
+	queued []legacyEntry
+	signal chan struct{}
+}
+
+func newRekeyQueue() *rekeyQueue { return &rekeyQueue{signal: make(chan struct{}, 1)} }
+
+func (q *rekeyQueue) push(le legacyEntry) {
+	q.mu.Lock()
+	q.queued = append(q.queued, le)
+	q.mu.Unlock()
+	select {
+	case q.signal <- struct{}{}:
+	default:
+	}
+}
+
+// wait returns the queued entries once there are some, or false when ctx ends.
+func (q *rekeyQueue) wait(ctx context.Context) ([]legacyEntry, bool) {
+	for {
+		q.mu.Lock()
+		les := q.queued
+		q.queued = nil
+		q.mu.Unlock()
+		if len(les) > 0 {
+			return les, true
+		}
+		select {
+		case <-ctx.Done():
+			return nil, false
+		case <-q.signal:
+		}
+	}
 }
 
 // rekey moves a node-first key to its image-first key: the placement is written there under the sequence
