@@ -210,11 +210,11 @@ func (s *Service) tailOnce(ctx context.Context) error {
 	tailErr := s.bus.TailFrom(tctx, events.PodsStream, events.PodEventSubjects(s.cfg.Node), pos+1, onStart,
 		func(m bus.StreamMsg) error {
 			delivered.Add(1)
-			lastSeq.Store(m.Seq)
+			prev := lastSeq.Swap(m.Seq)
 			d := decoded{m: m, pos: m.Seq}
 			d.m.Seq, d.m.Origin = m.Origin, 0
 			if prevPending != math.MaxUint64 && prevPending > 0 && m.Pending+1 < prevPending {
-				s.gapLost(m.Seq, prevPending-1-m.Pending)
+				s.gapLost(prev, m.Seq, prevPending-1-m.Pending)
 			}
 			prevPending = m.Pending
 			select {
