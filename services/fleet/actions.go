@@ -237,15 +237,14 @@ func (w *PullWatch) Action() NodeAction {
 			_, err := w.b.PublishCommand(ctx, w.pullSubject(node), id, req, nil)
 			return err
 		}); err != nil {
+			// The request may be stored all the same (an ack lost with a server): withdraw it too.
+			w.forget(id)
+			w.withdraw(node, id)
 			return events.RolloutNodeResult{Node: node, Error: err.Error()}
 		}
 		r, ok := w.await(ctx, ch, node, id)
 		if !ok {
-			// Withdraw the request so a puller that starts later does not act on a node the rollout has
-			// already counted as failed.
-			if raw, err := jsonMarshal(events.PullCancel{RequestID: id}); err == nil {
-				_ = w.b.PublishRaw(events.CommandSubject(node, events.VerbPullCancel), raw)
-			}
+			w.withdraw(node, id)
 			return events.RolloutNodeResult{Node: node, Error: ctx.Err().Error()}
 		}
 		nr := events.RolloutNodeResult{Node: node, OK: r.Error == "",
@@ -257,6 +256,14 @@ func (w *PullWatch) Action() NodeAction {
 			}
 		}
 		return nr
+	}
+}
+
+// withdraw cancels request id on node, so a puller that gets it later does not act on a node the rollout
+// has already counted as failed (best effort: a puller that already started finishes).
+func (w *PullWatch) withdraw(node, id string) {
+	if raw, err := jsonMarshal(events.PullCancel{RequestID: id}); err == nil {
+		_ = w.b.PublishRaw(events.CommandSubject(node, events.VerbPullCancel), raw)
 	}
 }
 
