@@ -4,12 +4,14 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/bus/bustest"
@@ -49,11 +51,30 @@ func TestLegacyQueueDrained(t *testing.T) {
 		events.PullRequest{ID: "legacy-1", Image: "old-cli-image", Policy: events.PullIfNotPresent}, nil); err != nil {
 		t.Fatal(err)
 	}
+	// The queue metrics count the legacy queue's requests with the partition's while both durables exist.
+	if err := b.EnsureConsumer(ctx, pullerConsumer(t, testNode)); err != nil {
+		t.Fatal(err)
+	}
+	if err := publishPull(t, b, events.PullRequest{ID: "new-0", Image: "new-cli-image-0", Policy: events.PullIfNotPresent}); err != nil {
+		t.Fatal(err)
+	}
+	reg := prometheus.NewPedanticRegistry()
+	reg.MustRegister(NewQueueCollector(b, []string{testNode}))
+	// The consumers' pending counts follow the stores a moment later.
+	bustest.Eventually(t, "queue depth of both queues", 10*time.Second, func() error {
+		return testutil.GatherAndCompare(reg, strings.NewReader(`
+# HELP imagefleet_pull_queue_depth Pull commands waiting in the node's work queue.
+# TYPE imagefleet_pull_queue_depth gauge
+imagefleet_pull_queue_depth{node="node-a.example"} 2
+`), "imagefleet_pull_queue_depth")
+	})
 	rt := newFakeImages()
 	startService(t, b, rt, Config{Registerer: prometheus.NewRegistry()})
 	sub := subscribePull(t, b)
-	if ev, r, _ := nextResult(t, sub, "legacy-1", 10*time.Second); r.Error != "" || !r.Pulled || ev.Reason != "Pulled" {
-		t.Fatalf("legacy request: %+v %s", r, ev.Reason)
+	for id, r := range collectResults(t, sub, []string{"new-0", "legacy-1"}, 10*time.Second) {
+		if r.Error != "" || !r.Pulled {
+			t.Errorf("%s, queued before the new agent: %+v", id, r)
+		}
 	}
 	// And one the old CLI queues while the new agent runs, and one a new CLI queues on the partition.
 	if _, err := b.PublishCommand(ctx, events.LegacyPullSubject(testNode), "legacy-2",
@@ -88,8 +109,8 @@ func TestLegacyQueueDrained(t *testing.T) {
 	if _, r, _ := nextResult(t, sub, "new-2", 10*time.Second); r.Error != "" || !r.Pulled {
 		t.Fatalf("request after the legacy queue's removal: %+v", r)
 	}
-	if n := rt.pulls.Load(); n != 4 {
-		t.Errorf("runtime pulls = %d, want 4 (each request once)", n)
+	if n := rt.pulls.Load(); n != 5 {
+		t.Errorf("runtime pulls = %d, want 5 (each request once)", n)
 	}
 }
 
