@@ -140,6 +140,8 @@ func serveScriptedGC(t testing.TB, ctx context.Context, wg *sync.WaitGroup, b *b
 // reports the command's own peak RSS and CPU: the orchestrator's cost, measured on its process alone. The
 // current binary runs with --max-in-flight 250, 1000 (the default) and 10000 (no cap at these sizes); with
 // IMAGEFLEET_BASELINE_BINARY set to an earlier build, that binary runs too (bin=baseline), in the same run.
+// rollout-stream-bytes/node is what the rollout wrote to IMAGEFLEET_ROLLOUTS per node (claim, outcome, and
+// its share of the plan, batch and finished records).
 func BenchmarkFleetGCCommand(b *testing.B) {
 	type variant struct {
 		name, bin string
@@ -167,7 +169,9 @@ func BenchmarkFleetGCCommand(b *testing.B) {
 			b.Run(fmt.Sprintf("nodes=%d/bin=%s", n, bin.name), func(b *testing.B) {
 				var rss int64
 				var cpu time.Duration
+				var streamBytes uint64
 				for i := 0; i < b.N; i++ {
+					before, _ := agents.Stream(ctx, events.RolloutStream) // absent before the first rollout
 					args := append([]string{"fleet", "gc", "--all-unused", "--nats", srv.ClientURL(), "--nodes", strings.Join(names, ","),
 						"--node-timeout", "2m", "--id", fmt.Sprintf("gc-bench-%d-%d", n, time.Now().UnixNano()), "-o", "json"}, bin.extra...)
 					cmd := exec.Command(bin.bin, args...)
@@ -176,10 +180,16 @@ func BenchmarkFleetGCCommand(b *testing.B) {
 					if err := cmd.Run(); err != nil {
 						b.Fatalf("fleet gc: %v\n%s", err, tailLines(errb.String(), 5))
 					}
+					after, err := agents.Stream(ctx, events.RolloutStream)
+					if err != nil {
+						b.Fatal(err)
+					}
+					streamBytes += after.Bytes - before.Bytes
 					ru := cmd.ProcessState.SysUsage().(*syscall.Rusage)
 					rss = max(rss, ru.Maxrss)
 					cpu += cmd.ProcessState.UserTime() + cmd.ProcessState.SystemTime()
 				}
+				b.ReportMetric(float64(streamBytes)/float64(b.N)/float64(n), "rollout-stream-bytes/node")
 				b.ReportMetric(float64(rss)/1024, "peak-rss-MiB")
 				b.ReportMetric(cpu.Seconds()/float64(b.N), "cpu-s/rollout")
 				b.ReportMetric(b.Elapsed().Seconds()/float64(b.N), "s/rollout")
