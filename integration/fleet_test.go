@@ -99,6 +99,47 @@ func (p *proc) stop(sig syscall.Signal) {
 	}
 }
 
+// dumpAgent ends a hung agent with SIGQUIT, so the Go runtime writes every goroutine's stack to its log,
+// and logs the stacks of its workers one line per t.Logf, with the log lines before them. The cleanup's
+// tail of each process is one multi-line t.Logf, whose lines scripts/gotest.sh's failure summary leaves out
+// (it keeps a test's own "file_test.go:N:" lines, the last 30): CI's report showed the agents' tails empty.
+func dumpAgent(t *testing.T, p *proc) {
+	t.Helper()
+	_ = p.cmd.Process.Signal(syscall.SIGQUIT)
+	select {
+	case <-p.done:
+	case <-time.After(10 * time.Second):
+	}
+	raw, err := os.ReadFile(p.log)
+	if err != nil {
+		t.Logf("%s log: %v", p.name, err)
+		return
+	}
+	text := string(raw)
+	logPart, dump, _ := strings.Cut(text, "SIGQUIT: quit")
+	lines := strings.Split(strings.TrimRight(logPart, "\n"), "\n")
+	for _, l := range lines[max(0, len(lines)-8):] {
+		t.Logf("%s: %s", p.name, l)
+	}
+	// The goroutines in imagefleet's workers, their frames without the file lines.
+	shown := 0
+	for _, g := range strings.Split(dump, "\n\n") {
+		if !strings.Contains(g, "imagefleet/services/") || shown >= 14 {
+			continue
+		}
+		for _, l := range strings.Split(strings.TrimSpace(g), "\n") {
+			if strings.HasPrefix(l, "\t") || shown >= 14 {
+				continue
+			}
+			t.Logf("%s stack: %s", p.name, l)
+			shown++
+		}
+	}
+	if dump == "" {
+		t.Logf("%s wrote no goroutine dump", p.name)
+	}
+}
+
 func tail(path string, n int) string {
 	b, err := os.ReadFile(path)
 	if err != nil {
@@ -487,18 +528,23 @@ func TestFleetOnThreeContainerdsAndANATSCluster(t *testing.T) {
 
 	// 3. The real GC, on the two servers left, once every node's detector answers again (the workers'
 	// own recovery from the lost server is theirs; the rollout needs them able to answer).
-	for _, n := range nodeNames {
+	for i, n := range nodeNames {
 		asked, fails := time.Now(), 0
 		var lastErr error
-		bustest.Eventually(t, "detector of "+n+" answers after the server loss", 2*time.Minute, func() error {
+		for {
 			c, cancel := context.WithTimeout(ctx, 10*time.Second)
-			defer cancel()
 			_, err := cli(c, bin, append([]string{"detect", "--node", n}, common...)...)
-			if err != nil {
-				fails, lastErr = fails+1, err
+			cancel()
+			if err == nil {
+				break
 			}
-			return err
-		})
+			fails, lastErr = fails+1, err
+			if time.Since(asked) > 2*time.Minute {
+				dumpAgent(t, agents[i])
+				t.Fatalf("detector of %s did not answer for 2m after the server loss (%d tries); the last: %v", n, fails, lastErr)
+			}
+			time.Sleep(time.Second)
+		}
 		if fails > 0 {
 			t.Logf("detector of %s answered after %s and %d failed tries; the last: %v", n,
 				time.Since(asked).Round(time.Millisecond), fails, lastErr)
