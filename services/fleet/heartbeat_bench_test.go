@@ -130,10 +130,12 @@ func BenchmarkHeartbeat(b *testing.B) {
 }
 
 // BenchmarkRegistryList reads a registry of 10,000 nodes (full records in the last-seen bucket, thin ones in
-// the TTL bucket, written with direct KV puts) four ways, in one run: the previous release's read (both
+// the TTL bucket, written with direct KV puts) six ways, in one run: the previous release's read (both
 // buckets listed whole into memory, then decoded: the baseline), this release's List of every node, a page of
-// 100, and a page of 100 of a selector matching 1/16 of the nodes. Figures: ms per read, heap allocated per
-// read (MiB), and each one's ratio to the baseline's time.
+// 100, a page of 100 of a selector matching 1/16 of the nodes, and a rollout's plan for that selector, first
+// as it was (every node listed, then SelectNodes: plan-whole), then Plan (the selector applied as the
+// registry streams). Figures: ms per read, heap allocated per read (MiB), each one's ratio to the baseline's
+// time, and Plan's allocation over plan-whole's.
 func BenchmarkRegistryList(b *testing.B) {
 	const nodes = 10000
 	srv := bustest.Server(b)
@@ -215,6 +217,26 @@ func BenchmarkRegistryList(b *testing.B) {
 		{"all", list(NodeQuery{}, nodes)},
 		{"page100", list(NodeQuery{Limit: 100}, 100)},
 		{"selector-page100", list(NodeQuery{Selector: sel, Limit: 100}, 100)},
+		// A rollout's plan for the selector: the previous release's (every node listed, then selected) and
+		// Plan's (the selector applied as the registry streams).
+		{"plan-whole", func() int {
+			nodes, err := reg.Nodes(ctx)
+			if err != nil {
+				b.Fatal(err)
+			}
+			chosen, _ := SelectNodes(nodes, sel, false)
+			return len(chosen)
+		}},
+		{"plan", func() int {
+			p, err := Plan(ctx, conn, "topology.kubernetes.io/zone=zone-3", false, nil)
+			if err != nil {
+				b.Fatal(err)
+			}
+			if len(p.Nodes) != nodes/16 {
+				b.Fatalf("planned %d nodes, want %d", len(p.Nodes), nodes/16)
+			}
+			return len(p.Nodes)
+		}},
 	}
 	took := make([]time.Duration, len(ways))
 	allocs := make([]uint64, len(ways))
@@ -240,4 +262,5 @@ func BenchmarkRegistryList(b *testing.B) {
 			b.ReportMetric(took[w].Seconds()/took[0].Seconds(), way.name+"-ratio")
 		}
 	}
+	b.ReportMetric(float64(allocs[len(ways)-1])/float64(allocs[len(ways)-2]), "plan-alloc-ratio-to-whole")
 }
