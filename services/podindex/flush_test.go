@@ -291,6 +291,13 @@ func TestCatchUpSurvivesEventsRemovedBeforeDelivery(t *testing.T) {
 			batch = batch[:0]
 		}
 	}
+	// The server copies the events into the pods stream a little after it stores them: a purge before the copy
+	// is done leaves the rest to be copied (and applied) after it, so every event could be applied (-race
+	// under load: "applied every event (60000 of 60000) before the purge"). The copy is awaited first.
+	bustest.WaitWithin(t, "every event copied into the pods stream", time.Minute, func() bool {
+		info, err := b.Stream(t.Context(), events.PodsStream)
+		return err == nil && info.LastSeq >= n
+	})
 	nc, err := nats.Connect(srv.ClientURL())
 	if err != nil {
 		t.Fatal(err)
