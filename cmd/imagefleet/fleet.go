@@ -329,13 +329,15 @@ func writeMemProfile(path string) error {
 	return nil
 }
 
-// plan picks the nodes and builds the rollout config.
-func (f *rolloutFlags) plan(ctx context.Context, b *bus.Bus, kind string) (fleet.RolloutConfig, error) {
+// plan picks the nodes and builds the rollout config. From the registry (not --nodes), it also returns the
+// planned nodes' JetStream domains as a pre-pull's option, read with the nodes: a pre-pull needs no second
+// read of the registry.
+func (f *rolloutFlags) plan(ctx context.Context, b *bus.Bus, kind string) (fleet.RolloutConfig, []fleet.PullWatchOption, error) {
 	if f.initialBatch < 1 {
-		return fleet.RolloutConfig{}, fmt.Errorf("--initial-batch %d must be at least 1", f.initialBatch)
+		return fleet.RolloutConfig{}, nil, fmt.Errorf("--initial-batch %d must be at least 1", f.initialBatch)
 	}
 	if f.maxInFlight < 1 {
-		return fleet.RolloutConfig{}, fmt.Errorf("--max-in-flight %d must be at least 1", f.maxInFlight)
+		return fleet.RolloutConfig{}, nil, fmt.Errorf("--max-in-flight %d must be at least 1", f.maxInFlight)
 	}
 	cfg := fleet.RolloutConfig{ID: f.id, Kind: kind, Selector: f.selector, InitialBatch: f.initialBatch,
 		NodeTimeout: f.nodeTimeout, Replicas: f.replicas, MaxInFlight: f.maxInFlight}
@@ -348,11 +350,11 @@ func (f *rolloutFlags) plan(ctx context.Context, b *bus.Bus, kind string) (fleet
 				cfg.Nodes = append(cfg.Nodes, n)
 			}
 		}
-		return cfg, nil
+		return cfg, nil, nil
 	}
-	var err error
-	cfg.Nodes, cfg.Skipped, err = fleet.PlanNodes(ctx, b, f.selector, f.includeLost, time.Now)
-	return cfg, err
+	p, err := fleet.Plan(ctx, b, f.selector, f.includeLost, time.Now)
+	cfg.Nodes, cfg.Skipped = p.Nodes, p.Skipped
+	return cfg, []fleet.PullWatchOption{fleet.WithNodeDomains(p.Domains)}, err
 }
 
 // runRollout runs a rollout with a progress bar on a terminal, plain lines otherwise, and prints the result.
@@ -583,7 +585,7 @@ func newFleetGCCmd(cl *cli) *cobra.Command {
 			}
 			defer b.Close()
 			pctx, cancel := cl.contextTimeout(ctx)
-			cfg, err := f.plan(pctx, b, events.RolloutGC)
+			cfg, _, err := f.plan(pctx, b, events.RolloutGC)
 			cancel()
 			if err != nil {
 				return err
@@ -618,13 +620,14 @@ func newFleetPullCmd(cl *cli) *cobra.Command {
 			}
 			defer b.Close()
 			pctx, cancel := cl.contextTimeout(ctx)
-			cfg, err := f.plan(pctx, b, events.RolloutPull)
+			cfg, watchOpts, err := f.plan(pctx, b, events.RolloutPull)
 			cancel()
 			if err != nil {
 				return err
 			}
 			cfg.Image = args[0]
-			w, err := fleet.StartPullWatch(ctx, b, cfg.ID, args[0], policy)
+			// The plan's node records carry the nodes' domains: the registry is not read again.
+			w, err := fleet.StartPullWatch(ctx, b, cfg.ID, args[0], policy, watchOpts...)
 			if err != nil {
 				return err
 			}

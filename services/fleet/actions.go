@@ -106,8 +106,28 @@ type PullWatch struct {
 	done   chan struct{}
 }
 
+// PullWatchOption tunes StartPullWatch.
+type PullWatchOption func(*pullWatchOptions)
+
+type pullWatchOptions struct {
+	domains    map[string]string
+	domainsSet bool
+}
+
+// WithNodeDomains gives the JetStream domains of the rollout's nodes (NodePlan.Domains: node -> domain, a
+// node in the fleet's own domain left out), as the plan read them from the registry, so that StartPullWatch
+// reads the registry no second time. Without it, StartPullWatch reads every node's domain from the registry
+// (a rollout given its nodes by name has no plan).
+func WithNodeDomains(domains map[string]string) PullWatchOption {
+	return func(o *pullWatchOptions) { o.domains, o.domainsSet = domains, true }
+}
+
 // StartPullWatch starts following pull results from the current end of the events stream.
-func StartPullWatch(ctx context.Context, b *bus.Bus, rolloutID, image, policy string) (*PullWatch, error) {
+func StartPullWatch(ctx context.Context, b *bus.Bus, rolloutID, image, policy string, opts ...PullWatchOption) (*PullWatch, error) {
+	var o pullWatchOptions
+	for _, opt := range opts {
+		opt(&o)
+	}
 	var start uint64
 	if err := retryTransient(ctx, func(ctx context.Context) error {
 		info, err := b.Stream(ctx, events.EventsStream)
@@ -116,9 +136,12 @@ func StartPullWatch(ctx context.Context, b *bus.Bus, rolloutID, image, policy st
 	}); err != nil {
 		return nil, fmt.Errorf("pull rollout: %w", err)
 	}
-	domains, err := nodeDomains(ctx, b)
-	if err != nil {
-		return nil, fmt.Errorf("pull rollout: %w", err)
+	domains := o.domains
+	if !o.domainsSet {
+		var err error
+		if domains, err = nodeDomains(ctx, b); err != nil {
+			return nil, fmt.Errorf("pull rollout: %w", err)
+		}
 	}
 	wctx, cancel := context.WithCancel(ctx)
 	w := &PullWatch{b: b, rolloutID: rolloutID, image: image, policy: policy, domains: domains,
