@@ -44,14 +44,7 @@ import (
 
 // fleetWide reports whether stream (a KV bucket's stream is KV_<bucket>) holds fleet-wide state, kept in the
 // fleet's JetStream domain (Options.JSDomain).
-func fleetWide(stream string) bool {
-	switch stream {
-	case events.EventsStream, events.PodsStream, events.DeadLetterStream, events.RolloutStream,
-		"KV_" + events.NodesBucket, "KV_" + events.NodesSeenBucket, "KV_" + events.InventoryBucket:
-		return true
-	}
-	return false
-}
+func fleetWide(stream string) bool { return events.FleetWideStream(stream) }
 
 // isPullStream reports whether stream is a pull work queue: the single queue of earlier releases or one of
 // its partitions (IMAGEFLEET_PULL_<pp>).
@@ -181,6 +174,18 @@ func (b *Bus) kvPutPrefix(bucket string) string {
 		return "$JS." + b.domains.fleet + ".API.$KV." + bucket + "."
 	}
 	return "$KV." + bucket + "."
+}
+
+// apiPrefix is the JetStream API subject prefix this connection uses for stream: $JS.API., or
+// $JS.<domain>.API. for a stream in another domain (what a refused call's permissions violation names).
+func (b *Bus) apiPrefix(stream string) string {
+	switch {
+	case b.domains.view != "":
+		return "$JS." + b.domains.view + ".API."
+	case b.domains.split() && fleetWide(stream):
+		return "$JS." + b.domains.fleet + ".API."
+	}
+	return "$JS.API."
 }
 
 // router is a JetStream context over two domains: the embedded one (the fleet's domain, which also

@@ -60,7 +60,7 @@ func (b *Bus) openKV(ctx context.Context, cfg KVConfig, kvc jetstream.KeyValueCo
 			return &KV{b: b, kv: kv}, nil
 		}
 		var updated jetstream.KeyValue
-		err := b.refusable(ctx, "$JS.API.STREAM.UPDATE.KV_"+cfg.Bucket, func(ctx context.Context) (err error) {
+		err := b.refusable(ctx, b.apiPrefix("KV_"+cfg.Bucket)+"STREAM.UPDATE.KV_"+cfg.Bucket, func(ctx context.Context) (err error) {
 			updated, err = b.js.UpdateKeyValue(ctx, kvc)
 			return err
 		})
@@ -71,7 +71,7 @@ func (b *Bus) openKV(ctx context.Context, cfg KVConfig, kvc jetstream.KeyValueCo
 		return &KV{b: b, kv: updated}, nil
 	case errors.Is(err, jetstream.ErrBucketNotFound):
 		kvc.Replicas = max(kvc.Replicas, 1)
-		err = b.refusable(ctx, "$JS.API.STREAM.CREATE.KV_"+cfg.Bucket, func(ctx context.Context) (err error) {
+		err = b.refusable(ctx, b.apiPrefix("KV_"+cfg.Bucket)+"STREAM.CREATE.KV_"+cfg.Bucket, func(ctx context.Context) (err error) {
 			kv, err = b.js.CreateKeyValue(ctx, kvc)
 			return err
 		})

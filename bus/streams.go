@@ -152,7 +152,7 @@ func (b *Bus) ensureStreamOnce(ctx context.Context, sc jetstream.StreamConfig) e
 		}
 		// Settings changed (a new release, --stream-replicas): update. A stream made with other immutable
 		// settings, or an identity without the right to update, keeps the stream as it is.
-		err := b.refusable(ctx, "$JS.API.STREAM.UPDATE."+sc.Name, func(ctx context.Context) error {
+		err := b.refusable(ctx, b.apiPrefix(sc.Name)+"STREAM.UPDATE."+sc.Name, func(ctx context.Context) error {
 			_, err := b.js.UpdateStream(ctx, sc)
 			return err
 		})
@@ -162,7 +162,7 @@ func (b *Bus) ensureStreamOnce(ctx context.Context, sc jetstream.StreamConfig) e
 		return nil
 	case errors.Is(err, jetstream.ErrStreamNotFound):
 		sc.Replicas = max(sc.Replicas, 1)
-		err := b.refusable(ctx, "$JS.API.STREAM.CREATE."+sc.Name, func(ctx context.Context) error {
+		err := b.refusable(ctx, b.apiPrefix(sc.Name)+"STREAM.CREATE."+sc.Name, func(ctx context.Context) error {
 			_, err := b.js.CreateStream(ctx, sc)
 			return err
 		})

@@ -34,3 +34,16 @@ func ValidateDomain(domain string) error {
 	}
 	return nil
 }
+
+// FleetWideStream reports whether stream (a key-value bucket's stream is KV_<bucket>) holds fleet-wide state,
+// kept in the fleet's (the hub's) JetStream domain; every other stream and bucket lives in the domain of the
+// server a node is connected to. The bus routes by it and the per-node permissions (deploy/natsconf) name
+// each stream in its domain by it.
+func FleetWideStream(stream string) bool {
+	switch stream {
+	case EventsStream, PodsStream, DeadLetterStream, RolloutStream,
+		"KV_" + NodesBucket, "KV_" + NodesSeenBucket, "KV_" + InventoryBucket:
+		return true
+	}
+	return false
+}

@@ -18,6 +18,8 @@ func newGenCredsCmd(cl *cli) *cobra.Command {
 		nodes, rotate, out, listen, tlsDir string
 		testCerts                          bool
 		hosts                              []string
+		// leaf sites
+		domain, jsDomain, sites, leafListen, hubURL, siteSeed string
 	)
 	cmd := &cobra.Command{
 		Use:   "gen-creds --nodes a,b,c --out DIR",
@@ -27,7 +29,13 @@ fleet, inventory and admin users) and the seeds: DIR/nodes/<node>.nk, DIR/fleet.
 DIR/admin.nk (mode 0600). Existing seeds in DIR are kept; --rotate NAME,... replaces those. Seeds of nodes no
 longer listed are deleted. Run the server with: imagefleet bus --config DIR/nats.conf.
 With --tls-dir, clients must present a certificate signed by DIR/ca.pem (files ca.pem, server.pem,
-server-key.pem; --gen-test-certs writes a test CA and certificates there first).`,
+server-key.pem; --gen-test-certs writes a test CA and certificates there first).
+
+Leaf sites (docs/operations.md, "Leaf nodes"): at the hub, --domain hub --sites a,b adds one identity per
+site (DIR/sites/<site>.nk, leaf connections only) and a leaf listener (--leaf-listen). For each site, with
+that site's nodes: --domain <site> --js-domain hub --hub-url nats-leaf://hub:7422 --site-seed
+HUBDIR/sites/<site>.nk writes the site server's config (its nodes' users with their rights in both domains,
+the admin, the leaf connection to the hub; with --tls-dir it presents client.pem and client-key.pem there).`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if out == "" {
@@ -41,10 +49,14 @@ server-key.pem; --gen-test-certs writes a test CA and certificates there first).
 				}
 				list = strings.Fields(string(raw))
 			}
-			if len(list) == 0 {
+			o := natsconf.Options{Nodes: list, Listen: listen, Rotate: splitList(rotate), Domain: domain,
+				JSDomain: jsDomain, Sites: splitList(sites), LeafListen: leafListen}
+			if len(list) == 0 && len(o.Sites) == 0 {
 				return fmt.Errorf("--nodes is required (a,b,c or @FILE with one node per line)")
 			}
-			o := natsconf.Options{Nodes: list, Listen: listen, Rotate: splitList(rotate)}
+			if hubURL != "" || siteSeed != "" {
+				o.LeafRemote = &natsconf.LeafRemote{URL: hubURL, SeedFile: siteSeed}
+			}
 			if testCerts && tlsDir == "" {
 				return fmt.Errorf("--gen-test-certs needs --tls-dir")
 			}
@@ -55,7 +67,12 @@ server-key.pem; --gen-test-certs writes a test CA and certificates there first).
 					}
 				}
 				o.TLS = &natsconf.TLSFiles{CA: tlsDir + "/ca.pem", Cert: tlsDir + "/server.pem", Key: tlsDir + "/server-key.pem"}
-				for _, p := range []string{o.TLS.CA, o.TLS.Cert, o.TLS.Key} {
+				files := []string{o.TLS.CA, o.TLS.Cert, o.TLS.Key}
+				if o.LeafRemote != nil {
+					o.LeafRemote.TLS = &natsconf.TLSFiles{CA: tlsDir + "/ca.pem", Cert: tlsDir + "/client.pem", Key: tlsDir + "/client-key.pem"}
+					files = append(files, o.LeafRemote.TLS.Cert, o.LeafRemote.TLS.Key)
+				}
+				for _, p := range files {
 					if _, err := os.Stat(p); err != nil {
 						return fmt.Errorf("tls: %w (deploy/nats/gen-certs.sh or --gen-test-certs writes it)", err)
 					}
@@ -92,6 +109,12 @@ server-key.pem; --gen-test-certs writes a test CA and certificates there first).
 	fs.StringVar(&tlsDir, "tls-dir", "", "directory with ca.pem, server.pem, server-key.pem: require TLS with client certificates")
 	fs.BoolVar(&testCerts, "gen-test-certs", false, "write a test CA and certificates into --tls-dir first (labs and tests only)")
 	fs.StringSliceVar(&hosts, "tls-host", nil, "extra host names or IPs of the server certificate (with --gen-test-certs)")
+	fs.StringVar(&domain, "domain", "", "this server's JetStream domain (leaf sites: hub, or the site's)")
+	fs.StringVar(&jsDomain, "js-domain", "", "the hub's JetStream domain: write a site server's config (with --hub-url, --site-seed)")
+	fs.StringVar(&sites, "sites", "", "at the hub: the sites' domains, comma separated; one leaf identity each")
+	fs.StringVar(&leafListen, "leaf-listen", "0.0.0.0:7422", "at the hub: the leaf listen address (with --sites)")
+	fs.StringVar(&hubURL, "hub-url", "", "at a site: the hub's leaf URL (nats-leaf://hub:7422)")
+	fs.StringVar(&siteSeed, "site-seed", "", "at a site: the site's seed from the hub's output (HUBDIR/sites/<site>.nk)")
 	return cmd
 }
 

@@ -10,6 +10,8 @@ const (
 	RoleFleet     = "fleet"
 	RoleInventory = "inventory"
 	RoleAdmin     = "admin"
+	// RoleSite is a leaf site's server: the identity its leaf connection to the hub authenticates with.
+	RoleSite = "site"
 )
 
 // NodeBuckets are the key-value buckets where each node owns the keys under its node token. The names, like
@@ -42,7 +44,8 @@ type Permissions struct {
 func inbox(pub string) string { return "_INBOX." + pub + ".>" }
 
 // NodePermissions are the permissions of node's agent (every node worker: detector, cache, gc, puller,
-// pod index, heartbeat) authenticated with the nkey whose public key is pub.
+// pod index, heartbeat) authenticated with the nkey whose public key is pub, on a server of JetStream domain
+// hub (the fleet's); with hub "" the node is on the fleet's own servers.
 //
 // A node may publish its own events, answer requests to its own commands and queries (and ask them itself:
 // gc asks the pod index which images are in use), use the JetStream API for its own pull consumer only
@@ -50,11 +53,31 @@ func inbox(pub string) string { return "_INBOX." + pub + ".>" }
 // write and read its own keys in the node buckets, and read its own events back (the pod index's ordered
 // consumer, filtered to its node). It may not create, change or delete streams, buckets or other consumers:
 // an operator (the admin user) creates them.
-func NodePermissions(node, pub string) Permissions {
+//
+// On a leaf site (hub set: the node's server is a leaf with a JetStream domain of its own, docs/operations.md
+// "Leaf nodes") each right is granted in the one domain that holds its stream or bucket
+// (events.FleetWideStream), as the bus addresses it: the events and pods streams and the heartbeat buckets
+// through the hub's API ($JS.<hub>.API..., key-value writes to $JS.<hub>.API.$KV.<bucket>.<key>, since a
+// plain $KV subject does not cross into another domain), the pull queues and the node buckets through the
+// leaf's own ($JS.API..., $KV...). Nothing is granted in the other domain, nor in any third one.
+func NodePermissions(node, pub, hub string) Permissions {
 	t := events.NodeToken(node)
 	durable := events.PullerDurable(node)
 	pullStream, pullFilter := events.PullStreamOf(node), events.PullSubject(node)
 	legacyFilter := events.LegacyPullSubject(node)
+	// api is the JetStream API prefix of stream's domain; kv the subject prefix of a write to bucket.
+	api := func(stream string) string {
+		if hub != "" && events.FleetWideStream(stream) {
+			return "$JS." + hub + ".API."
+		}
+		return "$JS.API."
+	}
+	kv := func(bucket string) string {
+		if hub != "" && events.FleetWideStream("KV_"+bucket) {
+			return "$JS." + hub + ".API.$KV." + bucket + "."
+		}
+		return "$KV." + bucket + "."
+	}
 	pub1 := []string{
 		events.Prefix + ".evt." + t + ".>",
 		events.Prefix + ".cmd." + t + ".>",
@@ -75,13 +98,13 @@ func NodePermissions(node, pub string) Permissions {
 		"$JS.API.CONSUMER.MSG.NEXT." + events.PullStream + "." + durable,
 		"$JS.ACK." + events.PullStream + "." + durable + ".>",
 		// Reading its own events back (ordered consumers, filtered to the node).
-		"$JS.API.CONSUMER.CREATE." + events.EventsStream + ".*." + events.NodeEvents(node),
-		"$JS.API.CONSUMER.MSG.NEXT." + events.EventsStream + ".*",
-		"$JS.API.CONSUMER.INFO." + events.EventsStream + ".*",
+		api(events.EventsStream) + "CONSUMER.CREATE." + events.EventsStream + ".*." + events.NodeEvents(node),
+		api(events.EventsStream) + "CONSUMER.MSG.NEXT." + events.EventsStream + ".*",
+		api(events.EventsStream) + "CONSUMER.INFO." + events.EventsStream + ".*",
 		// The pod index's ordered consumer of the node's pod events in the pods stream, and nothing else there.
-		"$JS.API.CONSUMER.CREATE." + events.PodsStream + ".*." + events.PodEventSubjects(node),
-		"$JS.API.CONSUMER.MSG.NEXT." + events.PodsStream + ".*",
-		"$JS.API.CONSUMER.INFO." + events.PodsStream + ".*",
+		api(events.PodsStream) + "CONSUMER.CREATE." + events.PodsStream + ".*." + events.PodEventSubjects(node),
+		api(events.PodsStream) + "CONSUMER.MSG.NEXT." + events.PodsStream + ".*",
+		api(events.PodsStream) + "CONSUMER.INFO." + events.PodsStream + ".*",
 		// The Kubernetes Events bridge's durable consumer of the node's events (created with the filter above).
 		"$JS.ACK." + events.EventsStream + "." + events.KubeEventsDurable(node) + ".>",
 		// The removals worker's durable consumer of the node's events (images removed by another remover).
@@ -89,21 +112,25 @@ func NodePermissions(node, pub string) Permissions {
 		// Dead letters of the node's consumers (bus.Consume keeps terminated messages there).
 		events.DeadLetterPrefix + ".>",
 	}
+	if hub != "" {
+		// The fleet-wide streams' and buckets' info (the bus reads a stream's info before using it).
+		pub1 = append(pub1, "$JS."+hub+".API.INFO", "$JS."+hub+".API.STREAM.INFO.*")
+	}
 	for _, b := range NodeBuckets {
 		pub1 = append(pub1,
-			"$KV."+b+"."+t+".>",
-			"$JS.API.DIRECT.GET.KV_"+b+".$KV."+b+"."+t+".>",
-			"$JS.API.CONSUMER.CREATE.KV_"+b+".*.$KV."+b+"."+t+".>",
-			"$JS.API.CONSUMER.MSG.NEXT.KV_"+b+".*",
+			kv(b)+t+".>",
+			api("KV_"+b)+"DIRECT.GET.KV_"+b+".$KV."+b+"."+t+".>",
+			api("KV_"+b)+"CONSUMER.CREATE.KV_"+b+".*.$KV."+b+"."+t+".>",
+			api("KV_"+b)+"CONSUMER.MSG.NEXT.KV_"+b+".*",
 			// A list or watch ends by deleting its ordered consumer (else the server keeps it until it is
 			// inactive, and the client waits out an API timeout). Only ordered consumers live on these streams.
-			"$JS.API.CONSUMER.DELETE.KV_"+b+".*",
+			api("KV_"+b)+"CONSUMER.DELETE.KV_"+b+".*",
 		)
 	}
 	// Its own key in the key buckets: create, compare-and-set updates and deletes are publishes to the key's
 	// subject (with expected-revision headers the server checks), reads a direct get of that key only.
 	for _, b := range append(append([]string{}, NodeKeyBuckets...), NodeLeaseBuckets...) {
-		pub1 = append(pub1, "$KV."+b+"."+t, "$JS.API.DIRECT.GET.KV_"+b+".$KV."+b+"."+t)
+		pub1 = append(pub1, kv(b)+t, api("KV_"+b)+"DIRECT.GET.KV_"+b+".$KV."+b+"."+t)
 	}
 	return Permissions{
 		Publish: pub1,
@@ -126,6 +153,8 @@ func FleetPermissions(pub string) Permissions {
 		events.Prefix + ".cmd.>",
 		events.Prefix + ".qry.>",
 		events.Prefix + ".fleet.>",
+		// Commands addressed to a node's leaf domain (pull requests: events.DomainSubject).
+		events.DomainRoot + ".*.cmd.>",
 		"$JS.API.INFO",
 		"$JS.API.STREAM.INFO.*",
 		"$JS.API.STREAM.CREATE." + events.RolloutStream,
@@ -183,6 +212,14 @@ func InventoryPermissions(pub string) Permissions {
 		Subscribe:      []string{events.InventoryQuerySubject, inbox(pub)},
 		AllowResponses: true,
 	}
+}
+
+// SitePermissions are a leaf site's server's, on the hub: what its leaf connection may send to the hub
+// (publish) and receive from it (subscribe). Everything in the account: a site's server is trusted as the
+// hub is, since it is the one that enforces its own nodes' permissions (each node's client connects to it).
+// The identity may authenticate a leaf connection only (Identity.LeafOnly), never a client.
+func SitePermissions(string) Permissions {
+	return Permissions{Publish: []string{">"}, Subscribe: []string{">"}}
 }
 
 // AdminPermissions are everything: the operator's CLI (streams, dead-letter replay) and the process that
