@@ -552,9 +552,16 @@ func buildAgent(ctx context.Context, c *agentConfig, defs []workerDef, d agentDe
 		if a.workers[i], err = w.Build(ctx, c, env); err != nil {
 			return nil, fmt.Errorf("%s: %w", w.Name, err)
 		}
+		if wrapWorker != nil {
+			a.workers[i] = wrapWorker(c.Node, w.Name, a.workers[i])
+		}
 	}
 	return a, nil
 }
+
+// wrapWorker, set only by tests, wraps each worker buildAgent builds: how a test makes one node's real
+// worker fail after it started (TestHollowRestartsAFailedAgent), with no fault flag in the shipped command.
+var wrapWorker func(node, worker string, w runnable) runnable
 
 // agentRun is one node agent's built workers.
 type agentRun struct {
