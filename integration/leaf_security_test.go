@@ -377,6 +377,59 @@ func TestLeafSecurityNodeIsolation(t *testing.T) {
 			t.Errorf("the site's admin reads the hub's events stream: %+v %v", info, err)
 		}
 	})
+	t.Run("a site's server reaches neither another site's domain nor its messages", func(t *testing.T) {
+		// The hub reaches leaf-b's JetStream API; leaf-a's server (here its admin, who may do anything at the
+		// site) does not, however its own users' permissions were set.
+		c, cancel := short(t)
+		if err := hubAdmin.Request(c, "$JS.leaf-b.API.INFO", nil, nil); err != nil {
+			t.Errorf("the hub's admin asks leaf-b's JetStream API: %v", err)
+		}
+		cancel()
+		c, cancel = short(t)
+		if err := siteAdmin.Request(c, "$JS.leaf-b.API.INFO", nil, nil); err == nil {
+			t.Error("leaf-a's admin reached leaf-b's JetStream API through the hub")
+		}
+		cancel()
+		// A message addressed to leaf-b's domain reaches leaf-b, not leaf-a.
+		const probe = events.DomainRoot + ".leaf-b.probe"
+		bAdmin := s.connect(t, "leaf-b", natsconf.RoleAdmin)
+		var atA, atB atomic.Int64
+		subCtx, stop := context.WithCancel(ctx)
+		defer stop()
+		for _, x := range []struct {
+			b *bus.Bus
+			n *atomic.Int64
+		}{{siteAdmin, &atA}, {bAdmin, &atB}} {
+			sub, err := x.b.SubscribeSync(subCtx, events.DomainRoot+".leaf-b.>")
+			if err != nil {
+				t.Fatal(err)
+			}
+			go func() {
+				for {
+					if _, _, err := sub.Next(subCtx); err != nil {
+						return
+					}
+					x.n.Add(1)
+				}
+			}()
+		}
+		bustest.Eventually(t, "the probe at leaf-b", 10*time.Second, func() error {
+			if err := hubAdmin.PublishRaw(probe, []byte("probe")); err != nil {
+				return err
+			}
+			if atB.Load() == 0 {
+				return fmt.Errorf("not received at leaf-b")
+			}
+			return nil
+		})
+		if atA.Load() != 0 {
+			t.Errorf("leaf-a received %d messages addressed to leaf-b's domain", atA.Load())
+		}
+		// Nothing was refused on the links themselves (that would have closed one).
+		if n := s.hub.srv.NumLeafNodes(); n != 2 {
+			t.Errorf("%d sites connected to the hub, want 2", n)
+		}
+	})
 	t.Run("a site's identity is not a client's", func(t *testing.T) {
 		o := bus.Options{Name: "site-as-client", NKeyFile: s.seeds["hub"]["leaf-a"], TLSCA: s.certs.CA,
 			TLSCert: s.certs.ClientCert, TLSKey: s.certs.ClientKey, ConnectTimeout: time.Second}

@@ -153,7 +153,7 @@ func Generate(dir string, o Options) (Result, error) {
 		case RoleNode:
 			id.Perms = NodePermissions(w.name, pub, o.JSDomain)
 		case RoleSite:
-			id.Perms, id.LeafOnly = SitePermissions(pub), true
+			id.Perms, id.LeafOnly = SitePermissions(w.name, o.Sites), true
 		case RoleFleet:
 			id.Perms = FleetPermissions(pub)
 		case RoleInventory:
@@ -287,8 +287,12 @@ func Render(o Options, ids []Identity) ([]byte, error) {
 	fmt.Fprintf(&b, "accounts {\n  %s {\n    jetstream: enabled\n    users: [\n", Account)
 	for _, id := range ids {
 		fmt.Fprintf(&b, "      # %s %s\n      {\n        nkey: %s\n        permissions: {\n", id.Role, id.Name, q(id.Public))
-		fmt.Fprintf(&b, "          publish: { allow: %s }\n", list(id.Perms.Publish))
-		fmt.Fprintf(&b, "          subscribe: { allow: %s }\n", list(id.Perms.Subscribe))
+		deny := ""
+		if len(id.Perms.Deny) > 0 {
+			deny = ", deny: " + list(id.Perms.Deny)
+		}
+		fmt.Fprintf(&b, "          publish: { allow: %s%s }\n", list(id.Perms.Publish), deny)
+		fmt.Fprintf(&b, "          subscribe: { allow: %s%s }\n", list(id.Perms.Subscribe), deny)
 		if id.Perms.AllowResponses {
 			b.WriteString("          allow_responses: true\n")
 		}

@@ -61,7 +61,7 @@ func TestNodePermissionsOnASite(t *testing.T) {
 // bound to the account with the site's seed (so the file is private).
 func TestGenerateSites(t *testing.T) {
 	dir := t.TempDir()
-	hub, err := Generate(filepath.Join(dir, "hub"), Options{Domain: "hub", Sites: []string{"leaf-a"}, LeafListen: "127.0.0.1:7422"})
+	hub, err := Generate(filepath.Join(dir, "hub"), Options{Domain: "hub", Sites: []string{"leaf-a", "leaf-b"}, LeafListen: "127.0.0.1:7422"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -69,20 +69,23 @@ func TestGenerateSites(t *testing.T) {
 	for _, id := range hub.Identities {
 		names = append(names, id.Role+"/"+id.Name)
 	}
-	if want := []string{"site/leaf-a", "fleet/fleet", "inventory/inventory", "admin/admin"}; !slices.Equal(names, want) {
+	if want := []string{"site/leaf-a", "site/leaf-b", "fleet/fleet", "inventory/inventory", "admin/admin"}; !slices.Equal(names, want) {
 		t.Errorf("hub identities %v, want %v", names, want)
 	}
 	conf, err := os.ReadFile(hub.ConfigFile)
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{`domain: "hub"`, "leafnodes {\n  listen: \"127.0.0.1:7422\"", `allowed_connection_types: ["LEAFNODE"]`} {
+	// Each site is kept out of the other's domain, both ways.
+	denyB := `deny: ["$JS.leaf-b.API.>", "imagefleet.domain.leaf-b.>"]`
+	for _, want := range []string{`domain: "hub"`, "leafnodes {\n  listen: \"127.0.0.1:7422\"", `allowed_connection_types: ["LEAFNODE"]`,
+		`publish: { allow: [">"], ` + denyB + ` }`, `subscribe: { allow: [">"], ` + denyB + ` }`} {
 		if !strings.Contains(string(conf), want) {
 			t.Errorf("hub config lacks %q:\n%s", want, conf)
 		}
 	}
-	if strings.Count(string(conf), "allowed_connection_types") != 1 {
-		t.Errorf("only the site's identity is leaf-only:\n%s", conf)
+	if strings.Count(string(conf), "allowed_connection_types") != 2 {
+		t.Errorf("only the sites' identities are leaf-only:\n%s", conf)
 	}
 
 	siteSeed := SeedFile(filepath.Join(dir, "hub"), RoleSite, "leaf-a")

@@ -37,6 +37,8 @@ type Permissions struct {
 	Publish        []string
 	Subscribe      []string
 	AllowResponses bool
+	// Deny is refused both ways even where Publish or Subscribe allow it.
+	Deny []string
 }
 
 // inbox is the reply-subject root of the user with public key pub (bus.InboxRoot + "." + pub): bus.Connect
@@ -214,12 +216,24 @@ func InventoryPermissions(pub string) Permissions {
 	}
 }
 
-// SitePermissions are a leaf site's server's, on the hub: what its leaf connection may send to the hub
-// (publish) and receive from it (subscribe). Everything in the account: a site's server is trusted as the
-// hub is, since it is the one that enforces its own nodes' permissions (each node's client connects to it).
-// The identity may authenticate a leaf connection only (Identity.LeafOnly), never a client.
-func SitePermissions(string) Permissions {
-	return Permissions{Publish: []string{">"}, Subscribe: []string{">"}}
+// SitePermissions are site's server's, on the hub, among sites: what its leaf connection may send to the
+// hub (publish) and receive from it (subscribe). Everything in the account but the other sites' domains: a
+// site's server is trusted with the hub's domain and its own, since it is the one that enforces its own
+// nodes' permissions (each node's client connects to it), but not with another site's JetStream API nor the
+// messages addressed to it (events.DomainSubject). The identity may authenticate a leaf connection only
+// (Identity.LeafOnly), never a client.
+//
+// The hub sends these permissions to the site's server when it connects, which then keeps refused messages
+// and subscriptions off the link itself: a refusal the hub had to make would close the whole link (nats-
+// server closes a leaf connection on a permissions violation and the site redials after 30 s).
+func SitePermissions(site string, sites []string) Permissions {
+	var deny []string
+	for _, other := range sites {
+		if other != site {
+			deny = append(deny, "$JS."+other+".API.>", events.DomainRoot+"."+other+".>")
+		}
+	}
+	return Permissions{Publish: []string{">"}, Subscribe: []string{">"}, Deny: deny}
 }
 
 // AdminPermissions are everything: the operator's CLI (streams, dead-letter replay) and the process that
