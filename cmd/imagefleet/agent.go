@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"os"
 	"path/filepath"
 	"runtime/debug"
@@ -81,6 +82,9 @@ type agentConfig struct {
 	// KubeletConfig and KubeletCoexistence: the kubelet's configuration file checked against GC's policy.
 	KubeletConfig      string
 	KubeletCoexistence string
+
+	// NodeStatusReportFrequency is --node-status-report-frequency: converted into Heartbeat.FullEvery.
+	NodeStatusReportFrequency time.Duration
 }
 
 // agentEnv is what every worker gets from the agent besides the configuration.
@@ -165,14 +169,14 @@ var agentWorkers = []workerDef{
 		Flags: func(fs *pflag.FlagSet, c *agentConfig) {
 			fs.StringVar(&c.NodeLabels, "node-labels", "", "labels of this node for fleet selectors, k=v,k2=v2")
 			fs.DurationVar(&c.Heartbeat.Period, "heartbeat-period", 10*time.Second, "how often the node announces itself to the fleet registry")
+			fs.DurationVar(&c.NodeStatusReportFrequency, "node-status-report-frequency", 5*time.Minute,
+				"how often the node's full record (labels, runtime, workers, image filesystem) is written to the registry even when unchanged, as the kubelet's nodeStatusReportFrequency; rounded up to whole --heartbeat-period periods (a heartbeat in between writes only the node's name and time, a change is written at once)")
 		},
 		Build: func(_ context.Context, c *agentConfig, env *agentEnv) (runnable, error) {
-			labels, err := fleet.ParseLabels(c.NodeLabels)
+			cfg, err := heartbeatConfig(c, env)
 			if err != nil {
 				return nil, err
 			}
-			cfg := c.Heartbeat
-			cfg.Node, cfg.Labels, cfg.AgentVersion, cfg.Workers, cfg.Logger = env.Node, labels, agentVersion(), env.Workers, env.Log
 			return fleet.NewHeartbeat(cfg, env.CRI, env.Bus)
 		},
 	},
@@ -557,6 +561,28 @@ func buildAgent(ctx context.Context, c *agentConfig, defs []workerDef, d agentDe
 		}
 	}
 	return a, nil
+}
+
+// heartbeatConfig turns the heartbeat's flags into its Config: --node-labels parsed, and
+// --node-status-report-frequency converted into heartbeats (FullEvery), rounded up so that an unchanged full
+// record is written at most that often apart (at least every heartbeat).
+func heartbeatConfig(c *agentConfig, env *agentEnv) (fleet.HeartbeatConfig, error) {
+	labels, err := fleet.ParseLabels(c.NodeLabels)
+	if err != nil {
+		return fleet.HeartbeatConfig{}, err
+	}
+	report := c.NodeStatusReportFrequency
+	if report <= 0 {
+		return fleet.HeartbeatConfig{}, fmt.Errorf("invalid configuration: nodeStatusReportFrequency (--node-status-report-frequency) %v: must be above 0", report)
+	}
+	cfg := c.Heartbeat
+	period := cfg.Period
+	if period <= 0 {
+		period = fleet.DefaultHeartbeatPeriod // NewHeartbeat's default; a negative one it rejects
+	}
+	cfg.FullEvery = int(min((report-1)/period+1, math.MaxInt32))
+	cfg.Node, cfg.Labels, cfg.AgentVersion, cfg.Workers, cfg.Logger = env.Node, labels, agentVersion(), env.Workers, env.Log
+	return cfg, nil
 }
 
 // wrapWorker, set only by tests, wraps each worker buildAgent builds: how a test makes one node's real

@@ -246,6 +246,7 @@ func TestBadFlagsExitNonZero(t *testing.T) {
 		{[]string{"records"}, "--node is required"},
 		{append(slices.Clone(agentGC), "--kubelet-config", filepath.Join(dataDir, "kubelet.yaml")), "kubelet config: open " + filepath.Join(dataDir, "kubelet.yaml")},
 		{append(slices.Clone(agentGC), "--kubelet-coexistence", "both"), `--kubelet-coexistence "both" is neither first-responder nor takeover`},
+		{append(slices.Clone(agentGC), "--workers", "heartbeat", "--node-status-report-frequency", "0s"), "nodeStatusReportFrequency (--node-status-report-frequency) 0s: must be above 0"},
 		{[]string{"images", "--node", "n1", "-o", "yaml"}, `output "yaml": must be text or json`},
 		{[]string{"detect", "--node", "n1", "--nats", "nats://127.0.0.1:1", "--timeout", "300ms"}, "connect to nats"},
 	} {
