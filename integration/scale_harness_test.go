@@ -34,7 +34,10 @@ type natsCluster struct {
 
 // startNATSCluster starts the cluster and waits until it creates R3 streams (`imagefleet bus init
 // --stream-replicas 3`: every stream and bucket the workers use, on three servers).
-func startNATSCluster(t testing.TB, bin string) *natsCluster {
+func startNATSCluster(t testing.TB, bin string) *natsCluster { return startNATSClusterR(t, bin, 3) }
+
+// startNATSClusterR is startNATSCluster with the given stream replicas.
+func startNATSClusterR(t testing.TB, bin string, replicas int) *natsCluster {
 	t.Helper()
 	confs, urls := clusterConfigs(t)
 	c := &natsCluster{urls: urls, URL: strings.Join(urls, ",")}
@@ -47,14 +50,14 @@ func startNATSCluster(t testing.TB, bin string) *natsCluster {
 	}
 	t.Cleanup(b.Close)
 	c.Bus = b
-	bustest.Eventually(t, "the cluster's streams and buckets, R3", 2*time.Minute, func() error {
+	bustest.Eventually(t, fmt.Sprintf("the cluster's streams and buckets, R%d", replicas), 2*time.Minute, func() error {
 		ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
 		defer cancel()
-		_, err := cli(ctx, bin, "bus", "init", "--stream-replicas", "3", "--nats", c.URL)
+		_, err := cli(ctx, bin, "bus", "init", "--stream-replicas", strconv.Itoa(replicas), "--nats", c.URL)
 		if err != nil {
 			return err
 		}
-		return fleet.EnsureRolloutStream(ctx, b, 3)
+		return fleet.EnsureRolloutStream(ctx, b, replicas)
 	})
 	return c
 }

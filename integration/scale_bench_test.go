@@ -1,0 +1,451 @@
+package integration_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/bus/bustest"
+	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/services/fleet"
+)
+
+// The scale benchmarks run `imagefleet hollow` (real node workers over hollow CRI runtimes) on a
+// three-server NATS cluster with R3 streams, and the built `imagefleet fleet` commands against it, as an
+// operator would. They are long (a fleet per size): the sizes come from IMAGEFLEET_SCALE_NODES
+// (comma-separated, default 1000), so `go tool task bench` stays at 1,000 nodes:
+//
+//	IMAGEFLEET_SCALE_NODES=1000,10000 go test -run '^$' -bench 'HollowFleet|InventoryCatchUp' -benchtime 1x -timeout 2h ./integration/
+//
+// IMAGEFLEET_SCALE_REPLICAS (default 3) sets the streams' replicas, for a fleet whose R3 consumers do not
+// fit the machine.
+//
+// 10,000 agents need about 10 file descriptors each in the hollow process (a socket per node and its
+// client) and the cluster's connections: the benchmarks raise RLIMIT_NOFILE to the hard limit.
+
+// scaleReplicas returns the stream replicas of the benchmarks' cluster: IMAGEFLEET_SCALE_REPLICAS, default 3.
+// (10,000 R3 pull consumers did not fit this 2-core machine in the partition benchmark: docs/benchmarks.md.)
+func scaleReplicas(b *testing.B) int {
+	b.Helper()
+	raw := os.Getenv("IMAGEFLEET_SCALE_REPLICAS")
+	if raw == "" {
+		return 3
+	}
+	r, err := strconv.Atoi(raw)
+	if err != nil || r < 1 || r > 3 {
+		b.Fatalf("IMAGEFLEET_SCALE_REPLICAS=%q: want 1, 2 or 3", raw)
+	}
+	return r
+}
+
+// scaleSizes returns the fleet sizes to benchmark.
+func scaleSizes(b *testing.B) []int {
+	b.Helper()
+	raw := os.Getenv("IMAGEFLEET_SCALE_NODES")
+	if raw == "" {
+		raw = "1000"
+	}
+	var out []int
+	for _, f := range strings.Split(raw, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || n < 1 {
+			b.Fatalf("IMAGEFLEET_SCALE_NODES=%q: want node counts, comma-separated", raw)
+		}
+		out = append(out, n)
+	}
+	return out
+}
+
+// raiseNoFile raises this process's open-file limit (inherited by the servers and hollow processes it
+// starts) to 1<<20 when running as root and allowed to, else to the hard limit.
+func raiseNoFile(b *testing.B) uint64 {
+	b.Helper()
+	var rl syscall.Rlimit
+	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &rl); err != nil {
+		b.Fatal(err)
+	}
+	if os.Geteuid() == 0 && rl.Max < 1<<20 {
+		// Root may raise the hard limit too, unless a container took CAP_SYS_RESOURCE: then the hard limit
+		// it has is what there is.
+		up := syscall.Rlimit{Cur: 1 << 20, Max: 1 << 20}
+		if syscall.Setrlimit(syscall.RLIMIT_NOFILE, &up) == nil {
+			return up.Cur
+		}
+	}
+	rl.Cur = rl.Max
+	if err := syscall.Setrlimit(syscall.RLIMIT_NOFILE, &rl); err != nil {
+		b.Fatalf("raise RLIMIT_NOFILE to %d: %v", rl.Max, err)
+	}
+	return rl.Cur
+}
+
+// monitorURLs returns the servers' monitoring endpoints (http: in the rendered configs).
+func (c *natsCluster) monitorURLs(b testing.TB) []string {
+	b.Helper()
+	re := regexp.MustCompile(`(?m)^http:\s*(\S+)`)
+	var out []string
+	for _, s := range c.servers {
+		conf := s.cmd.Args[len(s.cmd.Args)-1]
+		raw, err := os.ReadFile(conf)
+		if err != nil {
+			b.Fatal(err)
+		}
+		m := re.FindSubmatch(raw)
+		if m == nil {
+			b.Fatalf("%s has no http: line", conf)
+		}
+		out = append(out, "http://"+string(m[1]))
+	}
+	return out
+}
+
+// serverMsgs sums in_msgs over the servers (/varz): every message a client or a route handed a server.
+func serverMsgs(ctx context.Context, urls []string) (int64, error) {
+	var sum int64
+	for _, u := range urls {
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, u+"/varz", nil)
+		if err != nil {
+			return 0, err
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			return 0, err
+		}
+		var v struct {
+			InMsgs int64 `json:"in_msgs"`
+		}
+		err = json.NewDecoder(resp.Body).Decode(&v)
+		resp.Body.Close()
+		if err != nil {
+			return 0, fmt.Errorf("%s/varz: %w", u, err)
+		}
+		sum += v.InMsgs
+	}
+	return sum, nil
+}
+
+// timedRun runs the binary under /usr/bin/time and returns its stdout, wall time, peak RSS and CPU time.
+// (The rusage of a child the test starts directly would report this test process's peak: Linux keeps the
+// old memory's high-water mark across the exec of a vforked child.)
+func timedRun(b testing.TB, bin string, args ...string) (out []byte, wall time.Duration, maxRSS int64, cpu time.Duration) {
+	b.Helper()
+	f := filepath.Join(b.TempDir(), "time")
+	cmd := exec.Command("/usr/bin/time", append([]string{"-f", "%M %U %S", "-o", f, bin}, args...)...)
+	var errb strings.Builder
+	cmd.Stderr = &errb
+	began := time.Now()
+	out, err := cmd.Output()
+	wall = time.Since(began)
+	if err != nil {
+		b.Fatalf("imagefleet %s: %v\n%s", strings.Join(args, " "), err, tailString(errb.String(), 20))
+	}
+	raw, err := os.ReadFile(f)
+	if err != nil {
+		b.Fatal(err)
+	}
+	fs := strings.Fields(string(raw))
+	if len(fs) != 3 {
+		b.Fatalf("/usr/bin/time: %q", raw)
+	}
+	kb, _ := strconv.ParseInt(fs[0], 10, 64)
+	u, _ := strconv.ParseFloat(fs[1], 64)
+	s, _ := strconv.ParseFloat(fs[2], 64)
+	return out, wall, kb << 10, time.Duration((u + s) * float64(time.Second))
+}
+
+func tailString(s string, n int) string {
+	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
+	return strings.Join(lines[max(0, len(lines)-n):], "\n")
+}
+
+// requestBaseline is the floor of a rollout's messaging on this cluster, measured in the same run: the
+// same slow-start batches over n nodes, each node a core NATS request from one connection to a responder
+// that answers at once (n subscriptions on a second connection), at most 1,000 requests in flight.
+func requestBaseline(b testing.TB, c *natsCluster, n int) time.Duration {
+	b.Helper()
+	ctx, cancel := context.WithCancel(b.Context())
+	defer cancel()
+	resp, err := bus.Connect(ctx, c.URL, bus.Options{Name: "scale-baseline-responder"})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer resp.Close()
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	defer cancel()
+	subject := func(i int) string { return fmt.Sprintf("imagefleet.bench.baseline.%d", i) }
+	for i := range n {
+		wg.Go(func() {
+			_ = resp.Serve(ctx, subject(i), "", func(context.Context, []byte) (any, error) { return struct{}{}, nil })
+		})
+	}
+	// Every responder subscribed (and its interest known to every server) before the clock starts.
+	for i := range n {
+		for {
+			rctx, rcancel := context.WithTimeout(ctx, 5*time.Second)
+			err := c.Bus.Request(rctx, subject(i), struct{}{}, &struct{}{})
+			rcancel()
+			if err == nil {
+				break
+			}
+			if ctx.Err() != nil {
+				b.Fatal(err)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	began := time.Now()
+	next := 0
+	sem := make(chan struct{}, 1000)
+	for _, size := range fleet.PlanBatches(n, 1) {
+		var bw sync.WaitGroup
+		for i := next; i < next+size; i++ {
+			sem <- struct{}{}
+			bw.Go(func() {
+				defer func() { <-sem }()
+				rctx, rcancel := context.WithTimeout(ctx, 30*time.Second)
+				defer rcancel()
+				if err := c.Bus.Request(rctx, subject(i), struct{}{}, &struct{}{}); err != nil {
+					b.Errorf("baseline request %d: %v", i, err)
+				}
+			})
+		}
+		bw.Wait()
+		next += size
+	}
+	return time.Since(began)
+}
+
+// hollowFleet is a cluster and n hollow agents, Ready.
+type hollowFleet struct {
+	c       *natsCluster
+	h       *proc
+	n       int
+	names   []string
+	startup time.Duration
+	rssPer  float64 // hollow process RSS per agent, bytes, once all are Ready
+	monitor []string
+}
+
+func startHollowFleet(b *testing.B, bin string, n int, extra ...string) *hollowFleet {
+	b.Helper()
+	r := strconv.Itoa(scaleReplicas(b))
+	c := startNATSClusterR(b, bin, scaleReplicas(b))
+	h := startHollow(b, bin, "hollow", c.URL, n, append([]string{"--stream-replicas", r}, extra...)...)
+	names, startup := waitReady(b, c.Bus, h, "hollow-", n, time.Duration(n/50+120)*time.Second)
+	st, err := readProcStat(h.cmd.Process.Pid)
+	if err != nil {
+		b.Fatal(err)
+	}
+	return &hollowFleet{c: c, h: h, n: n, names: names, startup: startup, rssPer: float64(st.RSS) / float64(n), monitor: c.monitorURLs(b)}
+}
+
+// rolloutCost runs one rollout command and reports what it cost: wall, orchestrator peak RSS and CPU,
+// servers' CPU and peak RSS, hollow process CPU, and server messages per node (in_msgs over the three
+// servers during the rollout, less the idle rate measured just before).
+type rolloutCost struct {
+	res             events.RolloutResult
+	wall, orchCPU   time.Duration
+	orchRSS         int64
+	nats, hollowUse procCost
+	msgsPerNode     float64
+}
+
+func (f *hollowFleet) run(b *testing.B, bin string, args ...string) rolloutCost {
+	b.Helper()
+	ctx := b.Context()
+	// The idle message rate (heartbeats, consumers' pull requests) over 3 s, to take out of the figure.
+	m0, err := serverMsgs(ctx, f.monitor)
+	if err != nil {
+		b.Fatal(err)
+	}
+	time.Sleep(3 * time.Second)
+	m1, err := serverMsgs(ctx, f.monitor)
+	if err != nil {
+		b.Fatal(err)
+	}
+	idleRate := float64(m1-m0) / 3
+	ns, err := sampleProcs(f.c.serverPIDs()...)
+	if err != nil {
+		b.Fatal(err)
+	}
+	hs, err := sampleProcs(f.h.cmd.Process.Pid)
+	if err != nil {
+		b.Fatal(err)
+	}
+	var rc rolloutCost
+	out, wall, rss, cpu := timedRun(b, bin, append(args, "--nats", f.c.URL, "--stream-replicas", strconv.Itoa(scaleReplicas(b)), "--timeout", "5m", "-o", "json")...)
+	rc.nats, rc.hollowUse = ns.Stop(), hs.Stop()
+	m2, err := serverMsgs(ctx, f.monitor)
+	if err != nil {
+		b.Fatal(err)
+	}
+	rc.wall, rc.orchRSS, rc.orchCPU = wall, rss, cpu
+	rc.msgsPerNode = (float64(m2-m1) - idleRate*wall.Seconds()) / float64(f.n)
+	if err := json.Unmarshal(out, &rc.res); err != nil {
+		b.Fatalf("%v\n%s", err, out)
+	}
+	if rc.res.Succeeded != f.n || len(rc.res.Failed) != 0 {
+		b.Fatalf("rollout %s: %d of %d succeeded, failed %v", rc.res.ID, rc.res.Succeeded, f.n, rc.res.Failed[:min(5, len(rc.res.Failed))])
+	}
+	return rc
+}
+
+func (rc rolloutCost) report(b *testing.B, f *hollowFleet, baseline time.Duration) {
+	b.ReportMetric(rc.wall.Seconds(), "s/rollout")
+	b.ReportMetric(rc.wall.Seconds()/baseline.Seconds(), "x-baseline")
+	b.ReportMetric(rc.msgsPerNode, "server-msgs/node")
+	b.ReportMetric(float64(rc.orchRSS)/(1<<20), "orch-maxrss-MiB")
+	b.ReportMetric(rc.orchCPU.Seconds(), "orch-cpu-s")
+	b.ReportMetric(rc.nats.CPU.Seconds(), "nats-cpu-s")
+	b.ReportMetric(float64(rc.nats.PeakRSS)/(1<<20), "nats-rss-MiB")
+	b.ReportMetric(rc.hollowUse.CPU.Seconds(), "hollow-cpu-s")
+	b.ReportMetric(f.rssPer/(1<<10), "hollow-rss-KiB/agent")
+	b.ReportMetric(f.startup.Seconds(), "startup-s")
+}
+
+// BenchmarkHollowFleet measures fleet GC (dry run, then real) and a fleet pre-pull of one image (hollow
+// registry delay 100 ms) across N hollow agents with real workers on a three-server cluster. Each rollout
+// is compared with requestBaseline, the same slow-start batches of bare request/replies on the same
+// cluster, measured in the same run. Run it with -benchtime 1x: a second real GC finds nothing to remove.
+func BenchmarkHollowFleet(b *testing.B) {
+	bin := imagefleetBinary(b)
+	nofile := raiseNoFile(b)
+	for _, n := range scaleSizes(b) {
+		b.Run(fmt.Sprintf("nodes=%d", n), func(b *testing.B) {
+			f := startHollowFleet(b, bin, n, "--images-per-node", "8", "--pull-delay", "100ms")
+			b.Logf("%d agents Ready in %s; hollow RSS %.0f KiB per agent; RLIMIT_NOFILE %d", n, f.startup.Round(time.Millisecond), f.rssPer/1024, nofile)
+			baseline := requestBaseline(b, f.c, n)
+			b.Logf("baseline: %d request/replies in slow-start batches: %s", n, baseline.Round(time.Millisecond))
+			b.Run("op=gc-dryrun", func(b *testing.B) {
+				for range b.N {
+					rc := f.run(b, bin, "fleet", "gc", "--dry-run", "--all-unused")
+					rc.report(b, f, baseline)
+				}
+			})
+			b.Run("op=prepull", func(b *testing.B) {
+				for i := range b.N {
+					rc := f.run(b, bin, "fleet", "pull", fmt.Sprintf("registry.local/bench/prepull:v%d", i), "--node-timeout", "5m")
+					rc.report(b, f, baseline)
+					// The floor of a pre-pull: one pull delay per batch after the messaging floor.
+					b.ReportMetric(float64(len(rc.res.Batches)), "batches")
+				}
+			})
+			b.Run("op=gc", func(b *testing.B) {
+				for range b.N {
+					rc := f.run(b, bin, "fleet", "gc", "--all-unused")
+					if rc.res.FreedBytes <= 0 {
+						b.Errorf("gc freed %d bytes", rc.res.FreedBytes)
+					}
+					rc.report(b, f, baseline)
+				}
+			})
+		})
+	}
+}
+
+// BenchmarkInventoryCatchUp measures the fleet inventory catching up after N nodes (re)start with 50 images
+// each: the hollow fleet starts and its detectors publish N x 50 image.detected events while no inventory
+// runs; then R inventory replicas (`imagefleet agent --workers inventory`, each its own process) start on
+// the shared durable, and the benchmark times them until the durable has nothing pending or in flight.
+// Each replica count gets its own cluster and fleet, so every run starts from the same backlog.
+func BenchmarkInventoryCatchUp(b *testing.B) {
+	bin := imagefleetBinary(b)
+	raiseNoFile(b)
+	for _, n := range scaleSizes(b) {
+		var rate1 float64
+		for _, replicas := range []int{1, 2, 4} {
+			b.Run(fmt.Sprintf("nodes=%d/replicas=%d", n, replicas), func(b *testing.B) {
+				for range b.N {
+					b.StopTimer()
+					// A detection that fails (the records bucket refusing a node's list past the stream's
+					// consumer limit while every agent starts at once: docs/scale.md) is tried again next
+					// detect period: 20 s here, so the backlog fills within the wait below.
+					f := startHollowFleet(b, bin, n, "--images-per-node", "50", "--image-detect-period", "20s")
+					ctx := b.Context()
+					want := uint64(n * 50)
+					// The events stream holds nothing but the detectors' image.detected events yet: its message
+					// count (one cheap stream info) tells when they are all in.
+					began, last, lastChange := time.Now(), uint64(0), time.Now()
+					for {
+						info, err := f.c.Bus.Stream(ctx, events.EventsStream)
+						if err != nil {
+							b.Logf("events stream info: %v", err)
+						}
+						got := info.Messages
+						if got >= want {
+							break
+						}
+						if got != last {
+							last, lastChange = got, time.Now()
+						}
+						if time.Since(lastChange) > 90*time.Second || time.Since(began) > 15*time.Minute {
+							b.Fatalf("%d of %d image.detected events after %s", got, want, time.Since(began).Round(time.Second))
+						}
+						time.Sleep(time.Second)
+					}
+					b.Logf("%d image.detected events in the stream %s after the agents were Ready", want, time.Since(began).Round(time.Second))
+					// The nodes stop: what is measured is the inventory draining the backlog, not the agents.
+					f.h.stop(syscall.SIGTERM)
+					var backlog uint64
+					bustest.Eventually(b, "the image events backlog counted", time.Minute, func() (err error) {
+						backlog, err = f.c.Bus.CountPending(ctx, events.EventsStream, events.ImageEventsFilter, 0)
+						return err
+					})
+					b.StartTimer()
+					t0 := time.Now()
+					var pids []int
+					for r := range replicas {
+						p := startProc(b, fmt.Sprintf("inventory-%d", r+1), bin, "agent", "--node", fmt.Sprintf("fleet-inventory-%d", r+1),
+							"--nats", f.c.URL, "--workers", "inventory", "--stream-replicas", strconv.Itoa(scaleReplicas(b)), "--data-dir", b.TempDir())
+						pids = append(pids, p.cmd.Process.Pid)
+					}
+					var s *procSampler
+					for {
+						if s == nil {
+							s, _ = sampleProcs(append(pids, f.c.serverPIDs()...)...)
+						}
+						st, err := f.c.Bus.Consumer(ctx, events.EventsStream, events.InventoryDurable)
+						if err == nil && st.NumPending == 0 && st.NumAckPending == 0 {
+							break
+						}
+						if time.Since(t0) > 30*time.Minute {
+							b.Fatalf("inventory not caught up after 30 minutes: %+v %v", st, err)
+						}
+						time.Sleep(200 * time.Millisecond)
+					}
+					wall := time.Since(t0)
+					b.StopTimer()
+					var cost procCost
+					if s != nil {
+						cost = s.Stop()
+					}
+					rate := float64(backlog) / wall.Seconds()
+					if replicas == 1 {
+						rate1 = rate
+					}
+					b.ReportMetric(rate, "events/s")
+					b.ReportMetric(float64(backlog), "events")
+					b.ReportMetric(wall.Seconds(), "s/catch-up")
+					if rate1 > 0 {
+						b.ReportMetric(rate/rate1, "x-1-replica")
+					}
+					b.ReportMetric(cost.CPU.Seconds(), "cpu-s")
+					b.ReportMetric(float64(cost.PeakRSS)/(1<<20), "rss-MiB")
+				}
+			})
+		}
+	}
+}
