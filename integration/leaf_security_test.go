@@ -2,6 +2,7 @@ package integration_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -288,17 +289,24 @@ func TestLeafSecurityNodeIsolation(t *testing.T) {
 			t.Helper()
 			c, cancel := short(t)
 			defer cancel()
-			cc := bus.ConsumerConfig{Stream: stream, Durable: durable, FilterSubjects: []string{filter}}
+			cc := bus.ConsumerConfig{Stream: stream, Durable: durable}
+			if filter != "" {
+				cc.FilterSubjects = []string{filter}
+			}
 			if err := on.Consume(c, cc, func(context.Context, *bus.Msg) error { return nil }); err == nil {
 				t.Fatalf("A created %s", what)
 			}
-			waitViolation(t, a, api+"CONSUMER.CREATE."+stream+"."+durable+"."+filter)
+			if filter != "" {
+				waitViolation(t, a, api+"CONSUMER.CREATE."+stream+"."+durable+"."+filter)
+			}
 		}
 		durA, durB, durC := events.PullerDurable(nodeA), events.PullerDurable(nodeB), events.PullerDurable(nodeC)
 		refused(t, "B's consumer on B's partition", a, "$JS.API.", events.PullStreamOf(nodeB), durB, events.PullSubject(nodeB))
 		refused(t, "a consumer on B's partition", a, "$JS.API.", events.PullStreamOf(nodeB), durA, events.PullSubject(nodeB))
 		refused(t, "a consumer over its whole partition", a, "$JS.API.", events.PullStreamOf(nodeA), durA,
 			events.PullPartitionSubjects(events.PullPartition(nodeA)))
+		refused(t, "B's legacy consumer", a, "$JS.API.", events.PullStream, durB, events.LegacyPullSubject(nodeB))
+		refused(t, "an unfiltered consumer on its partition", a, "$JS.API.", events.PullStreamOf(nodeA), durA+"-all", "")
 		inB, err := a.InDomain("leaf-b")
 		if err != nil {
 			t.Fatal(err)
@@ -340,13 +348,40 @@ func TestLeafSecurityNodeIsolation(t *testing.T) {
 			cancel()
 		}
 	})
+	t.Run("GC pass lease: own only, in its site's domain", func(t *testing.T) {
+		kvA, err := a.KVExisting(ctx, events.GCLeaseBucket)
+		if err != nil {
+			t.Fatal(err)
+		}
+		other := events.NodeToken(nodeB)
+		c, cancel := short(t)
+		if _, err := kvA.Create(c, other, []byte(`{"holder":"a"}`)); err == nil {
+			t.Error("A took B's GC pass lease")
+		}
+		cancel()
+		waitViolation(t, a, "$KV."+events.GCLeaseBucket+"."+other)
+		c, cancel = short(t)
+		if err := kvA.Delete(c, other); err == nil {
+			t.Error("A released B's GC pass lease")
+		}
+		cancel()
+	})
 	t.Run("registry: own key only, in the hub's domain", func(t *testing.T) {
 		kv, err := a.KVExisting(ctx, events.NodesBucket)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if _, _, err := kv.Get(ctx, events.NodeToken(nodeA)); err != nil {
+		// Its agent has stopped (its heartbeat key may be gone: not found is an answer, a refusal is not); the
+		// last-seen key stays.
+		if _, _, err := kv.Get(ctx, events.NodeToken(nodeA)); err != nil && !errors.Is(err, bus.ErrKeyNotFound) {
 			t.Fatalf("A reads its own heartbeat: %v", err)
+		}
+		seen, err := a.KVExisting(ctx, events.NodesSeenBucket)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if v, _, err := seen.Get(ctx, events.NodeToken(nodeA)); err != nil || len(v) == 0 {
+			t.Fatalf("A reads its own last-seen key: %q %v", v, err)
 		}
 		for _, other := range []string{nodeB, nodeC} {
 			c, cancel := short(t)
