@@ -60,6 +60,13 @@ type ConsumerConfig struct {
 	// delivered for this long, the pull is started anew (default 15s). A pull request left on a server that
 	// was lost or lost its leadership is not always reported by a missed heartbeat.
 	StallAfter time.Duration
+	// MemoryStorage keeps the consumer's state (on a cluster, its Raft log too) in memory instead of files.
+	// Used by the benchmarks that measure what it saves (docs/benchmarks.md); no worker sets it.
+	MemoryStorage bool
+	// Replicas of the consumer (0: the stream's). A work queue or interest stream refuses any other count
+	// (err_code 10134), so the pull queues' consumers always have their stream's; the benchmarks use it on
+	// limits streams (docs/benchmarks.md).
+	Replicas int
 }
 
 // Msg is one delivered message.
@@ -115,6 +122,8 @@ func consumerSettings(cfg ConsumerConfig) (ConsumerConfig, jetstream.ConsumerCon
 		MaxDeliver:     cfg.MaxDeliver,
 		MaxAckPending:  cfg.MaxAckPending,
 		DeliverPolicy:  jetstream.DeliverAllPolicy,
+		MemoryStorage:  cfg.MemoryStorage,
+		Replicas:       cfg.Replicas,
 	}
 	if cfg.DeliverNew {
 		cc.DeliverPolicy = jetstream.DeliverNewPolicy

@@ -5,6 +5,9 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	goruntime "runtime"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -129,4 +132,93 @@ func benchBus(b *testing.B, servers int) (*bus.Bus, func()) {
 			s.Shutdown()
 		}
 	}
+}
+
+// BenchmarkPullConsumersCluster: what a node's pull consumer costs on a 3-server cluster in this process
+// (R3 streams), for 1,000 nodes (and 10,000 where it fits): the time to make them all (8 at a time) and the
+// memory the process (three servers and the client) holds once they are made, the Go heap in use and the
+// resident set. Each case starts fresh servers.
+//
+//	go test ./services/puller/ -run XXX -bench PullConsumersCluster -benchtime 1x
+//
+// The layouts:
+//
+//   - r3-file: exactly as the puller makes them (ConsumerConfig) on the R3 partition streams: each is a Raft
+//     group on three servers, its log in files.
+//   - r3-memory: the same with the consumer's state and Raft log in memory (ConsumerConfig.MemoryStorage).
+//   - r1-limits: R1 consumers (one server each, no Raft group), the same filters, on 16 R3 streams with
+//     limits retention. Not a layout the puller can use: nats-server refuses a consumer whose replicas differ
+//     from its work queue stream's (err_code 10134, logged at the start); the case measures what that rule
+//     costs at 10,000 nodes.
+//
+// Not here: 10,000 R3 consumers. In-process on this project's 2-core machine they stall at about 4,800
+// (memory) or 4,350 (files) with consumers reporting no quorum (docs/benchmarks.md).
+func BenchmarkPullConsumersCluster(b *testing.B) {
+	for _, c := range []struct {
+		layout string
+		n      int
+	}{{"r3-file", 1000}, {"r3-memory", 1000}, {"r1-limits", 1000}, {"r1-limits", 10000}} {
+		b.Run(fmt.Sprintf("%s/consumers=%d", c.layout, c.n), func(b *testing.B) {
+			for range b.N {
+				cl := startNATSCluster(b, 3)
+				bb := cl.connect("bench")
+				mk := func(node string) bus.ConsumerConfig {
+					cc := pullerConsumer(b, node)
+					cc.MemoryStorage = c.layout == "r3-memory"
+					return cc
+				}
+				if c.layout == "r1-limits" {
+					cc := pullerConsumer(b, "refused")
+					cc.Replicas = 1
+					b.Logf("R1 consumer on an R3 partition stream: %v", bb.EnsureConsumer(b.Context(), cc))
+					for p := range events.PullPartitions {
+						if err := bb.EnsureStream(b.Context(), bus.StreamConfig{Name: limitsStream(p),
+							Subjects: []string{limitsStream(p) + ".>"}, Replicas: 3}); err != nil {
+							b.Fatal(err)
+						}
+					}
+					mk = func(node string) bus.ConsumerConfig {
+						cc := pullerConsumer(b, node)
+						p := events.PullPartition(node)
+						cc.Stream, cc.FilterSubjects, cc.Replicas = limitsStream(p), []string{limitsStream(p) + "." + node}, 1
+						return cc
+					}
+				}
+				heap0, rss0 := memNow()
+				began := time.Now()
+				made, err := makeConsumers(b.Context(), bb, c.n, mk)
+				took := time.Since(began)
+				heap1, rss1 := memNow()
+				b.Logf("%d of %d made in %v; heap in use %d MB -> %d MB, RSS %d MB -> %d MB", made, c.n, took,
+					heap0>>20, heap1>>20, rss0>>20, rss1>>20)
+				if err != nil || made != c.n {
+					b.Fatalf("%d of %d made: %v", made, c.n, err)
+				}
+				b.ReportMetric(took.Seconds(), "s/all")
+				b.ReportMetric(float64(heap1>>20), "heap-MB")
+				b.ReportMetric(float64(rss1>>20), "rss-MB")
+				for p := range events.PullPartitions {
+					_ = bb.DeleteStream(context.Background(), events.PullPartitionStream(p))
+					_ = bb.DeleteStream(context.Background(), limitsStream(p))
+				}
+			}
+		})
+	}
+}
+
+func limitsStream(p int) string { return fmt.Sprintf("BENCH_PULL_LIMITS_%02d", p) }
+
+// memNow is the Go heap in use (after a collection) and the resident set of this process, in bytes.
+func memNow() (heap, rss uint64) {
+	goruntime.GC()
+	var ms goruntime.MemStats
+	goruntime.ReadMemStats(&ms)
+	status, _ := os.ReadFile("/proc/self/status")
+	for _, l := range strings.Split(string(status), "\n") {
+		if f := strings.Fields(l); len(f) >= 2 && f[0] == "VmRSS:" {
+			kb, _ := strconv.ParseUint(f[1], 10, 64)
+			rss = kb << 10
+		}
+	}
+	return ms.HeapInuse, rss
 }
