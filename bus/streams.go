@@ -1,6 +1,7 @@
 package bus
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -25,6 +26,12 @@ type StreamsConfig struct {
 	// Replicas for every stream (0: the connection's Options.Replicas; if that is 0 too, new streams get 1
 	// and existing ones keep theirs).
 	Replicas int
+	// PullReplicas for the pull work queue's partition streams, and so for every node's pull consumer, which
+	// takes its stream's replicas (0: an existing partition keeps its replicas, a new one gets Replicas).
+	// On a cluster too small for one R3 Raft group per node (docs/scale.md) an operator makes them R1 with
+	// `imagefleet bus init --pull-replicas 1` while the fleet-wide streams and buckets stay R3; an agent
+	// started with --stream-replicas then leaves them as they are.
+	PullReplicas int
 }
 
 // EnsureStreams creates or updates the events and pods streams, the pull work queues (the partitions and the
@@ -90,17 +97,43 @@ func (b *Bus) EnsureStreams(ctx context.Context, cfg StreamsConfig) error {
 			Replicas:    cfg.Replicas,
 		},
 	}
-	for p := range events.PullPartitions {
-		streams = append(streams, pullStreamConfig(events.PullPartitionStream(p), events.PullPartitionSubjects(p),
-			events.PullPartitionMaxConsumers, cfg.Replicas,
-			fmt.Sprintf("image pull commands of partition %02d of %d, one work queue consumer per node", p, events.PullPartitions)))
-	}
 	for _, sc := range streams {
 		if err := b.ensureStream(ctx, sc); err != nil {
 			return err
 		}
 	}
+	for p := range events.PullPartitions {
+		sc := pullStreamConfig(events.PullPartitionStream(p), events.PullPartitionSubjects(p),
+			events.PullPartitionMaxConsumers, cfg.PullReplicas,
+			fmt.Sprintf("image pull commands of partition %02d of %d, one work queue consumer per node", p, events.PullPartitions))
+		if err := b.ensurePullStream(ctx, sc, cfg.Replicas); err != nil {
+			return err
+		}
+	}
 	return nil
+}
+
+// ensurePullStream ensures a pull partition. With its replicas given it is ensureStream; with 0 an existing
+// partition keeps its replicas whatever the connection's Options.Replicas says, and a new one gets
+// newReplicas (0: the connection's).
+func (b *Bus) ensurePullStream(ctx context.Context, sc jetstream.StreamConfig, newReplicas int) error {
+	if sc.Replicas != 0 || (newReplicas == 0 && b.replicas == 0) {
+		return b.ensureStream(ctx, sc) // replicas given, or none anywhere: existing ones keep theirs already
+	}
+	sc = b.inDomain(sc)
+	return b.retryTransient(ctx, "stream "+sc.Name, func(actx context.Context) error {
+		sc := sc
+		s, err := b.js.Stream(actx, sc.Name)
+		switch {
+		case err == nil:
+			sc.Replicas = s.CachedInfo().Config.Replicas
+		case errors.Is(err, jetstream.ErrStreamNotFound):
+			sc.Replicas = cmp.Or(newReplicas, b.replicas)
+		default:
+			return fmt.Errorf("stream %s: %w", sc.Name, err)
+		}
+		return b.ensureStreamOnce(actx, sc)
+	})
 }
 
 // pullStreamConfig is a pull work queue: the legacy one or a partition. Its consumers take the stream's

@@ -53,7 +53,13 @@ func startNATSClusterR(t testing.TB, bin string, replicas int) *natsCluster {
 	bustest.Eventually(t, fmt.Sprintf("the cluster's streams and buckets, R%d", replicas), 2*time.Minute, func() error {
 		ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
 		defer cancel()
-		_, err := cli(ctx, bin, "bus", "init", "--stream-replicas", strconv.Itoa(replicas), "--nats", c.URL)
+		args := []string{"bus", "init", "--stream-replicas", strconv.Itoa(replicas), "--nats", c.URL}
+		// IMAGEFLEET_SCALE_PULL_REPLICAS: the pull partitions' replicas (and so the node consumers'), for a
+		// fleet whose R3 node consumers do not fit the machine while every other stream stays R3.
+		if pr := os.Getenv("IMAGEFLEET_SCALE_PULL_REPLICAS"); pr != "" {
+			args = append(args, "--pull-replicas", pr)
+		}
+		_, err := cli(ctx, bin, args...)
 		if err != nil {
 			return err
 		}

@@ -48,9 +48,9 @@ cluster (deploy/nats/cluster/server-{1,2,3}.conf). --listen and --store-dir over
 }
 
 func newBusInitCmd(cl *cli) *cobra.Command {
-	var replicas int
+	var replicas, pullReplicas int
 	cmd := &cobra.Command{
-		Use:   "init [--stream-replicas N]",
+		Use:   "init [--stream-replicas N] [--pull-replicas N]",
 		Short: "Create every stream and bucket the workers use (run once with the admin identity; idempotent)",
 		Long: `Create, or bring to the current settings, the streams (events, pull queue, dead letters, rollouts) and
 the key-value buckets (records, pod snapshots, pull backoff and records, heartbeats, inventory) with the
@@ -66,7 +66,10 @@ admin identity (--nkey admin.nk). Agents that find them open them as they are.`,
 				return err
 			}
 			defer b.Close()
-			if err := b.EnsureStreams(ctx, bus.StreamsConfig{}); err != nil {
+			if pullReplicas < 0 || pullReplicas > 5 {
+				return fmt.Errorf("--pull-replicas %d: want 1 to 5, or 0 for the replicas of the other streams", pullReplicas)
+			}
+			if err := b.EnsureStreams(ctx, bus.StreamsConfig{PullReplicas: pullReplicas}); err != nil {
 				return err
 			}
 			steps := []struct {
@@ -100,5 +103,6 @@ admin identity (--nkey admin.nk). Agents that find them open them as they are.`,
 		},
 	}
 	cmd.Flags().IntVar(&replicas, "stream-replicas", 0, "replicas of every stream and bucket (3 on a 3-server cluster; 0: 1 for new ones, existing ones keep theirs)")
+	cmd.Flags().IntVar(&pullReplicas, "pull-replicas", 0, "replicas of the pull work queue's partitions and so of every node's pull consumer (1: one Raft group less per node on a cluster, docs/scale.md; 0: as --stream-replicas for new ones, existing ones keep theirs)")
 	return cmd
 }
