@@ -81,6 +81,9 @@ func (b *Bus) openKV(ctx context.Context, cfg KVConfig, kvc jetstream.KeyValueCo
 		if err != nil {
 			return nil, fmt.Errorf("create key-value bucket %s (an operator with the admin identity creates buckets: imagefleet bus init): %w", cfg.Bucket, err)
 		}
+		if err := b.RaiseBucketConsumers(ctx, cfg.Bucket); err != nil {
+			b.log.Warn("bucket kept at the server's consumer limit", "bucket", cfg.Bucket, "err", err)
+		}
 		return &KV{b: b, kv: kv}, nil
 	default:
 		return nil, fmt.Errorf("key-value bucket %s: %w", cfg.Bucket, err)
