@@ -58,7 +58,8 @@ type ConsumerConfig struct {
 	Bind bool
 	// StallAfter: when messages wait (the consumer's NumPending > 0, a free ack slot) and none has been
 	// delivered for this long, the pull is started anew (default 15s). A pull request left on a server that
-	// was lost or lost its leadership is not always reported by a missed heartbeat.
+	// was lost or lost its leadership is not always reported by a missed heartbeat. An idle consumer's info
+	// is asked StallAfter after its last delivery, then at periods that double up to 5 minutes (stallWatch).
 	StallAfter time.Duration
 	// MemoryStorage keeps the consumer's state (on a cluster, its Raft log too) in memory instead of files.
 	// Used by the benchmarks that measure what it saves (docs/benchmarks.md); no worker sets it.
@@ -146,7 +147,9 @@ func (b *Bus) consume(ctx context.Context, cfg ConsumerConfig, cc jetstream.Cons
 		current    jetstream.MessagesContext
 		currentCon jetstream.Consumer
 		lastActive atomic.Int64 // unix nanoseconds of the last delivery or (re)start of the pull
+		lastDeliv  atomic.Int64 // unix nanoseconds of the last delivery (or the start)
 	)
+	lastDeliv.Store(time.Now().UnixNano())
 	open := func() (jetstream.MessagesContext, error) {
 		var msgs jetstream.MessagesContext
 		err := b.retryTransient(ctx, "consumer "+cfg.Durable, func(actx context.Context) error {
@@ -154,7 +157,7 @@ func (b *Bus) consume(ctx context.Context, cfg ConsumerConfig, cc jetstream.Cons
 			if err != nil {
 				return fmt.Errorf("consumer %s on %s: %w", cfg.Durable, cfg.Stream, err)
 			}
-			msgs, err = cons.Messages(jetstream.PullMaxMessages(cfg.Concurrency))
+			msgs, err = cons.Messages(jetstream.PullMaxMessages(cfg.Concurrency), jetstream.WithMessagesErrOnMissingHeartbeat(true))
 			if err != nil {
 				return fmt.Errorf("consume %s on %s: %w", cfg.Durable, cfg.Stream, err)
 			}
@@ -183,52 +186,61 @@ func (b *Bus) consume(ctx context.Context, cfg ConsumerConfig, cc jetstream.Cons
 	// ours that a message naked by a stopping handler would be redelivered into (TestPullSurvivesRestart
 	// saw that third delivery).
 	sem := make(chan struct{}, cfg.Concurrency)
-	var busy atomic.Int32      // handlers running
-	var noWaiting atomic.Int32 // consecutive checks that found no pull request of ours at the server
+	var busy atomic.Int32 // handlers running
+	// A missed heartbeat (nats.go got none of the server's heartbeats for a pull request of ours for two
+	// periods: the request, or its server, is gone) is a reason for the watchdog to look at once.
+	hint := make(chan struct{}, 1)
 	// The stall watchdog: stopping the iterator makes the loop below pull anew.
 	go func() {
 		t := time.NewTicker(max(cfg.StallAfter/3, 10*time.Millisecond))
 		defer t.Stop()
+		w := newStallWatch(cfg.StallAfter, time.Now())
 		for {
+			hinted := false
 			select {
 			case <-ctx.Done():
 				return
 			case <-t.C:
+			case <-hint:
+				hinted = true
 			}
-			idle := time.Since(time.Unix(0, lastActive.Load()))
-			if idle < cfg.StallAfter {
+			now := time.Now()
+			last := time.Unix(0, lastActive.Load())
+			if !w.due(now, time.Unix(0, lastDeliv.Load()), last, hinted) {
 				continue
 			}
+			idle := now.Sub(last)
 			mu.Lock()
 			cons, msgs := currentCon, current
 			mu.Unlock()
 			ictx, cancel := context.WithTimeout(ctx, 5*time.Second)
 			info, err := cons.Info(ictx)
 			cancel()
+			if ctx.Err() != nil {
+				return
+			}
 			room := int(busy.Load()) < cfg.Concurrency
-			switch {
-			case err != nil && idle >= 2*cfg.StallAfter:
-				// The consumer does not answer (no leader yet, or its server is gone): make it anew, which
-				// waits for the cluster.
+			var verdict stallVerdict
+			if err == nil {
+				verdict = judgeStall(info.NumPending, info.NumAckPending, info.Config.MaxAckPending, info.NumWaiting, room)
+			}
+			switch w.checked(now, err, verdict) {
+			case stallOK, stallSuspect:
+				continue
+			case stallNoAnswer:
+				// The consumer did not answer twice in a row (no leader yet, or its server is gone): make
+				// it anew, which waits for the cluster.
 				log.Warn("consumer does not answer; pulling anew", "idle", idle.Round(time.Second), "err", err)
-			case err == nil && info.NumWaiting == 0 && room && noWaiting.Add(1) < 2:
-				continue // a pull request may be between its expiry and the next: ask again at the next tick
-			case err == nil && info.NumWaiting == 0 && room:
+			case stallNoWaiting:
 				// Room for messages here, but the server holds no pull request of this consumer: ours went
 				// to a server that is gone and nats.go has not noticed (the fleet test's pullers missed a
 				// pre-pull command for 90 s after a server was killed).
 				log.Warn("consumer has no pull request waiting; pulling anew",
 					"pending", info.NumPending, "ack_pending", info.NumAckPending, "idle", idle.Round(time.Second))
-			case err != nil || info.NumPending == 0 || info.NumAckPending >= info.Config.MaxAckPending:
-				if err == nil && info.NumWaiting > 0 {
-					noWaiting.Store(0)
-				}
-				continue
-			default:
+			case stallStuck:
 				log.Warn("consumer stalled: messages wait but none was delivered; pulling anew",
 					"pending", info.NumPending, "idle", idle.Round(time.Second))
 			}
-			noWaiting.Store(0)
 			lastActive.Store(time.Now().UnixNano())
 			msgs.Stop()
 		}
@@ -259,6 +271,16 @@ func (b *Bus) consume(ctx context.Context, cfg ConsumerConfig, cc jetstream.Cons
 		msgs := current
 		mu.Unlock()
 		jm, err := next(msgs, &rechecks)
+		if errors.Is(err, jetstream.ErrNoHeartbeat) && ctx.Err() == nil {
+			// nats.go has already asked anew (it forgets its pending requests); the watchdog checks that
+			// the server holds one.
+			<-sem
+			select {
+			case hint <- struct{}{}:
+			default:
+			}
+			continue
+		}
 		if err != nil {
 			<-sem
 			if ctx.Err() != nil {
@@ -289,6 +311,7 @@ func (b *Bus) consume(ctx context.Context, cfg ConsumerConfig, cc jetstream.Cons
 			continue
 		}
 		lastActive.Store(time.Now().UnixNano())
+		lastDeliv.Store(time.Now().UnixNano())
 		rechecks = 0
 		if ctx.Err() != nil {
 			<-sem
