@@ -56,7 +56,13 @@ func (b *Bus) openKV(ctx context.Context, cfg KVConfig, kvc jetstream.KeyValueCo
 	kv, err := b.js.KeyValue(ctx, cfg.Bucket)
 	switch {
 	case err == nil:
-		if bucketMatches(ctx, kv, &kvc) {
+		matches, sErr := bucketMatches(ctx, kv, &kvc)
+		if sErr != nil {
+			// Not a mismatch: a status that timed out (a busy cluster) is retried as a transient error,
+			// instead of an update that is one more API request per node and would fail the same way.
+			return nil, fmt.Errorf("key-value bucket %s status: %w", cfg.Bucket, sErr)
+		}
+		if matches {
 			return &KV{b: b, kv: kv}, nil
 		}
 		var updated jetstream.KeyValue
@@ -91,22 +97,22 @@ func (b *Bus) openKV(ctx context.Context, cfg KVConfig, kvc jetstream.KeyValueCo
 }
 
 // bucketMatches reports whether an open bucket has the settings KV would give it. Unspecified replicas (0)
-// take the bucket's own.
-func bucketMatches(ctx context.Context, kv jetstream.KeyValue, want *jetstream.KeyValueConfig) bool {
+// take the bucket's own. A status that cannot be read is an error, never a mismatch.
+func bucketMatches(ctx context.Context, kv jetstream.KeyValue, want *jetstream.KeyValueConfig) (bool, error) {
 	st, err := kv.Status(ctx)
 	if err != nil {
-		return false
+		return false, err
 	}
 	bs, ok := st.(*jetstream.KeyValueBucketStatus)
 	if !ok || bs.StreamInfo() == nil {
-		return false
+		return false, nil
 	}
 	have := bs.StreamInfo().Config
 	if want.Replicas == 0 {
 		want.Replicas = have.Replicas
 	}
 	return have.MaxAge == want.TTL && have.MaxMsgsPerSubject == int64(want.History) &&
-		have.Replicas == want.Replicas && have.MaxBytes == want.MaxBytes
+		have.Replicas == want.Replicas && have.MaxBytes == want.MaxBytes, nil
 }
 
 // Get returns the value and revision of key, or ErrKeyNotFound.
