@@ -1,0 +1,132 @@
+package integration_test
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// BenchmarkHollowIdleAPI counts the JetStream API requests that idle agents make: `imagefleet hollow --nodes
+// N` (default 200, IMAGEFLEET_IDLE_NODES) against one standalone nats-server; once every node is Ready and
+// IMAGEFLEET_IDLE_SETTLE (30s) has passed, a monitor connection of the same account subscribes to
+// `$JS.API.>` and `$KV.>` for IMAGEFLEET_IDLE_WINDOW (90s) and counts what arrives, per node and minute, by
+// request kind. Nothing else runs: no rollout, no inventory; what is counted is per-node housekeeping (the
+// consumer watchdog's info requests, bucket lookups, pull requests) and the heartbeat's and GC lease's KV
+// writes. docs/scale.md: at 10,000 nodes the housekeeping saturated the cluster's JetStream API. With
+// IMAGEFLEET_BASELINE_BINARY set to an earlier build, its agents are measured too (bin=baseline), each
+// against a fresh server started with this build.
+func BenchmarkHollowIdleAPI(b *testing.B) {
+	bin := imagefleetBinary(b)
+	raiseNoFile(b)
+	n := 200
+	if s := os.Getenv("IMAGEFLEET_IDLE_NODES"); s != "" {
+		if _, err := fmt.Sscan(s, &n); err != nil || n <= 0 {
+			b.Fatalf("IMAGEFLEET_IDLE_NODES=%q: want a positive count", s)
+		}
+	}
+	settle, window := envDuration(b, "IMAGEFLEET_IDLE_SETTLE", 30*time.Second), envDuration(b, "IMAGEFLEET_IDLE_WINDOW", 90*time.Second)
+	bins := []struct{ name, path string }{{"current", bin}}
+	if base := os.Getenv("IMAGEFLEET_BASELINE_BINARY"); base != "" {
+		bins = append(bins, struct{ name, path string }{"baseline", base})
+	}
+	for _, bb := range bins {
+		b.Run(fmt.Sprintf("bin=%s/nodes=%d", bb.name, n), func(b *testing.B) {
+			for range b.N {
+				url, bc := startBus(b, bin)
+				h := startHollow(b, bb.path, "hollow", url, n)
+				_, waited := waitReady(b, bc, h, "hollow-", n, 5*time.Minute)
+				b.Logf("%d agents Ready in %s; settling %s, then counting for %s", n, waited.Round(time.Millisecond), settle, window)
+				time.Sleep(settle)
+				var mu sync.Mutex
+				counts := map[string]int{}
+				ctx, cancel := context.WithTimeout(b.Context(), window)
+				var wg sync.WaitGroup
+				for _, subj := range []string{"$JS.API.>", "$KV.>"} {
+					wg.Add(1)
+					go func() {
+						defer wg.Done()
+						err := bc.Subscribe(ctx, subj, func(subject string, _ map[string][]string, _ []byte) {
+							k := apiKind(subject)
+							mu.Lock()
+							counts[k]++
+							mu.Unlock()
+						})
+						if err != nil {
+							b.Error(err)
+						}
+					}()
+				}
+				began := time.Now()
+				wg.Wait()
+				elapsed := time.Since(began)
+				cancel()
+				select {
+				case <-h.done:
+					b.Fatalf("hollow exited during the count: %v\n%s", h.cmd.ProcessState, tail(h.log, 30))
+				default:
+				}
+				perNodeMin := func(c int) float64 { return float64(c) / float64(n) / elapsed.Minutes() }
+				mu.Lock()
+				var kinds []string
+				api, apiHousekeeping, kv := 0, 0, 0
+				for k, c := range counts {
+					kinds = append(kinds, k)
+					switch {
+					case strings.HasPrefix(k, "$KV"):
+						kv += c
+					case k == "CONSUMER.MSG.NEXT":
+						api += c
+					default:
+						api += c
+						apiHousekeeping += c
+					}
+				}
+				slices.Sort(kinds)
+				for _, k := range kinds {
+					b.Logf("%-40s %6d  %7.3f per node per minute", k, counts[k], perNodeMin(counts[k]))
+				}
+				b.ReportMetric(perNodeMin(apiHousekeeping), "api-housekeeping/node/min")
+				b.ReportMetric(perNodeMin(api), "api-all/node/min")
+				b.ReportMetric(perNodeMin(counts["CONSUMER.INFO"]), "consumer-info/node/min")
+				b.ReportMetric(perNodeMin(kv), "kv-writes/node/min")
+				mu.Unlock()
+			}
+		})
+	}
+}
+
+// apiKind names a JetStream API request by its subject without the stream, consumer or key
+// ($JS.API.CONSUMER.INFO.S.C: CONSUMER.INFO; $KV.bucket.key: $KV.bucket).
+func apiKind(subject string) string {
+	if rest, ok := strings.CutPrefix(subject, "$KV."); ok {
+		bucket, _, _ := strings.Cut(rest, ".")
+		return "$KV." + bucket
+	}
+	rest := strings.TrimPrefix(subject, "$JS.API.")
+	parts := strings.Split(rest, ".")
+	switch {
+	case len(parts) >= 3 && parts[0] == "CONSUMER" && (parts[1] == "MSG" || parts[1] == "DURABLE" || parts[1] == "LEADER"):
+		return strings.Join(parts[:3], ".")
+	case len(parts) >= 2:
+		return parts[0] + "." + parts[1]
+	}
+	return rest
+}
+
+// envDuration reads a duration from the environment, def when unset.
+func envDuration(b testing.TB, name string, def time.Duration) time.Duration {
+	s := os.Getenv(name)
+	if s == "" {
+		return def
+	}
+	d, err := time.ParseDuration(s)
+	if err != nil || d <= 0 {
+		b.Fatalf("%s=%q: want a positive duration", name, s)
+	}
+	return d
+}
