@@ -286,7 +286,10 @@ func (f *hollowFleet) run(b *testing.B, bin string, args ...string) rolloutCost 
 		b.Fatal(err)
 	}
 	var rc rolloutCost
-	out, wall, rss, cpu := timedRun(b, bin, append(args, "--nats", f.c.URL, "--stream-replicas", strconv.Itoa(scaleReplicas(b)), "--timeout", "5m", "-o", "json")...)
+	args = append(args, "--nats", f.c.URL, "--stream-replicas", strconv.Itoa(scaleReplicas(b)), "--timeout", "5m", "-o", "json")
+	// IMAGEFLEET_SCALE_ROLLOUT_ARGS: more flags for every rollout (e.g. "--max-in-flight 250 --node-timeout 3m").
+	args = append(args, strings.Fields(os.Getenv("IMAGEFLEET_SCALE_ROLLOUT_ARGS"))...)
+	out, wall, rss, cpu := timedRun(b, bin, args...)
 	rc.nats, rc.hollowUse = ns.Stop(), hs.Stop()
 	m2, err := serverMsgs(ctx, f.monitor)
 	if err != nil {
