@@ -29,7 +29,7 @@ func (b *Bus) RaiseBucketConsumers(ctx context.Context, bucket string) error {
 			return fmt.Errorf("bucket %s: %w", bucket, err)
 		}
 		sc := s.CachedInfo().Config
-		if sc.MaxConsumers >= events.SharedStreamMaxConsumers {
+		if enoughConsumers(sc.MaxConsumers, events.SharedStreamMaxConsumers) {
 			return nil
 		}
 		sc.MaxConsumers = events.SharedStreamMaxConsumers

@@ -117,22 +117,12 @@ func (b *Bus) EnsureStreams(ctx context.Context, cfg StreamsConfig) error {
 // partition keeps its replicas whatever the connection's Options.Replicas says, and a new one gets
 // newReplicas (0: the connection's).
 func (b *Bus) ensurePullStream(ctx context.Context, sc jetstream.StreamConfig, newReplicas int) error {
-	if sc.Replicas != 0 || (newReplicas == 0 && b.replicas == 0) {
-		return b.ensureStream(ctx, sc) // replicas given, or none anywhere: existing ones keep theirs already
+	if sc.Replicas != 0 {
+		return b.ensureStream(ctx, sc)
 	}
 	sc = b.inDomain(sc)
 	return b.retryTransient(ctx, "stream "+sc.Name, func(actx context.Context) error {
-		sc := sc
-		s, err := b.js.Stream(actx, sc.Name)
-		switch {
-		case err == nil:
-			sc.Replicas = s.CachedInfo().Config.Replicas
-		case errors.Is(err, jetstream.ErrStreamNotFound):
-			sc.Replicas = cmp.Or(newReplicas, b.replicas)
-		default:
-			return fmt.Errorf("stream %s: %w", sc.Name, err)
-		}
-		return b.ensureStreamOnce(actx, sc)
+		return b.ensureStreamOnce(actx, sc, cmp.Or(newReplicas, b.replicas))
 	})
 }
 
@@ -163,10 +153,12 @@ func (b *Bus) ensureStream(ctx context.Context, sc jetstream.StreamConfig) error
 		sc.Replicas = b.replicas
 	}
 	sc = b.inDomain(sc)
-	return b.retryTransient(ctx, "stream "+sc.Name, func(actx context.Context) error { return b.ensureStreamOnce(actx, sc) })
+	return b.retryTransient(ctx, "stream "+sc.Name, func(actx context.Context) error { return b.ensureStreamOnce(actx, sc, 0) })
 }
 
-func (b *Bus) ensureStreamOnce(ctx context.Context, sc jetstream.StreamConfig) error {
+// ensureStreamOnce creates sc or brings the existing stream to it. Replicas 0 keeps an existing stream's
+// replicas and gives a new one newReplicas (at least 1).
+func (b *Bus) ensureStreamOnce(ctx context.Context, sc jetstream.StreamConfig, newReplicas int) error {
 	// Look before writing: a node identity may read stream info but not create or update streams, so an
 	// agent started with one finds the streams an operator made and goes on (a refused update would cost a
 	// JetStream API timeout at every start).
@@ -194,7 +186,7 @@ func (b *Bus) ensureStreamOnce(ctx context.Context, sc jetstream.StreamConfig) e
 		}
 		return nil
 	case errors.Is(err, jetstream.ErrStreamNotFound):
-		sc.Replicas = max(sc.Replicas, 1)
+		sc.Replicas = max(cmp.Or(sc.Replicas, newReplicas), 1)
 		err := b.refusable(ctx, b.apiPrefix(sc.Name)+"STREAM.CREATE."+sc.Name, func(ctx context.Context) error {
 			_, err := b.js.CreateStream(ctx, sc)
 			return err
