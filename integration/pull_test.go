@@ -254,7 +254,7 @@ func TestPullBasicAuth(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(dir, "regcred.json"), []byte(manifest), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	var logs syncBuffer
+	var logs bustest.SyncBuffer
 	log := slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	_, b := bustest.Start(t)
 	pullStartPuller(t, b, ctrd.Client(), puller.Config{PullSecretsDir: dir, Logger: log})
@@ -327,22 +327,4 @@ func TestPullSurvivesRestart(t *testing.T) {
 	if _, err := ctrd.Client().ImageStatus(t.Context(), p.Ref); err != nil {
 		t.Fatalf("image not in containerd: %v", err)
 	}
-}
-
-// syncBuffer is a bytes.Buffer safe for a logger's concurrent writes.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }

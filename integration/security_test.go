@@ -430,7 +430,7 @@ func TestSecurityNoSecretLeaks(t *testing.T) {
 	const node, registry = "leak-node", "127.0.0.1:5000"
 	const goodPass, badPass = "G00d-Pull-Secret-Value", "Wr0ng-Pull-Secret-Value"
 	ctx := t.Context()
-	var logs leakBuffer
+	var logs bustest.SyncBuffer
 	log := slog.New(slog.NewJSONHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	srv := startNATS(t, "")
 	journalDir := t.TempDir()
@@ -563,30 +563,6 @@ func TestSecurityNoSecretLeaks(t *testing.T) {
 	if len(stored) < len(reqs) || logs.Len() == 0 || len(kvText) == 0 {
 		t.Error("nothing was produced: the scan proves nothing")
 	}
-}
-
-// leakBuffer is a bytes.Buffer safe for concurrent writers (slog handlers of several goroutines).
-type leakBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *leakBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *leakBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
-func (s *leakBuffer) Len() int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Len()
 }
 
 // TestSecurityAgentRunsWithANodeIdentity: after `imagefleet bus init` with the admin identity, an agent with

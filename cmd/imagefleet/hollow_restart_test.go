@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -18,24 +17,6 @@ import (
 	"github.com/imagefleet/imagefleet/events"
 	"github.com/imagefleet/imagefleet/services/fleet"
 )
-
-// syncBuffer is a bytes.Buffer the agents' loggers may write to at once.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
 
 // faultyWorker runs a real worker; on its first run it fails once fail is closed: the worker is stopped and
 // Run returns an error, as a worker that fails after it started.
@@ -64,7 +45,7 @@ func (f faultyWorker) Run(ctx context.Context) error {
 }
 
 // hollowRun runs `imagefleet hollow args...` in this process (so wrapWorker applies) against natsURL.
-func hollowRun(ctx context.Context, t *testing.T, stderr *syncBuffer, args ...string) error {
+func hollowRun(ctx context.Context, t *testing.T, stderr *bustest.SyncBuffer, args ...string) error {
 	prev := slog.Default()
 	t.Cleanup(func() { slog.SetDefault(prev) })
 	root := newRootCmd()
@@ -113,7 +94,7 @@ func TestHollowRestartsAFailedAgent(t *testing.T) {
 	t.Run("worker fails after start", func(t *testing.T) {
 		ctx, cancel := context.WithCancel(t.Context())
 		defer cancel()
-		var stderr syncBuffer
+		var stderr bustest.SyncBuffer
 		done := make(chan error, 1)
 		go func() {
 			done <- hollowRun(ctx, t, &stderr, "--nodes", "3", "--nats", srv.ClientURL(), "--workers", "detector,heartbeat",
@@ -198,7 +179,7 @@ func TestHollowRestartsAFailedAgent(t *testing.T) {
 		}
 		ctx, cancel := context.WithTimeout(t.Context(), 60*time.Second)
 		defer cancel()
-		var stderr syncBuffer
+		var stderr bustest.SyncBuffer
 		err := hollowRun(ctx, t, &stderr, "--nodes", "3", "--nats", srv.ClientURL(), "--workers", "detector,heartbeat",
 			"--data-dir", dir, "--no-journal=false")
 		if ctx.Err() != nil {
