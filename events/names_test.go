@@ -37,6 +37,15 @@ func wireNames() [][2]string {
 		// A pull request addressed to a node's leaf domain (docs/operations.md, "Leaf nodes").
 		c("DomainRoot", DomainRoot), c("DomainSubject(leaf-a, PullSubject(node))", DomainSubject("leaf-a", PullSubject(node))),
 		c("RolloutStream", RolloutStream), c("RolloutSubjects", RolloutSubjects),
+		// The inventory's partitioned copy of the image events: the partition of a node is contract.
+		c("InventoryStream", InventoryStream), c("InventoryPartitions", fmt.Sprint(InventoryPartitions)),
+		c("InventorySourceFilter", InventorySourceFilter), c("InventorySourceTransform()", InventorySourceTransform()),
+		c("InventoryPartitionDurablePrefix", InventoryPartitionDurablePrefix),
+		c("InventoryPartitionDurable(0)", InventoryPartitionDurable(0)), c("InventoryPartitionDurable(15)", InventoryPartitionDurable(15)),
+		c("InventoryPartitionFilter(0)", InventoryPartitionFilter(0)), c("InventoryPartitionFilter(15)", InventoryPartitionFilter(15)),
+		c("InventoryCopySubject(node, detected)", InventoryCopySubject(node, ActionDetected)),
+		c("InventoryPartition(hollow-0)", fmt.Sprint(InventoryPartition("hollow-0"))),
+		c("InventoryPartition(ip-10-0-0-1.ec2.internal)", fmt.Sprint(InventoryPartition("ip-10-0-0-1.ec2.internal"))),
 		c("DeadLetterStream", DeadLetterStream), c("DeadLetterPrefix", DeadLetterPrefix),
 		// Buckets.
 		c("RecordsBucket", RecordsBucket), c("RecordsBucketDescription", RecordsBucketDescription),

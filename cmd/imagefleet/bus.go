@@ -52,7 +52,8 @@ func newBusInitCmd(cl *cli) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "init [--stream-replicas N] [--pull-replicas N]",
 		Short: "Create every stream and bucket the workers use (run once with the admin identity; idempotent)",
-		Long: `Create, or bring to the current settings, the streams (events, pull queue, dead letters, rollouts) and
+		Long: `Create, or bring to the current settings, the streams (events, pull queue, dead letters, rollouts, the
+inventory's partitioned copy of the image events) and
 the key-value buckets (records, pod snapshots, pull backoff and records, heartbeats, inventory) with the
 default settings. Agents with node identities may not create streams or buckets: run this first with the
 admin identity (--nkey admin.nk). Agents that find them open them as they are.`,
@@ -80,6 +81,7 @@ admin identity (--nkey admin.nk). Agents that find them open them as they are.`,
 				{"pod index snapshots", func() error { _, err := podindex.OpenStore(ctx, b, ""); return err }},
 				{"puller", func() error { return puller.EnsureBuckets(ctx, b, puller.Config{}) }},
 				{"fleet", func() error { return fleet.EnsureBuckets(ctx, b, 0) }},
+				{"inventory partitions", func() error { return fleet.EnsureInventoryStream(ctx, b, 0) }},
 				{"kube-events", func() error { return kevents.EnsureBucket(ctx, b) }},
 				{"gc lease", func() error { return gc.EnsureLeaseBucket(ctx, b) }},
 			}

@@ -191,7 +191,7 @@ func FleetPermissions(pub string) Permissions {
 }
 
 // InventoryPermissions are the fleet inventory worker's: it consumes every node's image events through
-// its durable consumer, keeps the inventory bucket, and answers inventory queries.
+// its partition durables on events.InventoryStream (or, as the previous release, its shared durable), keeps the inventory bucket, and answers inventory queries.
 func InventoryPermissions(pub string) Permissions {
 	b := events.InventoryBucket
 	return Permissions{
@@ -203,6 +203,14 @@ func InventoryPermissions(pub string) Permissions {
 			"$JS.API.CONSUMER.INFO." + events.EventsStream + "." + events.InventoryDurable,
 			"$JS.API.CONSUMER.MSG.NEXT." + events.EventsStream + "." + events.InventoryDurable,
 			"$JS.ACK." + events.EventsStream + "." + events.InventoryDurable + ".>",
+			// The partitioned copy of the image events and its partition durables (fleet-inventory-p<pp>):
+			// the inventory's alone, created by bus init or by the inventory itself.
+			"$JS.API.STREAM.CREATE." + events.InventoryStream,
+			"$JS.API.STREAM.UPDATE." + events.InventoryStream,
+			"$JS.API.CONSUMER.CREATE." + events.InventoryStream + ".>",
+			"$JS.API.CONSUMER.INFO." + events.InventoryStream + ".*",
+			"$JS.API.CONSUMER.MSG.NEXT." + events.InventoryStream + ".*",
+			"$JS.ACK." + events.InventoryStream + ".>",
 			"$JS.API.STREAM.CREATE.KV_" + b,
 			"$JS.API.STREAM.UPDATE.KV_" + b,
 			"$KV." + b + ".>",

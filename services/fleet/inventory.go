@@ -25,10 +25,16 @@ import (
 type InventoryConfig struct {
 	// Replica names this replica in logs and query replies (default <hostname>-<pid>).
 	Replica string
-	// Durable is the shared durable consumer every replica pulls image events from (default
-	// "fleet-inventory"). It is API: renaming it re-applies the whole events stream.
+	// SharedDurable consumes the image events as the previous release did: one durable consumer (Durable)
+	// on the events stream, shared by every replica. Default false: the partition durables on
+	// events.InventoryStream (the server's partitioned copy of the image events), every replica pulling from
+	// every partition.
+	SharedDurable bool
+	// Durable is the shared durable consumer of SharedDurable (default "fleet-inventory"). It is API:
+	// renaming it re-applies the whole events stream.
 	Durable string
-	// Concurrency is the number of events this replica applies at once (default 32).
+	// Concurrency is the number of events this replica applies at once (default 64 over the partitions,
+	// ceil(64/16) = 4 each; 32 with SharedDurable).
 	Concurrency int
 	// Replicas of the inventory bucket (3 on a 3-server cluster; 0: the connection's Options.Replicas).
 	Replicas int
@@ -59,12 +65,20 @@ type Inventory struct {
 	// reads only them (BenchmarkInventoryQueries: faster than the same filtered read from the bucket, whose
 	// keys of one image are spread over the whole stream).
 	mu    sync.RWMutex
-	index map[string]map[string]events.Placement // image token -> node token -> placement (Gone: a tombstone)
-	refs  map[string]map[string]int              // repo tag or digest -> image ID -> live placements
+	index map[string]map[string]indexed // image token -> node token -> placement (Gone: a tombstone)
+	refs  map[string]map[string]int     // repo tag or digest -> image ID -> live placements
 	// Totals kept up to date with the index, so images and nodes answer in O(images) and O(nodes).
 	images map[string]*imageTotals          // image ID -> its live placements' totals
 	nodes  map[string]*events.InventoryNode // node name -> its live placements' totals
 	ready  bool
+}
+
+// indexed is a placement in the index with the bucket revision of its image-first key (0: not known, the
+// placement was read from a node-first key), so an apply writes with compare-and-set on it directly instead
+// of reading the key first.
+type indexed struct {
+	events.Placement
+	rev uint64
 }
 
 // imageTotals sums one image's live placements.
@@ -104,7 +118,10 @@ func NewInventory(ctx context.Context, cfg InventoryConfig, b *bus.Bus) (*Invent
 		return nil, fmt.Errorf("inventory concurrency %d must not be negative", cfg.Concurrency)
 	}
 	if cfg.Concurrency == 0 {
-		cfg.Concurrency = 32
+		cfg.Concurrency = 64
+		if cfg.SharedDurable {
+			cfg.Concurrency = 32
+		}
 	}
 	if cfg.Durable == "" {
 		cfg.Durable = events.InventoryDurable
@@ -120,7 +137,12 @@ func NewInventory(ctx context.Context, cfg InventoryConfig, b *bus.Bus) (*Invent
 	if err != nil {
 		return nil, fmt.Errorf("inventory: %w", err)
 	}
-	return &Inventory{cfg: cfg, b: b, kv: kv, index: map[string]map[string]events.Placement{},
+	if !cfg.SharedDurable {
+		if err := EnsureInventoryStream(ctx, b, cfg.Replicas); err != nil {
+			return nil, fmt.Errorf("inventory: %w", err)
+		}
+	}
+	return &Inventory{cfg: cfg, b: b, kv: kv, index: map[string]map[string]indexed{},
 		refs: map[string]map[string]int{}, images: map[string]*imageTotals{}, nodes: map[string]*events.InventoryNode{}}, nil
 }
 
@@ -203,13 +225,37 @@ func (s *Inventory) Run(ctx context.Context) error {
 			}
 		}
 	})
-	run("consume", func() error {
-		return s.b.Consume(ctx, bus.ConsumerConfig{Stream: events.EventsStream, Durable: s.cfg.Durable,
-			FilterSubjects: []string{events.ImageEventsFilter}, MaxAckPending: 4 * s.cfg.Concurrency,
-			Concurrency: s.cfg.Concurrency, MaxDeliver: 10,
-			Backoff: []time.Duration{100 * time.Millisecond, time.Second, 5 * time.Second}, DeliverNew: s.cfg.DeliverNew},
-			s.Apply)
-	})
+	// Events are applied once the index is loaded: an apply reads the key's sequence and revision from the
+	// index (an event the bucket already reflects costs no request; another is one compare-and-set).
+	backoff := []time.Duration{100 * time.Millisecond, time.Second, 5 * time.Second}
+	if s.cfg.SharedDurable {
+		run("consume", func() error {
+			if !waitLoaded(ctx, loaded) {
+				return nil
+			}
+			return s.b.Consume(ctx, bus.ConsumerConfig{Stream: events.EventsStream, Durable: s.cfg.Durable,
+				FilterSubjects: []string{events.ImageEventsFilter}, MaxAckPending: 4 * s.cfg.Concurrency,
+				Concurrency: s.cfg.Concurrency, MaxDeliver: 10, Backoff: backoff, DeliverNew: s.cfg.DeliverNew},
+				s.Apply)
+		})
+	} else {
+		// Every replica pulls from every partition; the server hands each copy to one of them. Replicas
+		// come and go without a rebalance: a new one adds pull requests, the copies a stopped one held
+		// unacked are redelivered after AckWait, and the sequence guard makes a second apply a no-op.
+		per := (s.cfg.Concurrency + events.InventoryPartitions - 1) / events.InventoryPartitions
+		for p := range events.InventoryPartitions {
+			run(fmt.Sprintf("consume partition %d", p), func() error {
+				if !waitLoaded(ctx, loaded) {
+					return nil
+				}
+				return s.b.Consume(ctx, bus.ConsumerConfig{Stream: events.InventoryStream,
+					Durable: events.InventoryPartitionDurable(p), FilterSubjects: []string{events.InventoryPartitionFilter(p)},
+					MaxAckPending: inventoryPartitionMaxAckPending, Concurrency: per, MaxDeliver: 10, Backoff: backoff,
+					AckWait:    inventoryAckWait,
+					DeliverNew: s.cfg.DeliverNew}, s.ApplyCopy)
+			})
+		}
+	}
 	run("query", func() error {
 		// Queries are served only once the index is loaded, so a starting replica never answers from half
 		// an inventory while another replica could answer from all of it.
@@ -221,6 +267,37 @@ func (s *Inventory) Run(ctx context.Context) error {
 		return s.b.ServeConcurrent(ctx, events.InventoryQuerySubject, events.InventoryQueue, 4, s.Query)
 	})
 	return g.Wait()
+}
+
+// inventoryPartitionMaxAckPending bounds a partition durable's events in flight over every replica: 16
+// replicas at the default 4 each.
+const inventoryPartitionMaxAckPending = 64
+
+// inventoryAckWait is how long a partition's copy stays with a replica that stopped answering before the
+// server hands it to another (an apply takes milliseconds; the shared durable keeps the default 30 s).
+const inventoryAckWait = 10 * time.Second
+
+func waitLoaded(ctx context.Context, loaded <-chan struct{}) bool {
+	select {
+	case <-ctx.Done():
+		return false
+	case <-loaded:
+		return true
+	}
+}
+
+// EnsureInventoryStream creates events.InventoryStream, the server's partitioned copy of every node's image
+// events, or brings an earlier one to this release's settings in place (imagefleet bus init, and every
+// inventory replica at start). replicas 0: the connection's Options.Replicas.
+func EnsureInventoryStream(ctx context.Context, b *bus.Bus, replicas int) error {
+	return b.EnsureSourcedStream(ctx, bus.SourcedStreamConfig{
+		Name: events.InventoryStream,
+		Description: fmt.Sprintf("image events of %s, partitioned by node into %d for the fleet inventory",
+			events.EventsStream, events.InventoryPartitions),
+		Origin: events.EventsStream, Filter: events.InventorySourceFilter, Transform: events.InventorySourceTransform(),
+		// A copy is dropped once applied; the limits only bound a backlog no inventory drains.
+		WorkQueue: true, MaxAge: 7 * 24 * time.Hour, MaxBytes: 1 << 30, Replicas: replicas,
+	})
 }
 
 // Ready reports whether the index has loaded the bucket's initial contents.
@@ -257,7 +334,7 @@ func (s *Inventory) indexEntry(e bus.Entry) (legacy events.Placement, ok bool) {
 	img, node := events.InventoryImageToken(p.ID), events.NodeToken(p.Node)
 	nodes := s.index[img]
 	if nodes == nil {
-		nodes = map[string]events.Placement{}
+		nodes = map[string]indexed{}
 		s.index[img] = nodes
 	}
 	cur, found := nodes[node]
@@ -265,13 +342,17 @@ func (s *Inventory) indexEntry(e bus.Entry) (legacy events.Placement, ok bool) {
 		return p, ok
 	}
 	if found {
-		s.unref(cur)
+		s.unref(cur.Placement)
+	}
+	rev := e.Revision
+	if ok {
+		rev = 0 // the node-first key's revision, not the image-first key's
 	}
 	if p.Gone {
-		nodes[node] = events.Placement{Node: p.Node, ID: p.ID, Seq: p.Seq, Gone: true}
+		nodes[node] = indexed{events.Placement{Node: p.Node, ID: p.ID, Seq: p.Seq, Gone: true}, rev}
 		return p, ok
 	}
-	nodes[node] = p
+	nodes[node] = indexed{p, rev}
 	s.ref(p)
 	return p, ok
 }
@@ -322,7 +403,7 @@ func (s *Inventory) drop(key string) {
 	if !found {
 		return
 	}
-	s.unref(cur)
+	s.unref(cur.Placement)
 	delete(nodes, node)
 	if len(nodes) == 0 {
 		delete(s.index, img)
@@ -476,7 +557,7 @@ func (q *rekeyQueue) wait(ctx context.Context) ([]legacyEntry, bool) {
 // guard (a later one already there wins), then the old key is deleted only if no replica of the previous
 // release rewrote it meanwhile (if one did, the watch brings the new value, which is re-keyed in turn).
 func (s *Inventory) rekey(ctx context.Context, le legacyEntry) error {
-	if _, err := s.put(ctx, le.p); err != nil {
+	if _, err := s.write(ctx, le.p, false); err != nil {
 		return err
 	}
 	if err := s.kv.DeleteIf(ctx, le.key, le.rev); err != nil && !errors.Is(err, bus.ErrConflict) {
@@ -489,10 +570,25 @@ func (s *Inventory) rekey(ctx context.Context, le legacyEntry) error {
 // placementKey is the bucket key of image id on node: image first, <image token>.<node token>.
 func placementKey(node, id string) string { return events.InventoryKey(id, node) }
 
+// ApplyCopy applies one image event copied into events.InventoryStream: as Apply, guarded by the event's
+// sequence in the events stream (the copy's Nats-Stream-Source header), not the copy's own.
+func (s *Inventory) ApplyCopy(ctx context.Context, m *bus.Msg) error {
+	seq, err := events.SourceSequence(m.Header.Get(sourceHeader), events.EventsStream)
+	if err != nil {
+		return bus.Permanent(fmt.Errorf("inventory copy %s: %w", m.Subject, err))
+	}
+	return s.apply(ctx, m, seq)
+}
+
+// sourceHeader is nats-server's header on a sourced message: the origin stream and sequence.
+const sourceHeader = "Nats-Stream-Source"
+
 // Apply applies one image event. A malformed event is terminated (dead letter); an event the bucket already
 // reflects (same or later stream sequence) is acked without change; a compare-and-set conflict with another
 // replica is retried.
-func (s *Inventory) Apply(ctx context.Context, m *bus.Msg) error {
+func (s *Inventory) Apply(ctx context.Context, m *bus.Msg) error { return s.apply(ctx, m, m.StreamSeq) }
+
+func (s *Inventory) apply(ctx context.Context, m *bus.Msg, seq uint64) error {
 	ev, err := events.DecodeEventMsg(m.Header, m.Data)
 	if err != nil {
 		return bus.Permanent(fmt.Errorf("decode image event: %w", err))
@@ -523,7 +619,7 @@ func (s *Inventory) Apply(ctx context.Context, m *bus.Msg) error {
 		s.ignored.Add(1)
 		return nil
 	}
-	p.Seq = m.StreamSeq
+	p.Seq = seq
 	changed, err := s.put(ctx, p)
 	if err != nil {
 		return err
@@ -538,15 +634,38 @@ func (s *Inventory) Apply(ctx context.Context, m *bus.Msg) error {
 
 // put writes p unless the bucket holds the same or a later sequence for its key.
 func (s *Inventory) put(ctx context.Context, p events.Placement) (bool, error) {
+	return s.write(ctx, p, true)
+}
+
+// write is put; withIndex false reads the bucket instead of the index (the re-keyer's case: the index holds
+// the node-first placement it moves under the image-first key already).
+func (s *Inventory) write(ctx context.Context, p events.Placement, withIndex bool) (bool, error) {
 	key := placementKey(p.Node, p.ID)
 	raw, err := json.Marshal(p)
 	if err != nil {
 		return false, bus.Permanent(fmt.Errorf("marshal placement: %w", err))
 	}
-	// The common case is an image new to its node: try to create the key first (one round trip), and read
-	// and compare-and-set only when it exists.
-	if !p.Gone {
-		if _, err := s.kv.Create(ctx, key, raw); err == nil {
+	// One request in the common cases: the index (which only ever lags the bucket) says whether the bucket
+	// already holds this sequence or a later one (no request), the revision to compare-and-set on, or that
+	// the key is new (create). Only when the index lagged is the key read.
+	var cur indexed
+	known := false
+	if withIndex {
+		cur, known = s.lookup(p)
+	}
+	switch {
+	case known && cur.Seq >= p.Seq:
+		return false, nil
+	case known && cur.rev > 0:
+		if rev, err := s.kv.Update(ctx, key, raw, cur.rev); err == nil {
+			s.wrote(key, raw, rev)
+			return true, nil
+		} else if !errors.Is(err, bus.ErrConflict) {
+			return false, err
+		}
+	case !known && !p.Gone:
+		if rev, err := s.kv.Create(ctx, key, raw); err == nil {
+			s.wrote(key, raw, rev)
 			return true, nil
 		} else if !errors.Is(err, bus.ErrConflict) {
 			return false, err
@@ -556,12 +675,14 @@ func (s *Inventory) put(ctx context.Context, p events.Placement) (bool, error) {
 		cur, rev, err := s.kv.Get(ctx, key)
 		switch {
 		case errors.Is(err, bus.ErrKeyNotFound):
-			if _, err := s.kv.Create(ctx, key, raw); err != nil {
+			nrev, err := s.kv.Create(ctx, key, raw)
+			if err != nil {
 				if errors.Is(err, bus.ErrConflict) {
 					continue
 				}
 				return false, err
 			}
+			s.wrote(key, raw, nrev)
 			return true, nil
 		case err != nil:
 			return false, err
@@ -570,15 +691,31 @@ func (s *Inventory) put(ctx context.Context, p events.Placement) (bool, error) {
 		if json.Unmarshal(cur, &old) == nil && old.Seq >= p.Seq {
 			return false, nil
 		}
-		if _, err := s.kv.Update(ctx, key, raw, rev); err != nil {
+		nrev, err := s.kv.Update(ctx, key, raw, rev)
+		if err != nil {
 			if errors.Is(err, bus.ErrConflict) {
 				continue
 			}
 			return false, err
 		}
+		s.wrote(key, raw, nrev)
 		return true, nil
 	}
 	return false, fmt.Errorf("apply %s: too many conflicting writers", key)
+}
+
+// lookup returns the index's placement of p's image on p's node.
+func (s *Inventory) lookup(p events.Placement) (indexed, bool) {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	cur, ok := s.index[events.InventoryImageToken(p.ID)][events.NodeToken(p.Node)]
+	return cur, ok
+}
+
+// wrote indexes what this replica just wrote, so its next apply to the key compares and sets on the new
+// revision without waiting for the watch (which brings the same entry again: indexing it twice is a no-op).
+func (s *Inventory) wrote(key string, raw []byte, rev uint64) {
+	s.indexEntry(bus.Entry{Key: key, Value: raw, Revision: rev})
 }
 
 // Query answers an inventory query from the in-memory index: where reads only the placements of the image
@@ -603,7 +740,7 @@ func (s *Inventory) Query(_ context.Context, data []byte) (any, error) {
 			for _, id := range ids {
 				for _, p := range s.index[events.InventoryImageToken(id)] {
 					if !p.Gone && p.ID == id {
-						yield(p)
+						yield(p.Placement)
 					}
 				}
 			}

@@ -104,7 +104,7 @@ func BenchmarkInventoryQueries(b *testing.B) {
 			for _, nodes := range inv.index {
 				for _, p := range nodes {
 					if !p.Gone {
-						placements = append(placements, p)
+						placements = append(placements, p.Placement)
 					}
 				}
 			}

@@ -17,7 +17,7 @@ import (
 // size, go and come back answer images and nodes exactly as a scan of the live placements does (Answer).
 func TestInventoryTotalsMatchAScan(t *testing.T) {
 	rng := rand.New(rand.NewPCG(15, 1))
-	inv := &Inventory{cfg: InventoryConfig{Replica: "r"}, index: map[string]map[string]events.Placement{},
+	inv := &Inventory{cfg: InventoryConfig{Replica: "r"}, index: map[string]map[string]indexed{},
 		refs: map[string]map[string]int{}, images: map[string]*imageTotals{}, nodes: map[string]*events.InventoryNode{}}
 	live := map[string]events.Placement{} // key -> the last value, when live
 	base := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
