@@ -260,6 +260,9 @@ type RolloutStarted struct {
 	// Skipped are nodes that matched the selector but were not planned (lost).
 	Skipped []RolloutNodeError `json:"skipped,omitempty"`
 	Time    time.Time          `json:"time"`
+	// MaxFailures is the failure budget, a count ("10") or a percentage of Nodes ("5%"); empty: none may
+	// fail (added field: a plan without it, or a reader without it, has the budget of before, 0).
+	MaxFailures string `json:"maxFailures,omitempty"`
 }
 
 // RolloutClaim records that run Owner is about to act on Node: a node with a claim is never acted on again
@@ -382,7 +385,22 @@ type RolloutResult struct {
 	Error      string    `json:"error,omitempty"`
 	Started    time.Time `json:"started"`
 	Duration   Duration  `json:"duration"`
+	// MaxFailures is the failure budget as planned ("0", "10", "5%") and FailureBudget the failed nodes it
+	// allows; StopReason says why no further batch started: RolloutCompleted or RolloutMaxFailuresExceeded
+	// (empty when the rollout was interrupted). Added fields: results written before them leave them empty.
+	MaxFailures   string `json:"maxFailures,omitempty"`
+	FailureBudget int    `json:"failureBudget"`
+	StopReason    string `json:"stopReason,omitempty"`
 }
+
+// A rollout's StopReason.
+const (
+	// RolloutCompleted: every planned batch ran (nodes may have failed within the failure budget).
+	RolloutCompleted = "Completed"
+	// RolloutMaxFailuresExceeded: the failed nodes passed the failure budget (with the default budget, 0:
+	// a batch had a failure) and no further batch started.
+	RolloutMaxFailuresExceeded = "MaxFailuresExceeded"
+)
 
 // FailedTotal is the number of failed nodes: FailedCount, or for a result written before that field,
 // len(Failed).

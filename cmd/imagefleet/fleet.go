@@ -295,6 +295,7 @@ type rolloutFlags struct {
 	includeLost  bool
 	replicas     int
 	maxInFlight  int
+	maxFailures  string
 	memProfile   string
 }
 
@@ -306,6 +307,7 @@ func (f *rolloutFlags) register(cmd *cobra.Command) {
 	fs.IntVar(&f.initialBatch, "initial-batch", fleet.SlowStartInitialBatchSize, "size of the first batch; each next batch doubles")
 	fs.DurationVar(&f.nodeTimeout, "node-timeout", 60*time.Second, "a node that does not answer within this time has failed")
 	fs.IntVar(&f.maxInFlight, "max-in-flight", fleet.DefaultMaxInFlight, "at most this many nodes acted on at once inside a batch (a batch still waits for all its nodes)")
+	fs.StringVar(&f.maxFailures, "max-failures", "0", "failure budget: go on to the next batch while at most N nodes, or P% of the planned nodes (rounded down), have failed; 0 stops after the first batch with a failure. A resumed rollout keeps its budget")
 	fs.BoolVar(&f.includeLost, "include-lost", false, "also act on nodes the registry shows as lost")
 	fs.IntVar(&f.replicas, "stream-replicas", 0, "replicas of the rollout stream (3 on a 3-server cluster; 0: 1 if new, else kept)")
 	fs.StringVar(&f.memProfile, "mem-profile", "", "write the orchestrator's allocation profile to this file at the end (diagnostics)")
@@ -339,8 +341,12 @@ func (f *rolloutFlags) plan(ctx context.Context, b *bus.Bus, kind string) (fleet
 	if f.maxInFlight < 1 {
 		return fleet.RolloutConfig{}, nil, fmt.Errorf("--max-in-flight %d must be at least 1", f.maxInFlight)
 	}
+	budget, err := fleet.ParseFailureBudget(f.maxFailures)
+	if err != nil {
+		return fleet.RolloutConfig{}, nil, fmt.Errorf("--max-failures: %w", err)
+	}
 	cfg := fleet.RolloutConfig{ID: f.id, Kind: kind, Selector: f.selector, InitialBatch: f.initialBatch,
-		NodeTimeout: f.nodeTimeout, Replicas: f.replicas, MaxInFlight: f.maxInFlight}
+		NodeTimeout: f.nodeTimeout, Replicas: f.replicas, MaxInFlight: f.maxInFlight, FailureBudget: budget}
 	if cfg.ID == "" {
 		cfg.ID = fleet.NewRolloutID(kind)
 	}
@@ -367,7 +373,8 @@ func (cl *cli) runRollout(cmd *cobra.Command, b *bus.Bus, cfg fleet.RolloutConfi
 			progressbar.OptionSetDescription(cfg.Kind+" "+cfg.ID), progressbar.OptionShowCount(),
 			progressbar.OptionClearOnFinish(), progressbar.OptionSetPredictTime(false))
 	}
-	fmt.Fprintf(errOut, "rollout %s: %s on %d nodes, batches %v\n", cfg.ID, cfg.Kind, len(cfg.Nodes), fleet.PlanBatches(len(cfg.Nodes), cfg.InitialBatch))
+	fmt.Fprintf(errOut, "rollout %s: %s on %d nodes, batches %v, max failures %s (%s)\n", cfg.ID, cfg.Kind, len(cfg.Nodes),
+		fleet.PlanBatches(len(cfg.Nodes), cfg.InitialBatch), cfg.FailureBudget, nodeCount(cfg.FailureBudget.Allowed(len(cfg.Nodes))))
 	cfg.Progress = func(p fleet.Progress) {
 		mu.Lock()
 		defer mu.Unlock()
@@ -399,10 +406,33 @@ func (cl *cli) runRollout(cmd *cobra.Command, b *bus.Bus, cfg fleet.RolloutConfi
 	if runErr != nil {
 		return runErr
 	}
+	// Any failed node exits 2, within the failure budget or not (as ansible-playbook exits 2 when a host
+	// failed under max_fail_percentage): a rollout that went on past failures is not a clean success. The
+	// message, and stopReason in the JSON, say whether it stopped.
 	if n := res.FailedTotal(); n > 0 {
-		return exitError{code: 2, err: fmt.Errorf("rollout %s: %d of %d nodes failed, %d not started", res.ID, n, len(cfg.Nodes), res.NotStarted)}
+		return exitError{code: 2, err: fmt.Errorf("rollout %s: %d of %d nodes failed, %d not started; %s", res.ID, n, len(cfg.Nodes), res.NotStarted, budgetLine(res))}
 	}
 	return nil
+}
+
+// nodeCount is "1 node" or "N nodes".
+func nodeCount(n int) string {
+	if n == 1 {
+		return "1 node"
+	}
+	return fmt.Sprintf("%d nodes", n)
+}
+
+// budgetLine says where a rollout's failures stand against its failure budget and why it stopped.
+func budgetLine(res events.RolloutResult) string {
+	budget := fmt.Sprintf("max failures %s (%s)", res.MaxFailures, nodeCount(res.FailureBudget))
+	switch res.StopReason {
+	case events.RolloutMaxFailuresExceeded:
+		return fmt.Sprintf("%s exceeded: stopped after batch %d (%s)", budget, len(res.Batches), res.StopReason)
+	case events.RolloutCompleted:
+		return fmt.Sprintf("%s: within it, every batch ran (%s)", budget, res.StopReason)
+	}
+	return budget + ": interrupted"
 }
 
 func nodeLine(nr events.RolloutNodeResult) string {
@@ -558,6 +588,9 @@ func (o *rolloutOutput) finish(res events.RolloutResult) error {
 		}
 		fmt.Fprintf(o.w, "rollout %s: batches %v, %d succeeded, %d failed, %d not started, %d skipped, in %s\n", res.ID, res.Batches,
 			res.Succeeded, res.FailedTotal(), res.NotStarted, len(res.Skipped), res.Duration.Round(time.Millisecond))
+		if res.FailedTotal() > 0 || res.FailureBudget > 0 {
+			fmt.Fprintf(o.w, "%d failed, %s\n", res.FailedTotal(), budgetLine(res))
+		}
 		if len(res.Failed) < res.FailedTotal() {
 			fmt.Fprintf(o.w, "(the first %d failures are kept in the result; every node's outcome is above)\n", len(res.Failed))
 		}
@@ -575,8 +608,8 @@ func newFleetGCCmd(cl *cli) *cobra.Command {
 	var f rolloutFlags
 	var dryRun, allUnused bool
 	cmd := &cobra.Command{
-		Use:   "gc [--selector k=v] [--initial-batch 1] [--dry-run] [--node-timeout 60s]",
-		Short: "Run image GC on the chosen nodes in slow-start batches (1, 2, 4 ...), stopping after a failing batch",
+		Use:   "gc [--selector k=v] [--initial-batch 1] [--max-failures 0|N|P%] [--dry-run] [--node-timeout 60s]",
+		Short: "Run image GC on the chosen nodes in slow-start batches (1, 2, 4 ...), stopping after a batch takes the failures past --max-failures",
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			ctx := cmd.Context()
 			b, err := cl.connect(ctx, "imagefleet-fleet-gc")
@@ -609,7 +642,7 @@ func newFleetPullCmd(cl *cli) *cobra.Command {
 	var policy string
 	var allowPrivate bool
 	cmd := &cobra.Command{
-		Use:   "pull IMAGE [--selector k=v] [--initial-batch 1]",
+		Use:   "pull IMAGE [--selector k=v] [--initial-batch 1] [--max-failures 0|N|P%]",
 		Short: "Pre-pull an image on the chosen nodes in slow-start batches",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
@@ -679,16 +712,24 @@ func newFleetFollowCmd(cl *cli) *cobra.Command {
 					ts := ev.Time.Local().Format("15:04:05.000")
 					switch {
 					case ev.Started != nil:
-						fmt.Fprintf(out, "%s started %s on %d nodes (selector %q, initial batch %d, dry run %v)\n", ts, ev.Started.Kind,
-							len(ev.Started.Nodes), ev.Started.Selector, ev.Started.InitialBatch, ev.Started.DryRun)
+						maxFailures := ev.Started.MaxFailures
+						if maxFailures == "" {
+							maxFailures = "0"
+						}
+						fmt.Fprintf(out, "%s started %s on %d nodes (selector %q, initial batch %d, max failures %s, dry run %v)\n", ts, ev.Started.Kind,
+							len(ev.Started.Nodes), ev.Started.Selector, ev.Started.InitialBatch, maxFailures, ev.Started.DryRun)
 					case ev.Batch != nil:
 						fmt.Fprintf(out, "%s batch %d: %d nodes\n", ts, ev.Batch.Index, ev.Batch.Size)
 					case ev.Claim != nil:
 					case ev.Node != nil:
 						fmt.Fprintf(out, "%s %s\n", ts, nodeLine(*ev.Node))
 					case ev.Finished != nil:
-						fmt.Fprintf(out, "%s finished: batches %v, %d succeeded, %d failed, %d not started\n", ts, ev.Finished.Batches,
+						fmt.Fprintf(out, "%s finished: batches %v, %d succeeded, %d failed, %d not started", ts, ev.Finished.Batches,
 							ev.Finished.Succeeded, ev.Finished.FailedTotal(), ev.Finished.NotStarted)
+						if ev.Finished.StopReason != "" { // a summary of this release
+							fmt.Fprintf(out, "; %s", budgetLine(*ev.Finished))
+						}
+						fmt.Fprintln(out)
 					}
 				}
 				if ev.Finished != nil {

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"log/slog"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -45,6 +46,10 @@ type RolloutConfig struct {
 	Image  string
 	// Replicas of the rollout stream (3 on a 3-server cluster; 0: the connection's Options.Replicas).
 	Replicas int
+	// FailureBudget is how many of the planned nodes may fail before the rollout stops (default: none, the
+	// ReplicaSet controller's rule: stop after the first batch with a failure). It is recorded in the plan:
+	// a resumed rollout keeps the budget it started with.
+	FailureBudget FailureBudget
 	// MaxInFlight caps the nodes acted on at once inside a batch (default DefaultMaxInFlight; the last batch
 	// is about half the fleet). A batch still ends when all its nodes have ended and a failed batch still
 	// stops the rollout: the cap changes when a node is acted on, never whether.
@@ -106,6 +111,9 @@ func (c *RolloutConfig) validate() error {
 	if c.MaxFailures == 0 {
 		c.MaxFailures = 1000
 	}
+	if err := c.FailureBudget.validate(); err != nil {
+		return err
+	}
 	if c.NodeTimeout < 0 {
 		return fmt.Errorf("node timeout %v must not be negative", c.NodeTimeout)
 	}
@@ -130,6 +138,65 @@ func (c *RolloutConfig) validate() error {
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
+	}
+	return nil
+}
+
+// FailureBudget is how many of a rollout's planned nodes may fail before it stops: a count, or a percentage
+// of the planned nodes, as a Deployment's maxUnavailable (an int or a percent) and Ansible's
+// max_fail_percentage. The rollout goes on, batch by batch, while the nodes failed so far number at most
+// Allowed(planned), and stops after the batch that takes them over it. The zero value allows none.
+type FailureBudget struct {
+	// N is the count, or with Percent the percentage of the planned nodes (0-100).
+	N       int
+	Percent bool
+}
+
+// ParseFailureBudget parses a budget as --max-failures takes it: a count ("10") or a whole percentage of
+// the planned nodes ("5%").
+func ParseFailureBudget(s string) (FailureBudget, error) {
+	num, pct := strings.CutSuffix(s, "%")
+	n, err := strconv.Atoi(num)
+	if err != nil || num == "" || strings.TrimSpace(num) != num || strings.HasPrefix(num, "+") {
+		return FailureBudget{}, fmt.Errorf("%q is not a count (10) or a whole percentage of the planned nodes (5%%)", s)
+	}
+	if n < 0 {
+		return FailureBudget{}, fmt.Errorf("%q must not be negative", s)
+	}
+	if pct && n > 100 {
+		return FailureBudget{}, fmt.Errorf("%q must be at most 100%%", s)
+	}
+	return FailureBudget{N: n, Percent: pct}, nil
+}
+
+// String is the budget as ParseFailureBudget reads it ("0", "10", "5%").
+func (b FailureBudget) String() string {
+	if b.Percent {
+		return strconv.Itoa(b.N) + "%"
+	}
+	return strconv.Itoa(b.N)
+}
+
+// IsZero reports whether the budget allows no failure whatever the rollout's size.
+func (b FailureBudget) IsZero() bool { return b.N == 0 }
+
+// Allowed is the number of failed nodes the budget allows in a rollout of planned nodes. A percentage is
+// rounded down, as a Deployment's maxUnavailable is: the budget never allows more than its share (5% of 30
+// nodes allows 1, 1% of 50 allows none), so a rollout stops when more than P% of its nodes failed, as
+// Ansible's max_fail_percentage does.
+func (b FailureBudget) Allowed(planned int) int {
+	if b.Percent {
+		return planned * b.N / 100
+	}
+	return b.N
+}
+
+func (b FailureBudget) validate() error {
+	if b.N < 0 {
+		return fmt.Errorf("max failures %s must not be negative", b)
+	}
+	if b.Percent && b.N > 100 {
+		return fmt.Errorf("max failures %s must be at most 100%%", b)
 	}
 	return nil
 }
@@ -248,6 +315,9 @@ func (r *Rollout) Run(ctx context.Context) (events.RolloutResult, error) {
 	plan := events.RolloutStarted{ID: cfg.ID, Kind: cfg.Kind, Selector: cfg.Selector, InitialBatch: cfg.InitialBatch,
 		NodeTimeout: events.Duration{Duration: cfg.NodeTimeout}, DryRun: cfg.DryRun, Image: cfg.Image, GC: cfg.GC,
 		Nodes: append([]string{}, cfg.Nodes...), Skipped: cfg.Skipped, Time: began.UTC()}
+	if !cfg.FailureBudget.IsZero() {
+		plan.MaxFailures = cfg.FailureBudget.String()
+	}
 	if st.started == nil {
 		var won bool
 		err := retryTransient(ctx, func(ctx context.Context) error {
@@ -271,10 +341,24 @@ func (r *Rollout) Run(ctx context.Context) (events.RolloutResult, error) {
 		plan = *st.started
 		cfg.InitialBatch = plan.InitialBatch
 		res.DryRun = plan.DryRun
+		// The budget is the plan's: a resumed rollout stops where the one it resumes would have.
+		budget := FailureBudget{}
+		if plan.MaxFailures != "" {
+			if budget, err = ParseFailureBudget(plan.MaxFailures); err != nil {
+				return res, fmt.Errorf("rollout %s: recorded max failures: %w", cfg.ID, err)
+			}
+		}
+		if budget != cfg.FailureBudget && !cfg.FailureBudget.IsZero() {
+			cfg.Logger.Warn("resumed rollout keeps its recorded failure budget", "rollout", cfg.ID,
+				"max_failures", budget.String(), "asked", cfg.FailureBudget.String())
+		}
+		cfg.FailureBudget = budget
 		cfg.Logger.Info("resuming rollout", "rollout", cfg.ID, "nodes", len(plan.Nodes), "done", len(st.results))
 	}
 	res.Skipped = plan.Skipped
 	nodes := plan.Nodes
+	allowed := cfg.FailureBudget.Allowed(len(nodes))
+	res.MaxFailures, res.FailureBudget = cfg.FailureBudget.String(), allowed
 
 	// What Run keeps of the outcomes: counts, sums, the first MaxFailures failures and, only without a
 	// Results sink, the outcomes themselves. mu guards them; outMu keeps the calls of Results one at a time.
@@ -332,7 +416,7 @@ func (r *Rollout) Run(ctx context.Context) (events.RolloutResult, error) {
 		}
 	}
 	batchOf := batchIndexer(len(nodes), cfg.InitialBatch)
-	succeeded, batches, _ := slowStartBatchHook(len(nodes), cfg.InitialBatch, cfg.MaxInFlight, onBatch, func(i int) error {
+	succeeded, batches, _, overBudget := slowStartBatchBudget(len(nodes), cfg.InitialBatch, cfg.MaxInFlight, allowed, onBatch, func(i int) error {
 		node := nodes[i]
 		nr, err := r.node(ctx, st, node, batchOf(i))
 		if err != nil {
@@ -370,6 +454,10 @@ func (r *Rollout) Run(ctx context.Context) (events.RolloutResult, error) {
 	}
 	if ctx.Err() != nil {
 		return res, fmt.Errorf("rollout %s: %w", cfg.ID, ctx.Err())
+	}
+	res.StopReason = events.RolloutCompleted
+	if overBudget != nil { // the failures passed the budget: no batch started after
+		res.StopReason = events.RolloutMaxFailuresExceeded
 	}
 	// The finished record is the summary: each node's outcome is already a record of its own, and a
 	// thousand GC results would not fit in one message.

@@ -353,6 +353,8 @@ func TestRolloutConfigValidation(t *testing.T) {
 		{"duplicate node", fleet.RolloutConfig{Kind: "gc", Nodes: []string{"n1", "n1"}}, "node n1 is listed twice"},
 		{"bad node", fleet.RolloutConfig{Kind: "gc", Nodes: []string{"N_1"}}, "not a DNS-1123 subdomain"},
 		{"pull without image", fleet.RolloutConfig{Kind: "pull"}, "a pull rollout needs an image"},
+		{"negative max failures", fleet.RolloutConfig{Kind: "gc", FailureBudget: fleet.FailureBudget{N: -1}}, "max failures -1 must not be negative"},
+		{"max failures over 100%", fleet.RolloutConfig{Kind: "gc", FailureBudget: fleet.FailureBudget{N: 101, Percent: true}}, "max failures 101% must be at most 100%"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {

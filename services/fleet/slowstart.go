@@ -25,12 +25,22 @@ func slowStartBatch(count, initialBatchSize int, fn func(i int) error) (successe
 	return slowStartBatchHook(count, initialBatchSize, 0, nil, fn)
 }
 
-// slowStartBatchHook is slowStartBatch calling onBatch(first index, size) before each batch starts, with at
-// most maxInFlight calls of a batch running at once (0: all of them, as the ReplicaSet controller does).
-// The cap changes when a call runs, never whether: every call of a started batch still runs, even after one
-// of them failed, the batch ends when all its calls have, and a failed batch still stops the next one. The
-// calls of a batch start in index order, maxInFlight goroutines taking the next index as one finishes.
+// slowStartBatchHook is slowStartBatchBudget with no failure allowed: the ReplicaSet controller's rule.
 func slowStartBatchHook(count, initialBatchSize, maxInFlight int, onBatch func(start, size int), fn func(i int) error) (successes int, batches []int, err error) {
+	successes, batches, _, err = slowStartBatchBudget(count, initialBatchSize, maxInFlight, 0, onBatch, fn)
+	return successes, batches, err
+}
+
+// slowStartBatchBudget is slowStartBatch calling onBatch(first index, size) before each batch starts, with
+// at most maxInFlight calls of a batch running at once (0: all of them, as the ReplicaSet controller does),
+// and a failure budget: the next batch starts while the failed calls of all batches so far number at most
+// maxFailures (0: none may fail, the ReplicaSet controller's rule). The batch that takes the failures over
+// the budget is the last one; err is its first error (the first to arrive), and is nil whenever the
+// failures stayed within the budget, with failures counting them.
+// The cap changes when a call runs, never whether: every call of a started batch still runs, even after one
+// of them failed, and the batch ends when all its calls have. The calls of a batch start in index order,
+// maxInFlight goroutines taking the next index as one finishes.
+func slowStartBatchBudget(count, initialBatchSize, maxInFlight, maxFailures int, onBatch func(start, size int), fn func(i int) error) (successes int, batches []int, failures int, err error) {
 	remaining := count
 	next := 0
 	for batchSize := min(remaining, initialBatchSize); batchSize > 0; batchSize = min(2*batchSize, remaining) {
@@ -43,11 +53,11 @@ func slowStartBatchHook(count, initialBatchSize, maxInFlight int, onBatch func(s
 			workers = min(workers, maxInFlight)
 		}
 		var (
-			wg       sync.WaitGroup
-			mu       sync.Mutex
-			failures int
-			first    error
-			taken    atomic.Int64
+			wg     sync.WaitGroup
+			mu     sync.Mutex
+			failed int
+			first  error
+			taken  atomic.Int64
 		)
 		start := next
 		wg.Add(workers)
@@ -61,7 +71,7 @@ func slowStartBatchHook(count, initialBatchSize, maxInFlight int, onBatch func(s
 					}
 					if err := fn(start + j); err != nil {
 						mu.Lock()
-						failures++
+						failed++
 						if first == nil {
 							first = err
 						}
@@ -72,13 +82,14 @@ func slowStartBatchHook(count, initialBatchSize, maxInFlight int, onBatch func(s
 		}
 		wg.Wait()
 		next += batchSize
-		successes += batchSize - failures
-		if failures > 0 {
-			return successes, batches, first
+		successes += batchSize - failed
+		failures += failed
+		if failures > maxFailures {
+			return successes, batches, failures, first
 		}
 		remaining -= batchSize
 	}
-	return successes, batches, nil
+	return successes, batches, failures, nil
 }
 
 // PlanBatches returns the batch sizes SlowStartBatch uses for count calls when every call succeeds.

@@ -184,3 +184,61 @@ func TestSlowStartBatchMaxInFlight(t *testing.T) {
 		})
 	}
 }
+
+// TestSlowStartBatchBudget: with a failure budget, the next batch starts while the failures of all batches
+// so far are within it; the batch that takes them over it is the last, and its first error is returned. A
+// budget of 0 is the ReplicaSet controller's rule (slowStartBatchHook), whatever the cap in flight.
+func TestSlowStartBatchBudget(t *testing.T) {
+	cases := []struct {
+		name          string
+		count, budget int
+		maxInFlight   int
+		failing       []int // indexes that fail; batches of 10 from 1: 0 | 1-2 | 3-6 | 7-9
+		wantSuccesses int
+		wantFailures  int
+		wantBatches   []int
+		wantErr       bool
+	}{
+		{"budget 0 stops at the first failing batch", 10, 0, 0, []int{2}, 2, 1, []int{1, 2}, true},
+		{"failures within the budget: every batch runs", 10, 2, 0, []int{2, 5}, 8, 2, []int{1, 2, 4, 3}, false},
+		{"counted across batches: the third failure stops", 10, 2, 0, []int{0, 2, 5}, 4, 3, []int{1, 2, 4}, true},
+		{"the batch that exceeds runs to its end", 10, 1, 0, []int{3, 4, 5}, 4, 3, []int{1, 2, 4}, true},
+		{"a budget past the count never stops", 10, 20, 0, []int{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}, 0, 10, []int{1, 2, 4, 3}, false},
+		{"failures equal to the budget are within it", 10, 3, 0, []int{7, 8, 9}, 7, 3, []int{1, 2, 4, 3}, false},
+		{"capped in flight, counted the same", 10, 1, 1, []int{1, 7, 8}, 7, 3, []int{1, 2, 4, 3}, true},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			var calls atomic.Int64
+			fakeErr := errors.New("fake error")
+			fn := func(i int) error {
+				calls.Add(1)
+				if slices.Contains(tc.failing, i) {
+					return fakeErr
+				}
+				return nil
+			}
+			successes, batches, failures, err := slowStartBatchBudget(tc.count, 1, tc.maxInFlight, tc.budget, nil, fn)
+			if successes != tc.wantSuccesses || failures != tc.wantFailures || !slices.Equal(batches, tc.wantBatches) {
+				t.Errorf("successes %d, failures %d, batches %v; want %d, %d, %v", successes, failures, batches,
+					tc.wantSuccesses, tc.wantFailures, tc.wantBatches)
+			}
+			if (err != nil) != tc.wantErr || (err != nil && !errors.Is(err, fakeErr)) {
+				t.Errorf("err = %v, want an error: %v", err, tc.wantErr)
+			}
+			ran := 0
+			for _, b := range tc.wantBatches {
+				ran += b
+			}
+			if int(calls.Load()) != ran {
+				t.Errorf("%d calls, want every call of the %v batches (%d)", calls.Load(), tc.wantBatches, ran)
+			}
+			if tc.budget == 0 { // the budget-less form agrees
+				s2, b2, err2 := slowStartBatchHook(tc.count, 1, tc.maxInFlight, nil, fn)
+				if s2 != successes || !slices.Equal(b2, batches) || (err2 == nil) != (err == nil) {
+					t.Errorf("slowStartBatchHook = %d, %v, %v", s2, b2, err2)
+				}
+			}
+		})
+	}
+}
