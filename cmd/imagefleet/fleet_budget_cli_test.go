@@ -78,6 +78,11 @@ func TestFleetGCMaxFailures(t *testing.T) {
 			t.Errorf("--max-failures %s: exit %d, stderr %q; want exit 1 and %q", bad.value, code, errOut, bad.want)
 		}
 	}
+	// fleet pull takes the same flag, refused the same way before any request is queued.
+	if _, errOut, code := run(t, append([]string{"fleet", "pull", "registry.example/app:v1", "--id", "pull-bad-budget", "--max-failures", "-3%"}, common...)...); code != 1 ||
+		!strings.Contains(errOut, `--max-failures: "-3%" must not be negative`) {
+		t.Errorf("fleet pull --max-failures -3%%: exit %d, stderr %q", code, errOut)
+	}
 	if got := acted("gc-bad-budget"); len(got) != 0 {
 		t.Errorf("an invalid budget acted on %v", got)
 	}
