@@ -52,10 +52,20 @@ type DetectRequest struct {
 	// Time is the detect time given to new records as firstDetected (default: now). The GC executor passes
 	// its freeTime, as the kubelet's imagesInEvictionOrder does.
 	Time *time.Time `json:"time,omitempty"`
+	// WithRecords asks for the node's records in the reply (DetectReply.List), so the asker need not list the
+	// records bucket (a KV listing is a JetStream consumer made and deleted: two API requests, the second
+	// through the meta leader on a cluster, besides the records). The GC executor asks. A detector of an
+	// earlier release refuses the field as unknown (ErrMalformed): the asker then detects without it and
+	// lists the bucket.
+	WithRecords bool `json:"withRecords,omitempty"`
 }
 
+// MaxDetectReplyListBytes bounds DetectReply.List's JSON: a node whose records take more is answered
+// without them (Listed false) and the asker lists the bucket (NATS's default max payload is 1 MiB).
+const MaxDetectReplyListBytes = 512 << 10
+
 // DetectReply answers a detect command. The records themselves are in the records KV bucket (a node can
-// have more records than fit in one message).
+// have more records than fit in one message), and in List when the request asked WithRecords and they fit.
 type DetectReply struct {
 	Node     string    `json:"node"`
 	Time     time.Time `json:"time"`
@@ -64,6 +74,10 @@ type DetectReply struct {
 	Added    int       `json:"added"`
 	Removed  int       `json:"removed"`
 	Duration Duration  `json:"duration"`
+	// Listed says List holds every record of the node after this detection (what the bucket holds once
+	// the detection's write is stored), sorted by ID; false: List is absent, read the bucket.
+	Listed bool          `json:"listed,omitempty"`
+	List   []ImageRecord `json:"list,omitempty"`
 }
 
 // QueryRequest is the body of the record and image queries.

@@ -2,6 +2,7 @@ package detector
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"slices"
 	"sort"
@@ -272,6 +273,12 @@ func (s *Service) Open(ctx context.Context) error {
 // Detect runs one detection with detectTime for new records, writes the changes to the store, publishes
 // image.detected and image.vanished events, and returns a summary.
 func (s *Service) Detect(ctx context.Context, detectTime time.Time) (events.DetectReply, error) {
+	return s.detect(ctx, detectTime, false)
+}
+
+// detect is Detect; withRecords also returns the node's records (the in-memory table, equal to the store
+// once the write succeeded) in the reply's List when they fit in events.MaxDetectReplyListBytes.
+func (s *Service) detect(ctx context.Context, detectTime time.Time, withRecords bool) (events.DetectReply, error) {
 	start := time.Now()
 	if err := s.lock(ctx); err != nil {
 		return events.DetectReply{}, err
@@ -311,8 +318,26 @@ func (s *Service) Detect(ctx context.Context, detectTime time.Time) (events.Dete
 	if err := s.publish(ctx, ch); err != nil {
 		return events.DetectReply{}, err
 	}
-	return events.DetectReply{Node: s.cfg.Node, Time: detectTime, Records: s.records.Len(), InUse: len(ch.InUse),
-		Added: len(ch.Added), Removed: len(ch.Removed), Duration: events.Duration{Duration: time.Since(start)}}, nil
+	rep := events.DetectReply{Node: s.cfg.Node, Time: detectTime, Records: s.records.Len(), InUse: len(ch.InUse),
+		Added: len(ch.Added), Removed: len(ch.Removed)}
+	if withRecords {
+		rep.List, rep.Listed = listIfFits(s.records.Map())
+	}
+	rep.Duration = events.Duration{Duration: time.Since(start)}
+	return rep, nil
+}
+
+// listIfFits returns recs sorted by ID when their JSON fits in events.MaxDetectReplyListBytes.
+func listIfFits(recs map[string]events.ImageRecord) ([]events.ImageRecord, bool) {
+	list := make([]events.ImageRecord, 0, len(recs))
+	for _, r := range recs {
+		list = append(list, r)
+	}
+	sort.Slice(list, func(i, j int) bool { return list[i].ID < list[j].ID })
+	if raw, err := json.Marshal(list); err != nil || len(raw) > events.MaxDetectReplyListBytes {
+		return nil, false
+	}
+	return list, true
 }
 
 // maxUnpublished bounds the events kept for a later publish while NATS does not take them.
@@ -363,7 +388,7 @@ func (s *Service) handleDetect(ctx context.Context, data []byte) (any, error) {
 	}
 	ctx, cancel := context.WithTimeout(ctx, detectTimeout)
 	defer cancel()
-	return s.Detect(ctx, t)
+	return s.detect(ctx, t, req.WithRecords)
 }
 
 func (s *Service) handleRecords(ctx context.Context, data []byte) (any, error) {
