@@ -198,7 +198,17 @@ func (l *leaser) open(ctx context.Context) (*bus.KV, error) {
 	}
 	octx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	kv, err := l.bus.KV(octx, leaseBucketConfig(l.ttl))
+	var kv *bus.KV
+	var err error
+	if l.ttl == DefaultLeaseTTL {
+		// The bucket `imagefleet bus init` made (or an agent before us) has this TTL: open it with one
+		// lookup. bus.KV would read the bucket's status as well to compare its settings, a second stream
+		// info request per node (both on the pass's path: 20,000 at a 10,000-node fleet GC's first pass).
+		kv, err = l.bus.KVExisting(octx, events.GCLeaseBucket)
+	}
+	if l.ttl != DefaultLeaseTTL || errors.Is(err, bus.ErrBucketNotFound) {
+		kv, err = l.bus.KV(octx, leaseBucketConfig(l.ttl))
+	}
 	if err != nil {
 		l.nextOpen = time.Now().Add(time.Minute)
 		return nil, err

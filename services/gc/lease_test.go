@@ -350,3 +350,39 @@ func TestLeaseReleaseOfALargeResult(t *testing.T) {
 		t.Errorf("released result: %d skipped, removed %+v; want no skipped, the removed image", len(got.Result.Skipped), got.Result.Removed)
 	}
 }
+
+// TestLeaseBucketOpensWithOneLookup: with the default TTL, the bucket `imagefleet bus init` made is opened
+// with one stream info request (bus.KV reads the status as well: two per node on the first leased pass);
+// a missing bucket is still created.
+func TestLeaseBucketOpensWithOneLookup(t *testing.T) {
+	_, b := bustest.Start(t)
+	sub, err := b.SubscribeSync(t.Context(), "$JS.API.>")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub.Close()
+	fresh := newLeaser(b, testNode, DefaultLeaseTTL, slog.New(slog.DiscardHandler))
+	if _, err := fresh.open(t.Context()); err != nil {
+		t.Fatalf("open with no bucket: %v", err)
+	}
+	created := false
+	for _, s := range apiRequests(t, sub) {
+		created = created || strings.HasPrefix(s, "$JS.API.STREAM.CREATE.KV_"+events.GCLeaseBucket)
+	}
+	if !created {
+		t.Fatal("the missing lease bucket was not created")
+	}
+	l := newLeaser(b, testNode, DefaultLeaseTTL, slog.New(slog.DiscardHandler))
+	if _, err := l.open(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for _, s := range apiRequests(t, sub) {
+		if strings.Contains(s, "KV_"+events.GCLeaseBucket) {
+			got = append(got, s)
+		}
+	}
+	if len(got) != 1 || !strings.HasPrefix(got[0], "$JS.API.STREAM.INFO.") {
+		t.Errorf("opening the existing lease bucket asked %q; want one stream info", got)
+	}
+}
