@@ -18,7 +18,8 @@ import (
 // --all-unused` runs, first as a dry run, then for real. Every message the server routes on countedSubjects
 // is counted once (requests, replies, JetStream API requests and their answers, KV writes, events, acks,
 // deliveries to a KV listing's consumer), less the idle rate of each subject measured just before, and the
-// count is divided by N. With IMAGEFLEET_BASELINE_BINARY set to an earlier build, its agents are measured
+// count is divided by N. Metrics: all of them, the JetStream API requests but pull requests (js-api), and
+// those on $KV.> and imagefleet.evt.> (kv-evt: KV writes, events, and records a KV listing delivers). With IMAGEFLEET_BASELINE_BINARY set to an earlier build, its agents are measured
 // too (bin=baseline); the server and the fleet command are this build's in both, so what differs is the
 // node's side.
 func BenchmarkHollowGCMessages(b *testing.B) {
@@ -85,7 +86,7 @@ func BenchmarkHollowGCMessages(b *testing.B) {
 						kinds = append(kinds, k)
 					}
 					slices.Sort(kinds)
-					var all, api, stored float64
+					var all, api, kvEvt float64
 					for _, k := range kinds {
 						v := perNode(got[k], k)
 						if v < 0.05 {
@@ -97,12 +98,12 @@ func BenchmarkHollowGCMessages(b *testing.B) {
 							api += v
 						}
 						if strings.HasPrefix(k, "$KV.") || strings.HasPrefix(k, "imagefleet.evt.") {
-							stored += v
+							kvEvt += v
 						}
 					}
 					b.ReportMetric(all, op.name+"-msgs/node")
 					b.ReportMetric(api, op.name+"-js-api/node")
-					b.ReportMetric(stored, op.name+"-node-stored/node")
+					b.ReportMetric(kvEvt, op.name+"-kv-evt/node")
 				}
 				cancel()
 				for range countedSubjects {

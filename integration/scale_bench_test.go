@@ -240,10 +240,15 @@ type hollowFleet struct {
 }
 
 func startHollowFleet(b *testing.B, bin string, n int, extra ...string) *hollowFleet {
+	return startHollowFleetOf(b, bin, bin, n, extra...)
+}
+
+// startHollowFleetOf is startHollowFleet with the hollow agents of agentBin (the cluster is bin's).
+func startHollowFleetOf(b *testing.B, bin, agentBin string, n int, extra ...string) *hollowFleet {
 	b.Helper()
 	r := strconv.Itoa(scaleReplicas(b))
 	c := startNATSClusterR(b, bin, scaleReplicas(b))
-	h := startHollow(b, bin, "hollow", c.URL, n, append([]string{"--stream-replicas", r}, extra...)...)
+	h := startHollow(b, agentBin, "hollow", c.URL, n, append([]string{"--stream-replicas", r}, extra...)...)
 	names, startup := waitReady(b, c.Bus, h, "hollow-", n, time.Duration(n/50+120)*time.Second)
 	st, err := readProcStat(h.cmd.Process.Pid)
 	if err != nil {
@@ -323,40 +328,54 @@ func (rc rolloutCost) report(b *testing.B, f *hollowFleet, baseline time.Duratio
 // registry delay 100 ms) across N hollow agents with real workers on a three-server cluster. Each rollout
 // is compared with requestBaseline, the same slow-start batches of bare request/replies on the same
 // cluster, measured in the same run. Run it with -benchtime 1x: a second real GC finds nothing to remove.
+// With IMAGEFLEET_BASELINE_BINARY set to an earlier build, a fleet of its agents is measured after this
+// build's (bin=baseline; the cluster and the fleet command are this build's in both).
 func BenchmarkHollowFleet(b *testing.B) {
 	bin := imagefleetBinary(b)
 	nofile := raiseNoFile(b)
-	for _, n := range scaleSizes(b) {
-		b.Run(fmt.Sprintf("nodes=%d", n), func(b *testing.B) {
-			f := startHollowFleet(b, bin, n, "--images-per-node", "8", "--pull-delay", "100ms")
-			b.Logf("%d agents Ready in %s; hollow RSS %.0f KiB per agent; RLIMIT_NOFILE %d", n, f.startup.Round(time.Millisecond), f.rssPer/1024, nofile)
-			baseline := requestBaseline(b, f.c, n)
-			b.Logf("baseline: %d request/replies in slow-start batches: %s", n, baseline.Round(time.Millisecond))
-			b.Run("op=gc-dryrun", func(b *testing.B) {
-				for range b.N {
-					rc := f.run(b, bin, "fleet", "gc", "--dry-run", "--all-unused")
-					rc.report(b, f, baseline)
-				}
-			})
-			b.Run("op=prepull", func(b *testing.B) {
-				for i := range b.N {
-					rc := f.run(b, bin, "fleet", "pull", fmt.Sprintf("registry.local/bench/prepull:v%d", i), "--node-timeout", "5m")
-					rc.report(b, f, baseline)
-					// The floor of a pre-pull: one pull delay per batch after the messaging floor.
-					b.ReportMetric(float64(len(rc.res.Batches)), "batches")
-				}
-			})
-			b.Run("op=gc", func(b *testing.B) {
-				for range b.N {
-					rc := f.run(b, bin, "fleet", "gc", "--all-unused")
-					if rc.res.FreedBytes <= 0 {
-						b.Errorf("gc freed %d bytes", rc.res.FreedBytes)
-					}
-					rc.report(b, f, baseline)
-				}
-			})
-		})
+	type agents struct{ prefix, path string }
+	bins := []agents{{"", bin}}
+	if base := os.Getenv("IMAGEFLEET_BASELINE_BINARY"); base != "" {
+		bins = []agents{{"bin=current/", bin}, {"bin=baseline/", base}}
 	}
+	for _, ab := range bins {
+		for _, n := range scaleSizes(b) {
+			benchHollowFleet(b, bin, ab.path, ab.prefix, n, nofile)
+		}
+	}
+}
+
+// benchHollowFleet is BenchmarkHollowFleet at n agents of agentBin.
+func benchHollowFleet(b *testing.B, bin, agentBin, prefix string, n int, nofile uint64) {
+	b.Run(fmt.Sprintf("%snodes=%d", prefix, n), func(b *testing.B) {
+		f := startHollowFleetOf(b, bin, agentBin, n, "--images-per-node", "8", "--pull-delay", "100ms")
+		b.Logf("%d agents Ready in %s; hollow RSS %.0f KiB per agent; RLIMIT_NOFILE %d", n, f.startup.Round(time.Millisecond), f.rssPer/1024, nofile)
+		baseline := requestBaseline(b, f.c, n)
+		b.Logf("baseline: %d request/replies in slow-start batches: %s", n, baseline.Round(time.Millisecond))
+		b.Run("op=gc-dryrun", func(b *testing.B) {
+			for range b.N {
+				rc := f.run(b, bin, "fleet", "gc", "--dry-run", "--all-unused")
+				rc.report(b, f, baseline)
+			}
+		})
+		b.Run("op=prepull", func(b *testing.B) {
+			for i := range b.N {
+				rc := f.run(b, bin, "fleet", "pull", fmt.Sprintf("registry.local/bench/prepull:v%d", i), "--node-timeout", "5m")
+				rc.report(b, f, baseline)
+				// The floor of a pre-pull: one pull delay per batch after the messaging floor.
+				b.ReportMetric(float64(len(rc.res.Batches)), "batches")
+			}
+		})
+		b.Run("op=gc", func(b *testing.B) {
+			for range b.N {
+				rc := f.run(b, bin, "fleet", "gc", "--all-unused")
+				if rc.res.FreedBytes <= 0 {
+					b.Errorf("gc freed %d bytes", rc.res.FreedBytes)
+				}
+				rc.report(b, f, baseline)
+			}
+		})
+	})
 }
 
 // BenchmarkInventoryCatchUp measures the fleet inventory catching up after N nodes (re)start with 50 images
