@@ -271,6 +271,10 @@ func TestInventoryPartitionedBesideTheSharedDurable(t *testing.T) {
 	}()
 	wg.Wait()
 	bustest.WaitWithin(t, "both drained", time.Minute, func() bool {
+		so, sn := old.Stats(), cur.Stats()
+		if so.Applied+so.Duplicates < int64(len(evs)) || sn.Applied+sn.Duplicates < int64(len(evs)) {
+			return false
+		}
 		st, err := b.Consumer(ctx, events.EventsStream, events.InventoryDurable)
 		return err == nil && st.NumPending == 0 && st.NumAckPending == 0 && partitionsDrained(ctx, b)
 	})
