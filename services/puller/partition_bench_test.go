@@ -152,7 +152,8 @@ func benchBus(b *testing.B, servers int) (*bus.Bus, func()) {
 //     costs at 10,000 nodes.
 //
 // Not here: 10,000 R3 consumers. In-process on this project's 2-core machine they stall at about 4,800
-// (memory) or 4,350 (files) with consumers reporting no quorum (docs/benchmarks.md).
+// (memory) or 4,350 (files) with consumers reporting no quorum (docs/benchmarks.md); with the servers as
+// separate processes, integration's BenchmarkR3PullConsumers, at 3,500-7,000.
 func BenchmarkPullConsumersCluster(b *testing.B) {
 	for _, c := range []struct {
 		layout string
