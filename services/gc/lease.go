@@ -204,9 +204,11 @@ func (l *leaser) open(ctx context.Context) (*bus.KV, error) {
 		// The bucket `imagefleet bus init` made (or an agent before us) has this TTL: open it with one
 		// lookup. bus.KV would read the bucket's status as well to compare its settings, a second stream
 		// info request per node (both on the pass's path: 20,000 at a 10,000-node fleet GC's first pass).
+		// Any failure (no bucket yet, a lookup that timed out) takes bus.KV's way, which creates a missing
+		// bucket and retries a transient failure, as every open did before.
 		kv, err = l.bus.KVExisting(octx, events.GCLeaseBucket)
 	}
-	if l.ttl != DefaultLeaseTTL || errors.Is(err, bus.ErrBucketNotFound) {
+	if l.ttl != DefaultLeaseTTL || err != nil {
 		kv, err = l.bus.KV(octx, leaseBucketConfig(l.ttl))
 	}
 	if err != nil {
