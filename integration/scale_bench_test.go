@@ -378,137 +378,177 @@ func benchHollowFleet(b *testing.B, bin, agentBin, prefix string, n int, nofile 
 	})
 }
 
+// inventoryModes are the inventory's ways of consuming to benchmark: IMAGEFLEET_SCALE_INVENTORY, comma-separated
+// shared (the one durable fleet-inventory) and partitioned (the 16 partition durables); default both.
+func inventoryModes(b *testing.B) []string {
+	b.Helper()
+	raw := os.Getenv("IMAGEFLEET_SCALE_INVENTORY")
+	if raw == "" {
+		return []string{"shared", "partitioned"}
+	}
+	var out []string
+	for _, m := range strings.Split(raw, ",") {
+		if m = strings.TrimSpace(m); m != "shared" && m != "partitioned" {
+			b.Fatalf("IMAGEFLEET_SCALE_INVENTORY=%q: want shared, partitioned or both", raw)
+		}
+		out = append(out, strings.TrimSpace(m))
+	}
+	return out
+}
+
 // BenchmarkInventoryCatchUp measures the fleet inventory catching up after N nodes (re)start with 50 images
 // each: the hollow fleet starts and its detectors publish N x 50 image.detected events while no inventory
-// runs (the server copies them into the partitioned events.InventoryStream as they are stored); then R
-// inventory replicas (`imagefleet agent --workers inventory`, each its own process) start on the
-// partition durables, and the benchmark times them until the inventory bucket holds every placement.
+// runs; then R inventory replicas (`imagefleet agent --workers inventory`, each its own process) start on
+// the shared durable or (inventory=partitioned, after the server copied the backlog into
+// events.InventoryStream) on the 16 partition durables, and the benchmark times them until the inventory
+// bucket holds every placement.
 // Each replica count gets its own cluster and fleet, so every run starts from the same backlog.
 func BenchmarkInventoryCatchUp(b *testing.B) {
 	bin := imagefleetBinary(b)
 	raiseNoFile(b)
 	for _, n := range scaleSizes(b) {
-		var rate1 float64
-		for _, replicas := range []int{1, 2, 4} {
-			b.Run(fmt.Sprintf("nodes=%d/replicas=%d", n, replicas), func(b *testing.B) {
-				for range b.N {
-					b.StopTimer()
-					// A detection that fails (the records bucket refusing a node's list past the stream's
-					// consumer limit while every agent starts at once: docs/scale.md) is tried again next
-					// detect period: 20 s here, so the backlog fills within the wait below.
-					f := startHollowFleet(b, bin, n, "--images-per-node", "50", "--image-detect-period", "20s")
-					ctx := b.Context()
-					want := uint64(n * 50)
-					// The events stream holds nothing but the detectors' image.detected events yet: its message
-					// count (one cheap stream info) tells when they are all in.
-					began, last, lastChange := time.Now(), uint64(0), time.Now()
-					for {
-						info, err := f.c.Bus.Stream(ctx, events.EventsStream)
-						if err != nil {
-							b.Logf("events stream info: %v", err)
+		for _, mode := range inventoryModes(b) {
+			var rate1 float64
+			for _, replicas := range []int{1, 2, 4} {
+				b.Run(fmt.Sprintf("nodes=%d/inventory=%s/replicas=%d", n, mode, replicas), func(b *testing.B) {
+					for range b.N {
+						b.StopTimer()
+						// A detection that fails (the records bucket refusing a node's list past the stream's
+						// consumer limit while every agent starts at once: docs/scale.md) is tried again next
+						// detect period: 20 s here, so the backlog fills within the wait below.
+						f := startHollowFleet(b, bin, n, "--images-per-node", "50", "--image-detect-period", "20s")
+						ctx := b.Context()
+						want := uint64(n * 50)
+						// The events stream holds nothing but the detectors' image.detected events yet: its message
+						// count (one cheap stream info) tells when they are all in.
+						began, last, lastChange := time.Now(), uint64(0), time.Now()
+						for {
+							info, err := f.c.Bus.Stream(ctx, events.EventsStream)
+							if err != nil {
+								b.Logf("events stream info: %v", err)
+							}
+							got := info.Messages
+							if got >= want {
+								break
+							}
+							if got != last {
+								last, lastChange = got, time.Now()
+							}
+							if time.Since(lastChange) > 90*time.Second || time.Since(began) > 15*time.Minute {
+								b.Fatalf("%d of %d image.detected events after %s", got, want, time.Since(began).Round(time.Second))
+							}
+							time.Sleep(time.Second)
 						}
-						got := info.Messages
-						if got >= want {
-							break
-						}
-						if got != last {
-							last, lastChange = got, time.Now()
-						}
-						if time.Since(lastChange) > 90*time.Second || time.Since(began) > 15*time.Minute {
-							b.Fatalf("%d of %d image.detected events after %s", got, want, time.Since(began).Round(time.Second))
-						}
-						time.Sleep(time.Second)
-					}
-					b.Logf("%d image.detected events in the stream %s after the agents were Ready", want, time.Since(began).Round(time.Second))
-					// The nodes stop: what is measured is the inventory draining the backlog, not the agents.
-					f.h.stop(syscall.SIGTERM)
-					var backlog uint64
-					bustest.Eventually(b, "the image events backlog counted", time.Minute, func() (err error) {
-						backlog, err = f.c.Bus.CountPending(ctx, events.EventsStream, events.ImageEventsFilter, 0)
-						return err
-					})
-					// The partitioned copy (events.InventoryStream, made by bus init) fills as the events are
-					// stored; its size is the partitioning's storage cost (per server, R3).
-					var copyBytes uint64
-					bustest.Eventually(b, "the partitioned copy holds the backlog", 5*time.Minute, func() error {
-						info, err := f.c.Bus.Stream(ctx, events.InventoryStream)
-						if err != nil {
+						b.Logf("%d image.detected events in the stream %s after the agents were Ready", want, time.Since(began).Round(time.Second))
+						// The nodes stop: what is measured is the inventory draining the backlog, not the agents.
+						f.h.stop(syscall.SIGTERM)
+						var backlog uint64
+						bustest.Eventually(b, "the image events backlog counted", time.Minute, func() (err error) {
+							backlog, err = f.c.Bus.CountPending(ctx, events.EventsStream, events.ImageEventsFilter, 0)
 							return err
+						})
+						// The partitioned copy (events.InventoryStream, as bus init --inventory-partitioned makes it)
+						// fills from the events stream; its size is the partitioning's storage cost (per server, R3).
+						partitioned := mode == "partitioned"
+						var copyBytes uint64
+						if partitioned {
+							if err := fleet.EnsureInventoryStream(ctx, f.c.Bus, scaleReplicas(b)); err != nil {
+								b.Fatal(err)
+							}
 						}
-						if info.Messages < backlog {
-							return fmt.Errorf("%d of %d copied", info.Messages, backlog)
+						bustest.Eventually(b, "the partitioned copy holds the backlog", 5*time.Minute, func() error {
+							if !partitioned {
+								return nil
+							}
+							info, err := f.c.Bus.Stream(ctx, events.InventoryStream)
+							if err != nil {
+								return err
+							}
+							if info.Messages < backlog {
+								return fmt.Errorf("%d of %d copied", info.Messages, backlog)
+							}
+							copyBytes = info.Bytes
+							return nil
+						})
+						evInfo, _ := f.c.Bus.Stream(ctx, events.EventsStream)
+						urls := f.c.monitorURLs(b)
+						msgs0, msgsErr := serverMsgs(ctx, urls)
+						b.StartTimer()
+						t0 := time.Now()
+						var pids []int
+						for r := range replicas {
+							args := []string{"agent", "--node", fmt.Sprintf("fleet-inventory-%d", r+1),
+								"--nats", f.c.URL, "--workers", "inventory", "--stream-replicas", strconv.Itoa(scaleReplicas(b)), "--data-dir", b.TempDir()}
+							if partitioned {
+								args = append(args, "--inventory-partitioned")
+							}
+							p := startProc(b, fmt.Sprintf("inventory-%d", r+1), bin, args...)
+							pids = append(pids, p.cmd.Process.Pid)
 						}
-						copyBytes = info.Bytes
-						return nil
-					})
-					evInfo, _ := f.c.Bus.Stream(ctx, events.EventsStream)
-					b.StartTimer()
-					t0 := time.Now()
-					var pids []int
-					for r := range replicas {
-						p := startProc(b, fmt.Sprintf("inventory-%d", r+1), bin, "agent", "--node", fmt.Sprintf("fleet-inventory-%d", r+1),
-							"--nats", f.c.URL, "--workers", "inventory", "--stream-replicas", strconv.Itoa(scaleReplicas(b)), "--data-dir", b.TempDir())
-						pids = append(pids, p.cmd.Process.Pid)
-					}
-					var s *procSampler
-					watched := append(append([]int{}, pids...), f.c.serverPIDs()...)
-					cpu0 := map[int]time.Duration{}
-					for _, p := range watched {
-						st, _ := readProcStat(p)
-						cpu0[p] = st.CPU
-					}
-					// Caught up: every image.detected event (one distinct node and image each) is a key of the
-					// inventory bucket. (A consumer's NumPending read right after a replica made it can be 0
-					// before the server counted its backlog: the previous end condition, a durable with nothing
-					// pending, once ended a 2-replica run at 0.2 s.)
-					for {
-						if s == nil {
-							s, _ = sampleProcs(watched...)
+						var s *procSampler
+						watched := append(append([]int{}, pids...), f.c.serverPIDs()...)
+						cpu0 := map[int]time.Duration{}
+						for _, p := range watched {
+							st, _ := readProcStat(p)
+							cpu0[p] = st.CPU
 						}
-						info, err := f.c.Bus.Stream(ctx, "KV_"+events.InventoryBucket)
-						if err == nil && info.Messages >= backlog {
-							break
+						// Caught up: every image.detected event (one distinct node and image each) is a key of the
+						// inventory bucket. (A consumer's NumPending read right after a replica made it can be 0
+						// before the server counted its backlog: the previous end condition, a durable with nothing
+						// pending, once ended a 2-replica run at 0.2 s.)
+						for {
+							if s == nil {
+								s, _ = sampleProcs(watched...)
+							}
+							info, err := f.c.Bus.Stream(ctx, "KV_"+events.InventoryBucket)
+							if err == nil && info.Messages >= backlog {
+								break
+							}
+							if time.Since(t0) > 30*time.Minute {
+								b.Fatalf("inventory not caught up after 30 minutes: %+v %v", info, err)
+							}
+							time.Sleep(200 * time.Millisecond)
 						}
-						if time.Since(t0) > 30*time.Minute {
-							b.Fatalf("inventory not caught up after 30 minutes: %+v %v", info, err)
+						wall := time.Since(t0)
+						b.StopTimer()
+						// Messages handed to the servers (clients' and routes': Raft replication included) per event.
+						if msgs1, err := serverMsgs(ctx, urls); err == nil && msgsErr == nil {
+							b.ReportMetric(float64(msgs1-msgs0)/float64(backlog), "server-msgs/event")
 						}
-						time.Sleep(200 * time.Millisecond)
-					}
-					wall := time.Since(t0)
-					b.StopTimer()
-					var replicaCPU time.Duration
-					serverCPU := make([]string, 0, 3)
-					for i, p := range watched {
-						st, _ := readProcStat(p)
-						d := st.CPU - cpu0[p]
-						if i < len(pids) {
-							replicaCPU += d
-						} else {
-							serverCPU = append(serverCPU, d.Round(10*time.Millisecond).String())
+						var replicaCPU time.Duration
+						serverCPU := make([]string, 0, 3)
+						for i, p := range watched {
+							st, _ := readProcStat(p)
+							d := st.CPU - cpu0[p]
+							if i < len(pids) {
+								replicaCPU += d
+							} else {
+								serverCPU = append(serverCPU, d.Round(10*time.Millisecond).String())
+							}
 						}
+						b.Logf("replicas' CPU %s; each server's CPU %s; the copy stream %.1f MiB (the events stream %.1f MiB)",
+							replicaCPU.Round(10*time.Millisecond), strings.Join(serverCPU, " / "), float64(copyBytes)/(1<<20), float64(evInfo.Bytes)/(1<<20))
+						b.ReportMetric(replicaCPU.Seconds(), "replica-cpu-s")
+						b.ReportMetric(float64(copyBytes)/(1<<20), "copy-MiB")
+						var cost procCost
+						if s != nil {
+							cost = s.Stop()
+						}
+						rate := float64(backlog) / wall.Seconds()
+						if replicas == 1 {
+							rate1 = rate
+						}
+						b.ReportMetric(rate, "events/s")
+						b.ReportMetric(float64(backlog), "events")
+						b.ReportMetric(wall.Seconds(), "s/catch-up")
+						if rate1 > 0 {
+							b.ReportMetric(rate/rate1, "x-1-replica")
+						}
+						b.ReportMetric(cost.CPU.Seconds(), "cpu-s")
+						b.ReportMetric(float64(cost.PeakRSS)/(1<<20), "rss-MiB")
 					}
-					b.Logf("replicas' CPU %s; each server's CPU %s; the copy stream %.1f MiB (the events stream %.1f MiB)",
-						replicaCPU.Round(10*time.Millisecond), strings.Join(serverCPU, " / "), float64(copyBytes)/(1<<20), float64(evInfo.Bytes)/(1<<20))
-					b.ReportMetric(replicaCPU.Seconds(), "replica-cpu-s")
-					b.ReportMetric(float64(copyBytes)/(1<<20), "copy-MiB")
-					var cost procCost
-					if s != nil {
-						cost = s.Stop()
-					}
-					rate := float64(backlog) / wall.Seconds()
-					if replicas == 1 {
-						rate1 = rate
-					}
-					b.ReportMetric(rate, "events/s")
-					b.ReportMetric(float64(backlog), "events")
-					b.ReportMetric(wall.Seconds(), "s/catch-up")
-					if rate1 > 0 {
-						b.ReportMetric(rate/rate1, "x-1-replica")
-					}
-					b.ReportMetric(cost.CPU.Seconds(), "cpu-s")
-					b.ReportMetric(float64(cost.PeakRSS)/(1<<20), "rss-MiB")
-				}
-			})
+				})
+			}
 		}
 	}
 }

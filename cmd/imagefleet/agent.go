@@ -198,7 +198,8 @@ var agentWorkers = []workerDef{
 	{
 		Name: "inventory", Default: false,
 		Flags: func(fs *pflag.FlagSet, c *agentConfig) {
-			fs.IntVar(&c.Inventory.Concurrency, "inventory-concurrency", 32, "image events one inventory replica applies at once")
+			fs.IntVar(&c.Inventory.Concurrency, "inventory-concurrency", 0, "image events one inventory replica applies at once (0: 32 on the shared durable; 256 over the 16 partitions, 16 each)")
+			fs.BoolVar(&c.Inventory.Partitioned, "inventory-partitioned", false, "consume image events through the 16 partition durables of IMAGEFLEET_INVENTORY instead of the shared durable fleet-inventory (docs/operations.md)")
 		},
 		Build: func(ctx context.Context, c *agentConfig, env *agentEnv) (runnable, error) {
 			cfg := c.Inventory

@@ -49,11 +49,13 @@ cluster (deploy/nats/cluster/server-{1,2,3}.conf). --listen and --store-dir over
 
 func newBusInitCmd(cl *cli) *cobra.Command {
 	var replicas, pullReplicas int
+	var inventoryPartitioned bool
 	cmd := &cobra.Command{
-		Use:   "init [--stream-replicas N] [--pull-replicas N]",
+		Use:   "init [--stream-replicas N] [--pull-replicas N] [--inventory-partitioned]",
 		Short: "Create every stream and bucket the workers use (run once with the admin identity; idempotent)",
-		Long: `Create, or bring to the current settings, the streams (events, pull queue, dead letters, rollouts, the
-inventory's partitioned copy of the image events) and
+		Long: `Create, or bring to the current settings, the streams (events, pull queue, dead letters, rollouts; with
+--inventory-partitioned the inventory's partitioned copy of the image events, which is otherwise only
+migrated if it exists) and
 the key-value buckets (records, pod snapshots, pull backoff and records, heartbeats, inventory) with the
 default settings. Agents with node identities may not create streams or buckets: run this first with the
 admin identity (--nkey admin.nk). Agents that find them open them as they are.`,
@@ -81,7 +83,12 @@ admin identity (--nkey admin.nk). Agents that find them open them as they are.`,
 				{"pod index snapshots", func() error { _, err := podindex.OpenStore(ctx, b, ""); return err }},
 				{"puller", func() error { return puller.EnsureBuckets(ctx, b, puller.Config{}) }},
 				{"fleet", func() error { return fleet.EnsureBuckets(ctx, b, 0) }},
-				{"inventory partitions", func() error { return fleet.EnsureInventoryStream(ctx, b, 0) }},
+				{"inventory partitions", func() error {
+					if inventoryPartitioned {
+						return fleet.EnsureInventoryStream(ctx, b, 0)
+					}
+					return fleet.MigrateInventoryStream(ctx, b, 0)
+				}},
 				{"kube-events", func() error { return kevents.EnsureBucket(ctx, b) }},
 				{"gc lease", func() error { return gc.EnsureLeaseBucket(ctx, b) }},
 			}
@@ -117,5 +124,6 @@ admin identity (--nkey admin.nk). Agents that find them open them as they are.`,
 	}
 	cmd.Flags().IntVar(&replicas, "stream-replicas", 0, "replicas of every stream and bucket (3 on a 3-server cluster; 0: 1 for new ones, existing ones keep theirs)")
 	cmd.Flags().IntVar(&pullReplicas, "pull-replicas", 0, "replicas of the pull work queue's partitions and so of every node's pull consumer (1: one Raft group less per node on a cluster, docs/scale.md; 0: as --stream-replicas for new ones, existing ones keep theirs)")
+	cmd.Flags().BoolVar(&inventoryPartitioned, "inventory-partitioned", false, "create IMAGEFLEET_INVENTORY, the partitioned copy of the image events that inventories run with --inventory-partitioned read (docs/operations.md); without it an existing one is only migrated")
 	return cmd
 }

@@ -25,16 +25,19 @@ import (
 type InventoryConfig struct {
 	// Replica names this replica in logs and query replies (default <hostname>-<pid>).
 	Replica string
-	// SharedDurable consumes the image events as the previous release did: one durable consumer (Durable)
-	// on the events stream, shared by every replica. Default false: the partition durables on
-	// events.InventoryStream (the server's partitioned copy of the image events), every replica pulling from
-	// every partition.
-	SharedDurable bool
-	// Durable is the shared durable consumer of SharedDurable (default "fleet-inventory"). It is API:
-	// renaming it re-applies the whole events stream.
+	// Partitioned consumes the image events through the 16 partition durables on events.InventoryStream
+	// (the server's partitioned copy of the image events), every replica pulling from every partition,
+	// instead of the one durable (Durable) on the events stream shared by every replica. Default false: on
+	// this project's 2-core machine with three servers the partitions scaled better with replicas but were
+	// slower than the shared durable at 1, 2 and 4 replicas (docs/benchmarks.md, "Issue 15: partitioned
+	// inventory"), so they are opt-in until measured on servers with cores of their own.
+	Partitioned bool
+	// Durable is the shared durable consumer (default "fleet-inventory"). It is API: renaming it re-applies
+	// the whole events stream.
 	Durable string
-	// Concurrency is the number of events this replica applies at once (default 64 over the partitions,
-	// ceil(64/16) = 4 each; 32 with SharedDurable).
+	// Concurrency is the number of events this replica applies at once (default 32; Partitioned: 256 over
+	// the partitions, ceil(256/16) = 16 each: a partition's handlers are also its pull batch, and at 2 each
+	// the servers handled 27-29 messages per event instead of 14).
 	Concurrency int
 	// Replicas of the inventory bucket (3 on a 3-server cluster; 0: the connection's Options.Replicas).
 	Replicas int
@@ -118,9 +121,9 @@ func NewInventory(ctx context.Context, cfg InventoryConfig, b *bus.Bus) (*Invent
 		return nil, fmt.Errorf("inventory concurrency %d must not be negative", cfg.Concurrency)
 	}
 	if cfg.Concurrency == 0 {
-		cfg.Concurrency = 64
-		if cfg.SharedDurable {
-			cfg.Concurrency = 32
+		cfg.Concurrency = 32
+		if cfg.Partitioned {
+			cfg.Concurrency = 256
 		}
 	}
 	if cfg.Durable == "" {
@@ -137,7 +140,7 @@ func NewInventory(ctx context.Context, cfg InventoryConfig, b *bus.Bus) (*Invent
 	if err != nil {
 		return nil, fmt.Errorf("inventory: %w", err)
 	}
-	if !cfg.SharedDurable {
+	if cfg.Partitioned {
 		if err := EnsureInventoryStream(ctx, b, cfg.Replicas); err != nil {
 			return nil, fmt.Errorf("inventory: %w", err)
 		}
@@ -228,7 +231,7 @@ func (s *Inventory) Run(ctx context.Context) error {
 	// Events are applied once the index is loaded: an apply reads the key's sequence and revision from the
 	// index (an event the bucket already reflects costs no request; another is one compare-and-set).
 	backoff := []time.Duration{100 * time.Millisecond, time.Second, 5 * time.Second}
-	if s.cfg.SharedDurable {
+	if !s.cfg.Partitioned {
 		run("consume", func() error {
 			if !waitLoaded(ctx, loaded) {
 				return nil
@@ -269,8 +272,8 @@ func (s *Inventory) Run(ctx context.Context) error {
 	return g.Wait()
 }
 
-// inventoryPartitionMaxAckPending bounds a partition durable's events in flight over every replica: 16
-// replicas at the default 4 each.
+// inventoryPartitionMaxAckPending bounds a partition durable's events in flight over every replica: 4
+// replicas at the default 16 each.
 const inventoryPartitionMaxAckPending = 64
 
 // inventoryAckWait is how long a partition's copy stays with a replica that stopped answering before the
@@ -287,8 +290,9 @@ func waitLoaded(ctx context.Context, loaded <-chan struct{}) bool {
 }
 
 // EnsureInventoryStream creates events.InventoryStream, the server's partitioned copy of every node's image
-// events, or brings an earlier one to this release's settings in place (imagefleet bus init, and every
-// inventory replica at start). replicas 0: the connection's Options.Replicas.
+// events, or brings an earlier one to this release's settings in place (imagefleet bus init
+// --inventory-partitioned, and every partitioned inventory replica at start). replicas 0: the connection's
+// Options.Replicas.
 func EnsureInventoryStream(ctx context.Context, b *bus.Bus, replicas int) error {
 	return b.EnsureSourcedStream(ctx, bus.SourcedStreamConfig{
 		Name: events.InventoryStream,
@@ -298,6 +302,18 @@ func EnsureInventoryStream(ctx context.Context, b *bus.Bus, replicas int) error 
 		// A copy is dropped once applied; the limits only bound a backlog no inventory drains.
 		WorkQueue: true, MaxAge: 7 * 24 * time.Hour, MaxBytes: 1 << 30, Replicas: replicas,
 	})
+}
+
+// MigrateInventoryStream brings an existing events.InventoryStream to this release's settings and creates
+// none: what imagefleet bus init does without --inventory-partitioned (a copy nobody drains would fill up).
+func MigrateInventoryStream(ctx context.Context, b *bus.Bus, replicas int) error {
+	if _, err := b.Stream(ctx, events.InventoryStream); err != nil {
+		if bus.IsStreamNotFound(err) {
+			return nil
+		}
+		return err
+	}
+	return EnsureInventoryStream(ctx, b, replicas)
 }
 
 // Ready reports whether the index has loaded the bucket's initial contents.
