@@ -28,9 +28,9 @@ type InventoryConfig struct {
 	// Partitioned consumes the image events through the 16 partition durables on events.InventoryStream
 	// (the server's partitioned copy of the image events), every replica pulling from every partition,
 	// instead of the one durable (Durable) on the events stream shared by every replica. Default false: on
-	// this project's 2-core machine with three servers the partitions scaled better with replicas but were
-	// slower than the shared durable at 1, 2 and 4 replicas (docs/benchmarks.md, "Issue 15: partitioned
-	// inventory"), so they are opt-in until measured on servers with cores of their own.
+	// this project's 2-core machine with three servers the partitions scaled with replicas (2.1-2.7x at 4)
+	// but were slower than the shared durable at 1 and 2 replicas (docs/benchmarks.md, "Issue 15:
+	// partitioned inventory"), so they are opt-in until measured on servers with cores of their own.
 	Partitioned bool
 	// Durable is the shared durable consumer (default "fleet-inventory"). It is API: renaming it re-applies
 	// the whole events stream.
@@ -272,9 +272,9 @@ func (s *Inventory) Run(ctx context.Context) error {
 	return g.Wait()
 }
 
-// inventoryPartitionMaxAckPending bounds a partition durable's events in flight over every replica: 4
+// inventoryPartitionMaxAckPending bounds a partition durable's events in flight over every replica: 16
 // replicas at the default 16 each.
-const inventoryPartitionMaxAckPending = 64
+const inventoryPartitionMaxAckPending = 256
 
 // inventoryAckWait is how long a partition's copy stays with a replica that stopped answering before the
 // server hands it to another (an apply takes milliseconds; the shared durable keeps the default 30 s).
