@@ -161,7 +161,7 @@ func Connect(ctx context.Context, url string, o Options) (*Bus, error) {
 		return err
 	}, backoff.WithContext(bo, ctx))
 	if err != nil {
-		return nil, fmt.Errorf("connect to nats %s: %w", redact(url), err)
+		return nil, &dialError{url: redact(url), err: err}
 	}
 	b.nc = nc
 	ackTimeout := o.PublishAckTimeout
@@ -185,6 +185,24 @@ func Connect(ctx context.Context, url string, o Options) (*Bus, error) {
 		}
 	}
 	return b, nil
+}
+
+// dialError is Connect finding no server to connect to within its ConnectTimeout, or refused by them.
+type dialError struct {
+	url string
+	err error
+}
+
+func (e *dialError) Error() string { return fmt.Sprintf("connect to nats %s: %v", e.url, e.err) }
+func (e *dialError) Unwrap() error { return e.err }
+
+// IsUnreachable reports whether err is Connect's finding no server that would take the connection within
+// its ConnectTimeout (none answering, or all too busy: a dial timed out, their connection limit reached),
+// as opposed to one that refused the credentials or a failure after connecting (the journal, the domain):
+// trying again later may succeed.
+func IsUnreachable(err error) bool {
+	var de *dialError
+	return errors.As(err, &de) && !isAuthError(err)
 }
 
 func isAuthError(err error) bool {

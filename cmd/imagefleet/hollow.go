@@ -331,8 +331,11 @@ func runHollowNode(ctx context.Context, cl *cli, cmd *cobra.Command, h *hollowCo
 	}
 
 	// An agent that stops with an error after it ran (a worker failed) is started again with backoff, on
-	// the same runtime, as systemd or a DaemonSet restarts a node's agent; one that never ran (its
-	// configuration, or no server within --timeout) fails the process.
+	// the same runtime, as systemd or a DaemonSet restarts a node's agent. So is one whose connection was
+	// not had within --timeout: the process's setup connection reached the servers already, so that is a
+	// server too busy to accept (10,000 agents connecting to a loaded cluster: one dial timed out and, before
+	// this, stopped all 10,000), not a wrong URL. One that never ran for any other reason (its configuration,
+	// credentials the server refuses) fails the process.
 	ran := false
 	delay := time.Second
 	for {
@@ -345,11 +348,15 @@ func runHollowNode(ctx context.Context, cl *cli, cmd *cobra.Command, h *hollowCo
 		if ctx.Err() != nil {
 			return nil
 		}
-		if !ran {
+		switch {
+		case ran:
+			restarts.Add(1)
+			log.Error("hollow agent stopped, restarting", "err", err, "after", delay)
+		case bus.IsUnreachable(err):
+			log.Warn("hollow agent could not connect, trying again", "err", err, "after", delay)
+		default:
 			return err
 		}
-		restarts.Add(1)
-		log.Error("hollow agent stopped, restarting", "err", err, "after", delay)
 		select {
 		case <-ctx.Done():
 			return nil

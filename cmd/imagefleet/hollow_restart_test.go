@@ -13,6 +13,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
+
+	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
 	"github.com/imagefleet/imagefleet/services/fleet"
@@ -193,4 +196,80 @@ func TestHollowRestartsAFailedAgent(t *testing.T) {
 			t.Errorf("a node that never ran was restarted:\n%s", stderr.String())
 		}
 	})
+}
+
+// TestHollowRetriesAnAgentThatCouldNotConnect: a server that accepts the hollow process's setup connection
+// but refuses one of its agents' (its max_connections reached, as a cluster too busy to accept a dial) does
+// not stop the process: the agent tries again with the restart backoff and runs once the server has room.
+// Before, the agent's failed connect after --timeout stopped every other node (a 10,000-node run lost its
+// fleet to one dial timeout).
+func TestHollowRetriesAnAgentThatCouldNotConnect(t *testing.T) {
+	dir := t.TempDir()
+	conf := filepath.Join(dir, "nats.conf")
+	// Three clients at most: two held by this test until it lets go, then the setup connection and the two
+	// agents one after the other.
+	if err := os.WriteFile(conf, []byte(fmt.Sprintf("listen: \"127.0.0.1:-1\"\nmax_connections: 3\njetstream {\n  store_dir: %q\n}\n",
+		filepath.Join(dir, "js"))), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	srv, err := bus.StartServer(bus.ServerConfig{ConfigFile: conf})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Shutdown)
+	var holders []*nats.Conn
+	for range 2 {
+		nc, err := nats.Connect(srv.ClientURL())
+		if err != nil {
+			t.Fatal(err)
+		}
+		holders = append(holders, nc)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	var stderr bustest.SyncBuffer
+	done := make(chan error, 1)
+	go func() {
+		done <- hollowRun(ctx, t, &stderr, "--nodes", "2", "--nats", srv.ClientURL(), "--workers", "heartbeat",
+			"--data-dir", t.TempDir(), "--timeout", "2s")
+	}()
+	// One slot is free: the setup connection and then the first agent take it; the second agent is
+	// refused for longer than --timeout.
+	bustest.Eventually(t, "an agent refused and trying again", 30*time.Second, func() error {
+		select {
+		case err := <-done:
+			t.Fatalf("hollow stopped with a node refused by a busy server: %v\n%s", err, stderr.String())
+		default:
+		}
+		if !strings.Contains(stderr.String(), `msg="hollow agent could not connect, trying again"`) {
+			return errors.New("no retry logged yet")
+		}
+		return nil
+	})
+	for _, nc := range holders {
+		nc.Close()
+	}
+	bustest.Eventually(t, "both agents running", 60*time.Second, func() error {
+		select {
+		case err := <-done:
+			t.Fatalf("hollow stopped: %v\n%s", err, stderr.String())
+		default:
+		}
+		if !strings.Contains(stderr.String(), "hollow: 2 agents running") {
+			return errors.New("not yet")
+		}
+		return nil
+	})
+	cancel()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("hollow: %v\n%s", err, stderr.String())
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatalf("hollow did not stop within 30s\n%s", stderr.String())
+	}
+	if out := stderr.String(); strings.Contains(out, "restarting") || !strings.Contains(out, "hollow: 2 agents stopped (0 restarts after a failure)") {
+		t.Errorf("a connect retry is not a restart:\n%s", out)
+	}
 }
