@@ -13,8 +13,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
-
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
@@ -217,13 +215,13 @@ func TestHollowRetriesAnAgentThatCouldNotConnect(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(srv.Shutdown)
-	var holders []*nats.Conn
+	var holders []*bus.Bus
 	for range 2 {
-		nc, err := nats.Connect(srv.ClientURL())
+		hb, err := bus.Connect(t.Context(), srv.ClientURL(), bus.Options{Name: "slot-holder"})
 		if err != nil {
 			t.Fatal(err)
 		}
-		holders = append(holders, nc)
+		holders = append(holders, hb)
 	}
 	ctx, cancel := context.WithCancel(t.Context())
 	defer cancel()
@@ -246,8 +244,8 @@ func TestHollowRetriesAnAgentThatCouldNotConnect(t *testing.T) {
 		}
 		return nil
 	})
-	for _, nc := range holders {
-		nc.Close()
+	for _, hb := range holders {
+		hb.Close()
 	}
 	bustest.Eventually(t, "both agents running", 60*time.Second, func() error {
 		select {
