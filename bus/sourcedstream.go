@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -67,8 +66,9 @@ func (b *Bus) EnsureSourcedStream(ctx context.Context, sc SourcedStreamConfig) e
 		if err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
 			return fmt.Errorf("stream %s: %w", sc.Name, err)
 		}
-		if err == nil && !sameTransforms(s.CachedInfo().Config.Sources, want.Sources) {
-			// ensureStreamOnce compares sources by name and filter only: the transform is this stream's point.
+		if err == nil && !sameSources(s.CachedInfo().Config.Sources, want.Sources) {
+			// A new transform is this stream's point: it is updated even where ensureStreamOnce would keep
+			// the stream as it is (another retention, which cannot change in place).
 			have := s.CachedInfo().Config
 			if want.Replicas == 0 {
 				want.Replicas = cmp.Or(b.replicas, have.Replicas)
@@ -90,13 +90,5 @@ func (b *Bus) EnsureSourcedStream(ctx context.Context, sc SourcedStreamConfig) e
 			want.Replicas = b.replicas
 		}
 		return b.ensureStreamOnce(actx, want, 0)
-	})
-}
-
-// sameTransforms reports whether two streams source the same streams with the same subject transforms.
-func sameTransforms(a, b []*jetstream.StreamSource) bool {
-	return slices.EqualFunc(a, b, func(x, y *jetstream.StreamSource) bool {
-		return x.Name == y.Name && x.FilterSubject == y.FilterSubject &&
-			slices.Equal(x.SubjectTransforms, y.SubjectTransforms)
 	})
 }

@@ -231,10 +231,12 @@ func enoughConsumers(have, want int) bool {
 	return want == 0 || have >= want
 }
 
-// sameSources reports whether two streams source the same streams with the same filters.
+// sameSources reports whether two streams source the same streams with the same filters and subject
+// transforms.
 func sameSources(a, b []*jetstream.StreamSource) bool {
 	return slices.EqualFunc(a, b, func(x, y *jetstream.StreamSource) bool {
-		return x.Name == y.Name && x.FilterSubject == y.FilterSubject
+		return x.Name == y.Name && x.FilterSubject == y.FilterSubject &&
+			slices.Equal(x.SubjectTransforms, y.SubjectTransforms)
 	})
 }
 
