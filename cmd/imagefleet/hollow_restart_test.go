@@ -56,6 +56,20 @@ func hollowRun(ctx context.Context, t *testing.T, stderr *bustest.SyncBuffer, ar
 	return root.ExecuteContext(ctx)
 }
 
+// stopHollow cancels a hollowRun and waits for it to return without an error.
+func stopHollow(t *testing.T, cancel context.CancelFunc, done <-chan error, stderr *bustest.SyncBuffer) {
+	t.Helper()
+	cancel()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("hollow: %v\n%s", err, stderr.String())
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatalf("hollow did not stop within 30s\n%s", stderr.String())
+	}
+}
+
 // TestHollowRestartsAFailedAgent: a hollow node whose worker fails after it started (the real detector,
 // stopped by a fault) is started again after the 1 s backoff, its whole agent rebuilt (a new start time in
 // its heartbeat record), while the other nodes' agents run on untouched; a node that never starts (its data
@@ -153,15 +167,7 @@ func TestHollowRestartsAFailedAgent(t *testing.T) {
 				t.Errorf("%s: started %v (before: %v), %s: its agent was touched", node, n.Started, started[node], n.State)
 			}
 		}
-		cancel()
-		select {
-		case err := <-done:
-			if err != nil {
-				t.Fatalf("hollow: %v\n%s", err, stderr.String())
-			}
-		case <-time.After(30 * time.Second):
-			t.Fatalf("hollow did not stop within 30s\n%s", stderr.String())
-		}
+		stopHollow(t, cancel, done, &stderr)
 		out := stderr.String()
 		if !strings.Contains(out, `msg="hollow agent stopped, restarting" node=`+faulty+` err="detector: injected fault" after=1s`) {
 			t.Errorf("no restart logged for %s:\n%s", faulty, out)
@@ -258,15 +264,7 @@ func TestHollowRetriesAnAgentThatCouldNotConnect(t *testing.T) {
 		}
 		return nil
 	})
-	cancel()
-	select {
-	case err := <-done:
-		if err != nil {
-			t.Fatalf("hollow: %v\n%s", err, stderr.String())
-		}
-	case <-time.After(30 * time.Second):
-		t.Fatalf("hollow did not stop within 30s\n%s", stderr.String())
-	}
+	stopHollow(t, cancel, done, &stderr)
 	if out := stderr.String(); strings.Contains(out, "restarting") || !strings.Contains(out, "hollow: 2 agents stopped (0 restarts after a failure)") {
 		t.Errorf("a connect retry is not a restart:\n%s", out)
 	}
