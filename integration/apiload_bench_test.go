@@ -30,11 +30,7 @@ func BenchmarkHollowIdleAPI(b *testing.B) {
 		}
 	}
 	settle, window := envDuration(b, "IMAGEFLEET_IDLE_SETTLE", 30*time.Second), envDuration(b, "IMAGEFLEET_IDLE_WINDOW", 90*time.Second)
-	bins := []struct{ name, path string }{{"current", bin}}
-	if base := os.Getenv("IMAGEFLEET_BASELINE_BINARY"); base != "" {
-		bins = append(bins, struct{ name, path string }{"baseline", base})
-	}
-	for _, bb := range bins {
+	for _, bb := range agentBinaries(bin) {
 		b.Run(fmt.Sprintf("bin=%s/nodes=%d", bb.name, n), func(b *testing.B) {
 			for range b.N {
 				url, bc := startBus(b, bin)
@@ -129,4 +125,17 @@ func envDuration(b testing.TB, name string, def time.Duration) time.Duration {
 		b.Fatalf("%s=%q: want a positive duration", name, s)
 	}
 	return d
+}
+
+// agentBinary is a build whose agents a benchmark measures: this one ("current") or, with
+// IMAGEFLEET_BASELINE_BINARY set to an earlier build, that one too ("baseline"), in the same run.
+type agentBinary struct{ name, path string }
+
+// agentBinaries is this build, then the baseline build when IMAGEFLEET_BASELINE_BINARY names one.
+func agentBinaries(bin string) []agentBinary {
+	bins := []agentBinary{{"current", bin}}
+	if base := os.Getenv("IMAGEFLEET_BASELINE_BINARY"); base != "" {
+		bins = append(bins, agentBinary{"baseline", base})
+	}
+	return bins
 }

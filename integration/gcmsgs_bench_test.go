@@ -30,11 +30,7 @@ func BenchmarkHollowGCMessages(b *testing.B) {
 			b.Fatalf("IMAGEFLEET_GCMSGS_NODES=%q: want a positive count", s)
 		}
 	}
-	bins := []struct{ name, path string }{{"current", bin}}
-	if base := os.Getenv("IMAGEFLEET_BASELINE_BINARY"); base != "" {
-		bins = append(bins, struct{ name, path string }{"baseline", base})
-	}
-	for _, bb := range bins {
+	for _, bb := range agentBinaries(bin) {
 		b.Run(fmt.Sprintf("bin=%s/nodes=%d", bb.name, n), func(b *testing.B) {
 			for range b.N {
 				url, bc := startBus(b, bin)

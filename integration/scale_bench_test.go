@@ -357,14 +357,14 @@ func (rc rolloutCost) report(b *testing.B, f *hollowFleet, baseline time.Duratio
 func BenchmarkHollowFleet(b *testing.B) {
 	bin := imagefleetBinary(b)
 	nofile := raiseNoFile(b)
-	type agents struct{ prefix, path string }
-	bins := []agents{{"", bin}}
-	if base := os.Getenv("IMAGEFLEET_BASELINE_BINARY"); base != "" {
-		bins = []agents{{"bin=current/", bin}, {"bin=baseline/", base}}
-	}
+	bins := agentBinaries(bin)
 	for _, ab := range bins {
+		prefix := "" // without a baseline, the names of before
+		if len(bins) > 1 {
+			prefix = "bin=" + ab.name + "/"
+		}
 		for _, n := range scaleSizes(b) {
-			benchHollowFleet(b, bin, ab.path, ab.prefix, n, nofile)
+			benchHollowFleet(b, bin, ab.path, prefix, n, nofile)
 		}
 	}
 }
