@@ -74,6 +74,9 @@ type DetectReply struct {
 	Added    int       `json:"added"`
 	Removed  int       `json:"removed"`
 	Duration Duration  `json:"duration"`
+	// Unpublished counts the node's image events (this detection's and earlier ones') that NATS has not
+	// taken yet: the records are written, and the detector publishes those events again on its own schedule.
+	Unpublished int `json:"unpublished,omitempty"`
 	// Listed says List holds every record of the node after this detection (what the bucket holds once
 	// the detection's write is stored), sorted by ID; false: List is absent, read the bucket.
 	Listed bool          `json:"listed,omitempty"`

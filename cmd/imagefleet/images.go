@@ -43,6 +43,9 @@ func newDetectCmd(cl *cli) *cobra.Command {
 			if err := b.Request(rctx, events.CommandSubject(node, events.VerbDetect), events.DetectRequest{}, &rep); err != nil {
 				return fmt.Errorf("detect on %s: %w", node, err)
 			}
+			if rep.Unpublished > 0 {
+				fmt.Fprintf(cmd.ErrOrStderr(), "warning: %d image events of %s not published yet (NATS did not take them; the detector retries them)\n", rep.Unpublished, node)
+			}
 			return cl.printRecords(cmd, b, node)
 		},
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"math/rand/v2"
 	"slices"
 	"sort"
 	"sync"
@@ -30,11 +31,15 @@ type Service struct {
 
 	// mu (a one-slot semaphore, taken with lock) serialises detections and guards records (the in-memory
 	// copy of the store) and unpublished. A detect command waiting for it gives up when its own deadline
-	// ends, and what runs under it (a records load or write, a publish) has a deadline of its own: see call.
+	// ends, and what runs under it (a records load or write, a publish) has a deadline of its own: see call
+	// and flush.
 	mu          chan struct{}
 	records     *records.Table
 	loaded      bool
 	unpublished []events.Event // events of earlier detections whose publish failed, oldest first
+	// retry (one slot) tells Run that a publish failed: Run retries unpublished on its own schedule
+	// (retryWait), not only at the next detection.
+	retry chan struct{}
 
 	// Events between detections (pull.pulled, image.removed): wake the loop; removedIDs waits for it.
 	evMu       sync.Mutex
@@ -51,7 +56,8 @@ func New(cfg Config, rt runtime, b *bus.Bus) (*Service, error) {
 	if rt == nil || b == nil {
 		return nil, fmt.Errorf("detector needs a runtime and a bus")
 	}
-	return &Service{cfg: cfg, rt: rt, bus: b, wake: make(chan struct{}, 1), mu: make(chan struct{}, 1)}, nil
+	return &Service{cfg: cfg, rt: rt, bus: b, wake: make(chan struct{}, 1), mu: make(chan struct{}, 1),
+		retry: make(chan struct{}, 1)}, nil
 }
 
 // lock takes the detection lock, or fails when ctx ends first.
@@ -74,14 +80,15 @@ const (
 	// attemptTimeout bounds one attempt; a batch of n records or events gets a millisecond more per item
 	// (10,000 records write in well under that even on a loaded machine).
 	attemptTimeout = bus.AttemptTimeout
-	// retryFor bounds the attempts of one call: a cluster that lost a server elects new stream leaders
-	// within seconds; past this the detection fails and the next one tries again.
+	// retryFor bounds the attempts of one records call: a cluster that lost a server elects new stream
+	// leaders within seconds; past this the detection fails and the next one tries again. (An events
+	// publish gets one attempt under the lock; Run retries it: see retryWait.)
 	retryFor = 30 * time.Second
 	// detectTimeout bounds a detect command (the CLI waits 30 s by default): a reply after it is not read.
 	detectTimeout = 30 * time.Second
 )
 
-// call runs op (a records write, a publish: each safe to repeat) with a deadline per attempt,
+// call runs op (a records write: safe to repeat) with a deadline per attempt,
 // again after a transient failure (a timeout, no responders, no leader yet) until retryFor has passed.
 func call(ctx context.Context, n int, op func(context.Context) error) error {
 	start, wait := time.Now(), 250*time.Millisecond
@@ -135,8 +142,9 @@ func (s *Service) write(ctx context.Context, puts []events.ImageRecord, deletes 
 // Run detects at start, every Period, and on each detect command; it answers record queries. Between
 // periods it follows the node's events: an image.removed event deletes the removed image's record (the
 // kubelet's freeImage deletes it with the image), a pull.pulled event runs a detection at once, so records
-// reflect a pull or a removal within a second; the Period stays as the floor. It blocks until ctx ends and
-// returns nil after a clean shutdown.
+// reflect a pull or a removal within a second; the Period stays as the floor. Image events whose publish
+// failed are published again on their own schedule (retryWait: 1 s doubling to 30 s, jittered), not at the
+// next detection. It blocks until ctx ends and returns nil after a clean shutdown.
 func (s *Service) Run(ctx context.Context) error {
 	if err := s.Open(ctx); err != nil {
 		return err
@@ -171,6 +179,22 @@ func (s *Service) Run(ctx context.Context) error {
 
 	tick := time.NewTicker(s.cfg.Period)
 	defer tick.Stop()
+	// The retry of unpublished events: armed when a publish fails (s.retry), one attempt each time it fires,
+	// armed again while events wait; retries counts the attempts since the backlog was last empty.
+	var (
+		retryTimer *time.Timer
+		retryC     <-chan time.Time
+		retries    int
+	)
+	defer func() {
+		if retryTimer != nil {
+			retryTimer.Stop()
+		}
+	}()
+	arm := func() {
+		retryTimer = time.NewTimer(retryWait(retries))
+		retryC = retryTimer.C
+	}
 	for first := true; ; first = false {
 		if !first {
 			select {
@@ -184,6 +208,20 @@ func (s *Service) Run(ctx context.Context) error {
 			case <-tick.C:
 			case <-s.wake:
 				s.onEvents(ctx, log)
+				continue
+			case <-s.retry:
+				if retryC == nil {
+					arm()
+				}
+				continue
+			case <-retryC:
+				retryC = nil
+				retries++
+				if s.republish(ctx, log, retries) {
+					arm()
+				} else {
+					retries = 0
+				}
 				continue
 			}
 		}
@@ -271,7 +309,8 @@ func (s *Service) Open(ctx context.Context) error {
 }
 
 // Detect runs one detection with detectTime for new records, writes the changes to the store, publishes
-// image.detected and image.vanished events, and returns a summary.
+// image.detected and image.vanished events (those NATS does not take now wait for Run's retry, counted in
+// the reply's Unpublished), and returns a summary.
 func (s *Service) Detect(ctx context.Context, detectTime time.Time) (events.DetectReply, error) {
 	return s.detect(ctx, detectTime, false)
 }
@@ -315,11 +354,17 @@ func (s *Service) detect(ctx context.Context, detectTime time.Time, withRecords 
 	if err := s.write(ctx, puts, removed); err != nil {
 		return events.DetectReply{}, err
 	}
-	if err := s.publish(ctx, ch); err != nil {
+	if err := s.queue(ch); err != nil {
 		return events.DetectReply{}, err
 	}
+	// The records are written: the detection has succeeded whether or not NATS takes its events now (a GC
+	// pass waiting for this reply needs the records, not the events). Events it does not take wait for Run's
+	// retry, and the reply says how many.
+	if err := s.flush(ctx); err != nil && ctx.Err() == nil {
+		s.cfg.Logger.Warn("image events not published; retrying", "node", s.cfg.Node, "events", len(s.unpublished), "err", err)
+	}
 	rep := events.DetectReply{Node: s.cfg.Node, Time: detectTime, Records: s.records.Len(), InUse: len(ch.InUse),
-		Added: len(ch.Added), Removed: len(ch.Removed)}
+		Added: len(ch.Added), Removed: len(ch.Removed), Unpublished: len(s.unpublished)}
 	if withRecords {
 		rep.List, rep.Listed = listIfFits(s.records.Map())
 	}
@@ -343,11 +388,28 @@ func listIfFits(recs map[string]events.ImageRecord) ([]events.ImageRecord, bool)
 // maxUnpublished bounds the events kept for a later publish while NATS does not take them.
 const maxUnpublished = 10000
 
-// publish publishes the changes' image.detected and image.vanished events after those of earlier
-// detections that failed to publish (the records already say what changed, so no later detection would
-// publish them again). A retry publishes an event again with its id, which the stream stores once.
-// The caller holds the lock.
-func (s *Service) publish(ctx context.Context, ch records.Changes) error {
+// Retry of unpublished events (Run): the wait before the n-th attempt (n from 1) is drawn from the upper
+// half of min(retryInitial * 2^(n-1), retryMax), so the nodes of a cluster that refused them all at once do
+// not come back at once either.
+const (
+	retryInitial = time.Second
+	retryMax     = 30 * time.Second
+)
+
+// retryWait is the wait before the retry after n failed retries: 0.5-1 s, 1-2 s, 2-4 s, 4-8 s, 8-16 s, then
+// 15-30 s.
+func retryWait(n int) time.Duration {
+	d := retryMax
+	if n < 5 {
+		d = min(retryInitial<<n, retryMax)
+	}
+	return d/2 + rand.N(d/2)
+}
+
+// queue appends the changes' image.detected and image.vanished events to those of earlier detections that
+// are not published yet (the records already say what changed, so no later detection would publish them
+// again). The caller holds the lock.
+func (s *Service) queue(ch records.Changes) error {
 	for _, r := range ch.Added {
 		ev, err := events.New(s.cfg.Node, events.EntityImage, events.ActionDetected, r)
 		if err != nil {
@@ -362,19 +424,59 @@ func (s *Service) publish(ctx context.Context, ch records.Changes) error {
 		}
 		s.unpublished = append(s.unpublished, ev)
 	}
+	return nil
+}
+
+// flush makes one attempt (attemptTimeout, plus a millisecond per event) to publish the queued events,
+// oldest first. On failure they stay queued, the oldest dropped past maxUnpublished, and Run is told to
+// retry them. A retry publishes an event again with its id, which the stream stores once (within its
+// 2-minute duplicate window). The caller holds the lock: publishes of the queue never overlap, so its order
+// is kept.
+func (s *Service) flush(ctx context.Context) error {
 	if len(s.unpublished) == 0 {
 		return nil
 	}
 	evs := s.unpublished
-	if err := call(ctx, len(evs), func(ctx context.Context) error { return s.bus.PublishAll(ctx, evs) }); err != nil {
-		if n := len(s.unpublished) - maxUnpublished; n > 0 {
-			s.cfg.Logger.Warn("image events dropped: NATS has not taken them", "node", s.cfg.Node, "dropped", n)
-			s.unpublished = slices.Clone(s.unpublished[n:])
-		}
-		return err
+	actx, cancel := context.WithTimeout(ctx, attemptTimeout+time.Duration(len(evs))*time.Millisecond)
+	err := s.bus.PublishAll(actx, evs)
+	cancel()
+	if err == nil {
+		s.unpublished = nil
+		return nil
 	}
-	s.unpublished = nil
-	return nil
+	if n := len(s.unpublished) - maxUnpublished; n > 0 {
+		s.cfg.Logger.Warn("image events dropped: NATS has not taken them", "node", s.cfg.Node, "dropped", n)
+		s.unpublished = slices.Clone(s.unpublished[n:])
+	}
+	select {
+	case s.retry <- struct{}{}:
+	default:
+	}
+	return err
+}
+
+// republish is the n-th retry of the queued events (Run's timer): one attempt under the lock, after any
+// detection running now (which publishes them first itself). It reports whether events still wait.
+func (s *Service) republish(ctx context.Context, log interface {
+	Info(string, ...any)
+	Debug(string, ...any)
+}, n int) bool {
+	if err := s.lock(ctx); err != nil {
+		return false // shutting down
+	}
+	defer s.unlock()
+	queued := len(s.unpublished)
+	if queued == 0 {
+		return false
+	}
+	if err := s.flush(ctx); err != nil {
+		if ctx.Err() == nil {
+			log.Debug("retry of image events failed", "events", len(s.unpublished), "retry", n, "err", err)
+		}
+		return ctx.Err() == nil
+	}
+	log.Info("image events published on retry", "events", queued, "retry", n)
+	return false
 }
 
 func (s *Service) handleDetect(ctx context.Context, data []byte) (any, error) {

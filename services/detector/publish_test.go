@@ -1,0 +1,115 @@
+package detector_test
+
+import (
+	"fmt"
+	"log/slog"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/bus/bustest"
+	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/services/cri"
+	"github.com/imagefleet/imagefleet/services/cri/critest"
+	"github.com/imagefleet/imagefleet/services/detector"
+)
+
+// storedImageEvents lists the node's events in the events stream as "type image-id", and their ids.
+func storedImageEvents(t *testing.T, b *bus.Bus) (evs, ids []string) {
+	t.Helper()
+	err := b.ReadStream(t.Context(), events.EventsStream, events.NodeEvents(node), 0, func(m bus.StreamMsg) bool {
+		ev, err := events.DecodeEventMsg(m.Header, m.Data)
+		if err != nil {
+			t.Errorf("decode: %v", err)
+			return false
+		}
+		var r events.ImageRecord
+		if err := ev.DecodeData(&r); err != nil {
+			t.Error(err)
+		}
+		evs, ids = append(evs, ev.Type+" "+r.ID), append(ids, ev.ID)
+		return true
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return evs, ids
+}
+
+// TestUnpublishedEventsRetriedBeforeTheNextDetection: image events NATS refused are published again within
+// seconds of it taking them, in order and once each, not at the next detection (Period, here an hour). Before,
+// they waited for that detection, and a detect command during the refusal waited ~30 s for its events and
+// then failed although its records were written.
+func TestUnpublishedEventsRetriedBeforeTheNextDetection(t *testing.T) {
+	bustest.VerifyNoLeaks(t)
+	_, b := bustest.Start(t)
+	rt := critest.NewRuntime()
+	set(rt, []cri.Image{{ID: "sha256:a", Size: 1}}, nil, nil)
+	var logs bustest.SyncBuffer
+	logger := slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	svc, err := detector.New(detector.Config{Node: node, Period: time.Hour, Logger: logger}, rt, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer bustest.RunService(t, svc)()
+	waitServing(t, b)
+	bustest.WaitFor(t, "the start detection's event", func() bool {
+		evs, _ := storedImageEvents(t, b)
+		return slices.Equal(evs, []string{"imagefleet.image.detected.v1 sha256:a"})
+	})
+
+	// The events stream goes away (the records bucket stays): every publish of the node's events fails
+	// (no responders) until it is back. Two detections meanwhile: their events queue, oldest first.
+	if err := b.DeleteStream(t.Context(), events.EventsStream); err != nil {
+		t.Fatal(err)
+	}
+	set(rt, []cri.Image{{ID: "sha256:a", Size: 1}, {ID: "sha256:b", Size: 1}}, nil, nil)
+	start := time.Now()
+	if rep := detect(t, b, time.Now()); rep.Records != 2 || rep.Added != 1 || rep.Unpublished != 1 {
+		t.Fatalf("detect while the stream is gone = %+v, want 2 records, 1 added, 1 unpublished", rep)
+	}
+	set(rt, []cri.Image{{ID: "sha256:b", Size: 1}, {ID: "sha256:c", Size: 1}}, nil, nil)
+	if rep := detect(t, b, time.Now()); rep.Records != 2 || rep.Unpublished != 3 {
+		t.Fatalf("second detect while the stream is gone = %+v, want 2 records, 3 unpublished", rep)
+	}
+	if took := time.Since(start); took > 10*time.Second {
+		t.Errorf("two detect commands took %v while NATS refused their events: they wait for the publish", took)
+	}
+	// The outage lasts until two retries (of 0.5-1 s, then 1-2 s) have failed too.
+	bustest.WaitWithin(t, "two failed retries", 15*time.Second, func() bool {
+		return strings.Count(logs.String(), "retry of image events failed") >= 2
+	})
+
+	if err := b.EnsureStreams(t.Context(), bus.StreamsConfig{}); err != nil {
+		t.Fatal(err)
+	}
+	back := time.Now()
+	want := []string{"imagefleet.image.detected.v1 sha256:b", "imagefleet.image.detected.v1 sha256:c", "imagefleet.image.vanished.v1 sha256:a"}
+	// The next retry comes 2-4 s after the last failed one.
+	bustest.Eventually(t, "the queued events in the stream", 10*time.Second, func() error {
+		if evs, _ := storedImageEvents(t, b); !slices.Equal(evs, want) {
+			return fmt.Errorf("stream holds %v", evs)
+		}
+		return nil
+	})
+	t.Logf("queued events stored %v after the stream came back", time.Since(back).Round(time.Millisecond))
+	if !strings.Contains(logs.String(), "image events published on retry") {
+		t.Errorf("no retry logged publishing the events:\n%s", logs.String())
+	}
+
+	// A detection afterwards publishes its own event only: nothing twice.
+	set(rt, []cri.Image{{ID: "sha256:c", Size: 1}}, nil, nil)
+	if rep := detect(t, b, time.Now()); rep.Unpublished != 0 {
+		t.Fatalf("detect after the stream came back = %+v, want nothing unpublished", rep)
+	}
+	evs, ids := storedImageEvents(t, b)
+	if want := append(want, "imagefleet.image.vanished.v1 sha256:b"); !slices.Equal(evs, want) {
+		t.Fatalf("stream holds %v, want %v", evs, want)
+	}
+	slices.Sort(ids)
+	if len(slices.Compact(ids)) != len(evs) {
+		t.Fatalf("event ids %v: an event stored twice", ids)
+	}
+}
