@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"net/http"
 	"os"
 	"os/exec"
@@ -310,11 +311,9 @@ func (f *hollowFleet) run(b *testing.B, bin string, args ...string) rolloutCost 
 	// With a failure budget (--max-failures in IMAGEFLEET_SCALE_ROLLOUT_ARGS), a rollout that went through
 	// every batch within it is measured, its failed nodes reported; without one, any failure fails the run.
 	budget := slices.ContainsFunc(extra, func(a string) bool { return strings.HasPrefix(a, "--max-failures") })
-	var okExit []int
-	if budget {
-		okExit = []int{2}
-	}
-	out, wall, rss, cpu := timedRunExit(b, bin, okExit, args...)
+	// Exit 2 (some nodes failed) still prints the result: it is read, so a failed run says why its nodes
+	// failed, not only the progress lines' tail.
+	out, wall, rss, cpu := timedRunExit(b, bin, []int{2}, args...)
 	rc.nats, rc.hollowUse = ns.Stop(), hs.Stop()
 	m2, err := serverMsgs(ctx, f.monitor)
 	if err != nil {
@@ -329,9 +328,31 @@ func (f *hollowFleet) run(b *testing.B, bin string, args ...string) rolloutCost 
 		b.Logf("rollout %s: %d of %d failed, within --max-failures (%d allowed): %v", rc.res.ID, rc.res.FailedTotal(), f.n,
 			rc.res.FailureBudget, rc.res.Failed[:min(5, len(rc.res.Failed))])
 	} else if rc.res.Succeeded != f.n || len(rc.res.Failed) != 0 {
-		b.Fatalf("rollout %s: %d of %d succeeded, failed %v", rc.res.ID, rc.res.Succeeded, f.n, rc.res.Failed[:min(5, len(rc.res.Failed))])
+		b.Fatalf("rollout %s: %d of %d succeeded, %d failed, %d not started (%s); failures by error:\n%s", rc.res.ID,
+			rc.res.Succeeded, f.n, rc.res.FailedTotal(), rc.res.NotStarted, rc.res.StopReason, failuresByError(rc.res.Failed))
 	}
 	return rc
+}
+
+// failuresByError groups a rollout's failed nodes by their error, most frequent first, naming up to three
+// nodes of each: "11 x kv update ...: context deadline exceeded (hollow-06112, ...)".
+func failuresByError(failed []events.RolloutNodeError) string {
+	nodes := map[string][]string{}
+	for _, f := range failed {
+		nodes[f.Error] = append(nodes[f.Error], f.Node)
+	}
+	errs := slices.Collect(maps.Keys(nodes))
+	slices.SortFunc(errs, func(a, b string) int {
+		if c := len(nodes[b]) - len(nodes[a]); c != 0 {
+			return c
+		}
+		return strings.Compare(a, b)
+	})
+	var sb strings.Builder
+	for _, e := range errs {
+		fmt.Fprintf(&sb, "  %d x %s (%s)\n", len(nodes[e]), e, strings.Join(nodes[e][:min(3, len(nodes[e]))], ", "))
+	}
+	return sb.String()
 }
 
 func (rc rolloutCost) report(b *testing.B, f *hollowFleet, baseline time.Duration) {
