@@ -117,6 +117,11 @@ func NewHeartbeat(cfg HeartbeatConfig, rt heartbeatRuntime, b *bus.Bus) (*Heartb
 
 // Run heartbeats until ctx ends. A failed heartbeat is logged and retried at the next period: the node is
 // shown as lost meanwhile, which is the truth.
+//
+// A heartbeat is given one period. Its writes retry a transient failure (a stream leader lost with its
+// server) for up to 20 s each, and a write retried that long stores the time the heartbeat was made, as
+// old as the wait, while the beats behind it wait too: a live node can read as lost for it. Given up at the
+// period, the next heartbeat writes the time it is sent.
 func (h *Heartbeat) Run(ctx context.Context) error {
 	alive, seen, err := h.buckets(ctx)
 	if err != nil {
@@ -125,7 +130,10 @@ func (h *Heartbeat) Run(ctx context.Context) error {
 	t := time.NewTicker(h.cfg.Period)
 	defer t.Stop()
 	for {
-		if _, err := h.beat(ctx, alive, seen); err != nil && ctx.Err() == nil {
+		bctx, cancel := context.WithTimeout(ctx, h.cfg.Period)
+		_, err := h.beat(bctx, alive, seen)
+		cancel()
+		if err != nil && ctx.Err() == nil {
 			h.cfg.Logger.Warn("heartbeat failed", "node", h.cfg.Node, "err", err)
 		}
 		select {

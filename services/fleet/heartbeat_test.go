@@ -258,3 +258,60 @@ func TestRegistryPages(t *testing.T) {
 		t.Fatal("negative limit accepted")
 	}
 }
+
+// TestHeartbeatStuckWriteGivesWayToAFreshOne: while the heartbeat bucket's stream is gone, a beat's write
+// retries; once the stream is back, the first heartbeat stored is a fresh one, not the one made when the
+// writes began to fail (its time as old as the outage).
+func TestHeartbeatStuckWriteGivesWayToAFreshOne(t *testing.T) {
+	_, b := bustest.Start(t)
+	const period = time.Second
+	hb, err := fleet.NewHeartbeat(fleet.HeartbeatConfig{Node: "n1.example", Period: period, TTL: time.Minute,
+		Statfs: func(string) (int64, int64, error) { return 100 << 30, 60 << 30, nil }}, critest.NewRuntime(), b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := fleet.EnsureBuckets(t.Context(), b, 1); err != nil {
+		t.Fatal(err)
+	}
+	cfg := bus.KVConfig{Bucket: events.NodesBucket, TTL: time.Minute, Replicas: 1,
+		Description: "imagefleet node heartbeats; a key expires when its node stops"}
+	alive, err := b.KV(t.Context(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	key := events.NodeToken("n1.example")
+	stop := bustest.RunFunc(t, "heartbeat", hb.Run)
+	defer stop()
+	bustest.WaitFor(t, "the first heartbeat", func() bool {
+		_, _, err := alive.Get(t.Context(), key)
+		return err == nil
+	})
+	if err := b.DeleteStream(t.Context(), "KV_"+events.NodesBucket); err != nil {
+		t.Fatal(err)
+	}
+	const outage = 6 * time.Second
+	time.Sleep(outage)
+	// Made anew keeping every write (the heartbeat's own bucket keeps the last), so the first one stored is
+	// still there to read when later ones follow.
+	cfg.History = 64
+	if _, err = b.KV(t.Context(), cfg); err != nil {
+		t.Fatal(err)
+	}
+	// The first write the new stream stored, with the server's time of storing it.
+	var got events.NodeAlive
+	var storedAt time.Time
+	bustest.WaitWithin(t, "a heartbeat after the outage", 10*time.Second, func() bool {
+		found := false
+		err := b.ReadStream(t.Context(), "KV_"+events.NodesBucket, "", 1, func(m bus.StreamMsg) bool {
+			found, storedAt = json.Unmarshal(m.Data, &got) == nil, m.Time
+			return false
+		})
+		return err == nil && found
+	})
+	t.Logf("first heartbeat after the outage: made %s, stored %s", got.Heartbeat.Format(time.RFC3339Nano), storedAt.Format(time.RFC3339Nano))
+	// A beat is made at most one period before its write is stored: the one made when the stream went
+	// would be about the outage old.
+	if age := storedAt.Sub(got.Heartbeat); age > 2*period {
+		t.Errorf("first heartbeat stored after a %v outage was made %v before; want under %v", outage, age.Round(time.Millisecond), 2*period)
+	}
+}
