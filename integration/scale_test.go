@@ -83,8 +83,9 @@ func TestFleetScaleHollowAgents(t *testing.T) {
 			t.Fatal(err)
 		}
 		if res.Succeeded != scaleNodes || len(res.Failed) != 0 || res.NotStarted != 0 {
-			t.Fatalf("rollout %s: %d succeeded, %d failed (%v), %d not started, batches %v",
-				res.ID, res.Succeeded, len(res.Failed), res.Failed[:min(5, len(res.Failed))], res.NotStarted, res.Batches)
+			t.Fatalf("rollout %s: %d succeeded, %d failed (%v), %d not started, skipped %v, batches %v",
+				res.ID, res.Succeeded, len(res.Failed), res.Failed[:min(5, len(res.Failed))], res.NotStarted,
+				res.Skipped[:min(5, len(res.Skipped))], res.Batches)
 		}
 		return res
 	}
