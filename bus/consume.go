@@ -64,6 +64,13 @@ type ConsumerConfig struct {
 	// MemoryStorage keeps the consumer's state (on a cluster, its Raft log too) in memory instead of files.
 	// Used by the benchmarks that measure what it saves (docs/benchmarks.md); no worker sets it.
 	MemoryStorage bool
+	// AsyncAck acks a handled message with a plain ack, not waiting for the server to confirm it, instead of
+	// the default double ack (which on a replicated consumer waits for a Raft round of the consumer's group),
+	// so the handler's slot takes the next message at once. Only for idempotent handlers: an ack the server
+	// never got (a lost connection or server, a leader change) redelivers the message after AckWait, and its
+	// second handling must change nothing (the fleet inventory: its sequence guard). Default
+	// false: the puller's work queue and every other consumer confirm each ack before taking more.
+	AsyncAck bool
 	// Replicas of the consumer (0: the stream's). A work queue or interest stream refuses any other count
 	// (err_code 10134), so the pull queues' consumers always have their stream's; the benchmarks use it on
 	// limits streams (docs/benchmarks.md).
@@ -375,8 +382,8 @@ func next(msgs jetstream.MessagesContext, rechecks *int) (jetstream.Msg, error) 
 	return msgs.Next()
 }
 
-// handle runs h on jm and acks, naks or terminates it by what h returned. A message handed back because the
-// consumer stops is naked once pullsClosed is closed.
+// handle runs h on jm and acks (a double ack, or with AsyncAck a plain one), naks or terminates it by what h
+// returned. A message handed back because the consumer stops is naked once pullsClosed is closed.
 func (b *Bus) handle(ctx context.Context, cfg ConsumerConfig, jm jetstream.Msg, h MsgHandler, pullsClosed <-chan struct{}) {
 	meta, _ := jm.Metadata()
 	m := &Msg{Subject: jm.Subject(), Data: jm.Data(), Header: jm.Headers(), m: jm}
@@ -395,7 +402,13 @@ func (b *Bus) handle(ctx context.Context, cfg ConsumerConfig, jm jetstream.Msg, 
 	switch {
 	case err == nil:
 		countHandled(cfg.Durable, "ack", nil)
-		if aErr := jm.DoubleAck(context.WithoutCancel(ctx)); aErr != nil {
+		var aErr error
+		if cfg.AsyncAck {
+			aErr = jm.Ack()
+		} else {
+			aErr = jm.DoubleAck(context.WithoutCancel(ctx))
+		}
+		if aErr != nil {
 			log.Warn("ack failed", "err", aErr)
 		}
 	case ctx.Err() != nil:
