@@ -229,7 +229,11 @@ func (s *Inventory) Run(ctx context.Context) error {
 		}
 	})
 	// Events are applied once the index is loaded: an apply reads the key's sequence and revision from the
-	// index (an event the bucket already reflects costs no request; another is one compare-and-set).
+	// index (an event the bucket already reflects costs no request; another is one compare-and-set). Either
+	// way an applied event is acked without waiting for the server's confirmation (AsyncAck): the apply is
+	// idempotent (the sequence guard), so an ack the server never got only redelivers an event whose second
+	// apply changes nothing, and a handler's slot is not held for the ack's Raft round on the consumer's
+	// group (~10 ms of the ~25 ms an event held it during a catch-up: docs/benchmarks.md).
 	backoff := []time.Duration{100 * time.Millisecond, time.Second, 5 * time.Second}
 	if !s.cfg.Partitioned {
 		run("consume", func() error {
@@ -238,7 +242,8 @@ func (s *Inventory) Run(ctx context.Context) error {
 			}
 			return s.b.Consume(ctx, bus.ConsumerConfig{Stream: events.EventsStream, Durable: s.cfg.Durable,
 				FilterSubjects: []string{events.ImageEventsFilter}, MaxAckPending: 4 * s.cfg.Concurrency,
-				Concurrency: s.cfg.Concurrency, MaxDeliver: 10, Backoff: backoff, DeliverNew: s.cfg.DeliverNew},
+				Concurrency: s.cfg.Concurrency, MaxDeliver: 10, Backoff: backoff, DeliverNew: s.cfg.DeliverNew,
+				AsyncAck: true},
 				s.Apply)
 		})
 	} else {
@@ -254,7 +259,7 @@ func (s *Inventory) Run(ctx context.Context) error {
 				return s.b.Consume(ctx, bus.ConsumerConfig{Stream: events.InventoryStream,
 					Durable: events.InventoryPartitionDurable(p), FilterSubjects: []string{events.InventoryPartitionFilter(p)},
 					MaxAckPending: inventoryPartitionMaxAckPending, Concurrency: per, MaxDeliver: 10, Backoff: backoff,
-					AckWait:    inventoryAckWait,
+					AckWait: inventoryAckWait, AsyncAck: true, StallAfter: inventoryStallAfter,
 					DeliverNew: s.cfg.DeliverNew}, s.ApplyCopy)
 			})
 		}
@@ -273,8 +278,19 @@ func (s *Inventory) Run(ctx context.Context) error {
 }
 
 // inventoryPartitionMaxAckPending bounds a partition durable's events in flight over every replica: 16
-// replicas at the default 16 each.
+// replicas at the default 16 each. An event counts from its delivery until the server has its ack; with the
+// acks not waited for (AsyncAck), a replica's handlers may start new events while acks of theirs are still
+// on the way, and the server holds back deliveries past the bound as before.
 const inventoryPartitionMaxAckPending = 256
+
+// inventoryStallAfter is the partitions' StallAfter: how long a partition whose pull request never reached
+// its consumer's leader sits idle before the replica pulls anew. A partition durable just created on a
+// cluster sometimes lost its replica's first pull request (no pull request waiting at the server, the
+// whole partition pending); with the bus's default of 15 s the catch-up waited 15-20 s for that one
+// partition (docs/benchmarks.md: 20.9 s instead of ~5 s at 1 replica), the other 15 long done. The price is
+// the watchdog's consumer info requests: a look 2 s after a partition's last delivery, then at periods that
+// double up to 5 minutes, 16 per replica at most per period.
+const inventoryStallAfter = 2 * time.Second
 
 // inventoryAckWait is how long a partition's copy stays with a replica that stopped answering before the
 // server hands it to another (an apply takes milliseconds; the shared durable keeps the default 30 s).
