@@ -28,9 +28,9 @@ type InventoryConfig struct {
 	// Partitioned consumes the image events through the 16 partition durables on events.InventoryStream
 	// (the server's partitioned copy of the image events), every replica pulling from every partition,
 	// instead of the one durable (Durable) on the events stream shared by every replica. Default false: on
-	// this project's 2-core machine with three servers the partitions scaled with replicas (2.1-2.7x at 4)
-	// but were slower than the shared durable at 1 and 2 replicas (docs/benchmarks.md, "Issue 15:
-	// partitioned inventory"), so they are opt-in until measured on servers with cores of their own.
+	// this project's 2-core machine with three servers both ways caught up at about the same rate, neither
+	// faster at every replica count, the cores the limit (docs/benchmarks.md, "Issue 15: partitioned
+	// inventory"), so the partitions are opt-in until measured on servers with cores of their own.
 	Partitioned bool
 	// Durable is the shared durable consumer (default "fleet-inventory"). It is API: renaming it re-applies
 	// the whole events stream.
