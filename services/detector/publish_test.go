@@ -1,6 +1,7 @@
 package detector_test
 
 import (
+	"errors"
 	"fmt"
 	"log/slog"
 	"slices"
@@ -111,5 +112,39 @@ func TestUnpublishedEventsRetriedBeforeTheNextDetection(t *testing.T) {
 	slices.Sort(ids)
 	if len(slices.Compact(ids)) != len(evs) {
 		t.Fatalf("event ids %v: an event stored twice", ids)
+	}
+}
+
+// TestFailedDetectionRetriedBeforeTheNextPeriod: a detection that failed (the runtime did not list) is tried
+// again within seconds, not a period later (here an hour): the node's records and image events follow as
+// soon as the runtime answers. Before, they waited for the next period.
+func TestFailedDetectionRetriedBeforeTheNextPeriod(t *testing.T) {
+	bustest.VerifyNoLeaks(t)
+	_, b := bustest.Start(t)
+	rt := critest.NewRuntime()
+	set(rt, []cri.Image{{ID: "sha256:a", Size: 1}}, nil, errors.New("rpc error: code = Unavailable desc = runtime not ready"))
+	var logs bustest.SyncBuffer
+	logger := slog.New(slog.NewTextHandler(&logs, nil))
+	svc, err := detector.New(detector.Config{Node: node, Period: time.Hour, Logger: logger}, rt, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer bustest.RunService(t, svc)()
+	// The start detection and the first retry (0.5-1 s after it) fail.
+	bustest.WaitWithin(t, "two failed detections", 10*time.Second, func() bool {
+		return strings.Count(logs.String(), "failed to monitor images") >= 2
+	})
+	rt.FailList(nil)
+	back := time.Now()
+	// The next retry comes 1-2 s after the last failed one.
+	bustest.Eventually(t, "the image's event in the stream", 10*time.Second, func() error {
+		if evs, _ := storedImageEvents(t, b); !slices.Equal(evs, []string{"imagefleet.image.detected.v1 sha256:a"}) {
+			return fmt.Errorf("stream holds %v", evs)
+		}
+		return nil
+	})
+	t.Logf("image detected %v after the runtime answered again", time.Since(back).Round(time.Millisecond))
+	if got := load(t, b); len(got) != 1 {
+		t.Fatalf("records %v, want sha256:a", got)
 	}
 }

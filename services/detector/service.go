@@ -144,7 +144,8 @@ func (s *Service) write(ctx context.Context, puts []events.ImageRecord, deletes 
 // kubelet's freeImage deletes it with the image), a pull.pulled event runs a detection at once, so records
 // reflect a pull or a removal within a second; the Period stays as the floor. Image events whose publish
 // failed are published again on their own schedule (retryWait: 1 s doubling to 30 s, jittered), not at the
-// next detection. It blocks until ctx ends and returns nil after a clean shutdown.
+// next detection, and a failed detection is tried again on the same schedule, not a period later. It
+// blocks until ctx ends and returns nil after a clean shutdown.
 func (s *Service) Run(ctx context.Context) error {
 	if err := s.Open(ctx); err != nil {
 		return err
@@ -195,6 +196,19 @@ func (s *Service) Run(ctx context.Context) error {
 		retryTimer = time.NewTimer(retryWait(retries))
 		retryC = retryTimer.C
 	}
+	// A failed detection (the runtime or the records bucket did not answer) is tried again on the same
+	// schedule, not a period later: the kubelet's detection feeds only its own cache, ours the node's records
+	// and the fleet's event feed, which would miss the node's images for a whole period.
+	var (
+		redetect       *time.Timer
+		redetectC      <-chan time.Time
+		detectFailures int
+	)
+	defer func() {
+		if redetect != nil {
+			redetect.Stop()
+		}
+	}()
 	for first := true; ; first = false {
 		if !first {
 			select {
@@ -206,6 +220,7 @@ func (s *Service) Run(ctx context.Context) error {
 				wg.Wait()
 				return err
 			case <-tick.C:
+			case <-redetectC:
 			case <-s.wake:
 				s.onEvents(ctx, log)
 				continue
@@ -225,9 +240,22 @@ func (s *Service) Run(ctx context.Context) error {
 				continue
 			}
 		}
-		if _, err := s.Detect(ctx, s.cfg.Now()); err != nil && ctx.Err() == nil {
-			// The kubelet logs "Failed to monitor images" and tries again next period.
-			log.Warn("failed to monitor images", "err", err)
+		if redetect != nil {
+			redetect.Stop()
+			redetect, redetectC = nil, nil
+		}
+		_, err := s.Detect(ctx, s.cfg.Now())
+		switch {
+		case ctx.Err() != nil:
+		case err != nil:
+			// The kubelet logs "Failed to monitor images" and tries again next period; we try sooner.
+			wait := retryWait(detectFailures)
+			detectFailures++
+			log.Warn("failed to monitor images", "err", err, "retry_in", wait.Round(time.Millisecond))
+			redetect = time.NewTimer(wait)
+			redetectC = redetect.C
+		default:
+			detectFailures = 0
 		}
 	}
 }
