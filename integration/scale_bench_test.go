@@ -441,6 +441,41 @@ func inventoryModes(b *testing.B) []string {
 	return out
 }
 
+// inventoryReplicas are the replica counts to benchmark: IMAGEFLEET_SCALE_INVENTORY_REPLICAS, comma-separated
+// (default 1,2,4), so one row can be run again alone.
+func inventoryReplicas(b *testing.B) []int {
+	b.Helper()
+	raw := os.Getenv("IMAGEFLEET_SCALE_INVENTORY_REPLICAS")
+	if raw == "" {
+		return []int{1, 2, 4}
+	}
+	var out []int
+	for _, f := range strings.Split(raw, ",") {
+		r, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || r < 1 {
+			b.Fatalf("IMAGEFLEET_SCALE_INVENTORY_REPLICAS=%q: want replica counts, comma-separated", raw)
+		}
+		out = append(out, r)
+	}
+	return out
+}
+
+// detectorTrouble returns the hollow log's lines in which a detector said it failed (up to n, the last):
+// what a node whose image events are missing said about it.
+func detectorTrouble(path string, n int) string {
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		return err.Error()
+	}
+	var out []string
+	for _, l := range strings.Split(string(raw), "\n") {
+		if strings.Contains(l, "worker=detector") || strings.Contains(l, "image events") {
+			out = append(out, l)
+		}
+	}
+	return fmt.Sprintf("%d detector warnings; the last %d:\n%s", len(out), min(n, len(out)), strings.Join(out[max(0, len(out)-n):], "\n"))
+}
+
 // BenchmarkInventoryCatchUp measures the fleet inventory catching up after N nodes (re)start with 50 images
 // each: the hollow fleet starts and its detectors publish N x 50 image.detected events while no inventory
 // runs; then R inventory replicas (`imagefleet agent --workers inventory`, each its own process) start on
@@ -454,7 +489,7 @@ func BenchmarkInventoryCatchUp(b *testing.B) {
 	for _, n := range scaleSizes(b) {
 		for _, mode := range inventoryModes(b) {
 			var rate1 float64
-			for _, replicas := range []int{1, 2, 4} {
+			for _, replicas := range inventoryReplicas(b) {
 				b.Run(fmt.Sprintf("nodes=%d/inventory=%s/replicas=%d", n, mode, replicas), func(b *testing.B) {
 					for range b.N {
 						b.StopTimer()
@@ -480,7 +515,8 @@ func BenchmarkInventoryCatchUp(b *testing.B) {
 								last, lastChange = got, time.Now()
 							}
 							if time.Since(lastChange) > 90*time.Second || time.Since(began) > 15*time.Minute {
-								b.Fatalf("%d of %d image.detected events after %s", got, want, time.Since(began).Round(time.Second))
+								b.Fatalf("%d of %d image.detected events after %s\n%s", got, want, time.Since(began).Round(time.Second),
+									detectorTrouble(f.h.log, 20))
 							}
 							time.Sleep(time.Second)
 						}
