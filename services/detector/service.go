@@ -181,34 +181,14 @@ func (s *Service) Run(ctx context.Context) error {
 	tick := time.NewTicker(s.cfg.Period)
 	defer tick.Stop()
 	// The retry of unpublished events: armed when a publish fails (s.retry), one attempt each time it fires,
-	// armed again while events wait; retries counts the attempts since the backlog was last empty.
-	var (
-		retryTimer *time.Timer
-		retryC     <-chan time.Time
-		retries    int
-	)
-	defer func() {
-		if retryTimer != nil {
-			retryTimer.Stop()
-		}
-	}()
-	arm := func() {
-		retryTimer = time.NewTimer(retryWait(retries))
-		retryC = retryTimer.C
-	}
+	// armed again while events wait; its failures count the attempts since the backlog was last empty.
+	var republishing retrySchedule
+	defer republishing.stop()
 	// A failed detection (the runtime or the records bucket did not answer) is tried again on the same
 	// schedule, not a period later: the kubelet's detection feeds only its own cache, ours the node's records
 	// and the fleet's event feed, which would miss the node's images for a whole period.
-	var (
-		redetect       *time.Timer
-		redetectC      <-chan time.Time
-		detectFailures int
-	)
-	defer func() {
-		if redetect != nil {
-			redetect.Stop()
-		}
-	}()
+	var redetecting retrySchedule
+	defer redetecting.stop()
 	for first := true; ; first = false {
 		if !first {
 			select {
@@ -220,42 +200,37 @@ func (s *Service) Run(ctx context.Context) error {
 				wg.Wait()
 				return err
 			case <-tick.C:
-			case <-redetectC:
+			case <-redetecting.c:
 			case <-s.wake:
 				s.onEvents(ctx, log)
 				continue
 			case <-s.retry:
-				if retryC == nil {
-					arm()
+				if republishing.c == nil {
+					republishing.arm()
 				}
 				continue
-			case <-retryC:
-				retryC = nil
-				retries++
-				if s.republish(ctx, log, retries) {
-					arm()
+			case <-republishing.c:
+				republishing.c = nil
+				republishing.failures++
+				if s.republish(ctx, log, republishing.failures) {
+					republishing.arm()
 				} else {
-					retries = 0
+					republishing.failures = 0
 				}
 				continue
 			}
 		}
-		if redetect != nil {
-			redetect.Stop()
-			redetect, redetectC = nil, nil
-		}
+		redetecting.stop()
 		_, err := s.Detect(ctx, s.cfg.Now())
 		switch {
 		case ctx.Err() != nil:
 		case err != nil:
 			// The kubelet logs "Failed to monitor images" and tries again next period; we try sooner.
-			wait := retryWait(detectFailures)
-			detectFailures++
+			wait := redetecting.arm()
+			redetecting.failures++
 			log.Warn("failed to monitor images", "err", err, "retry_in", wait.Round(time.Millisecond))
-			redetect = time.NewTimer(wait)
-			redetectC = redetect.C
 		default:
-			detectFailures = 0
+			redetecting.failures = 0
 		}
 	}
 }
@@ -423,6 +398,29 @@ const (
 	retryInitial = time.Second
 	retryMax     = 30 * time.Second
 )
+
+// retrySchedule is a retry armed on retryWait's schedule: c fires once, failures after the last arm.
+type retrySchedule struct {
+	timer    *time.Timer
+	c        <-chan time.Time // nil: not armed
+	failures int              // failed attempts since the last success
+}
+
+// arm starts the wait for the retry after failures failed ones and returns it.
+func (r *retrySchedule) arm() time.Duration {
+	wait := retryWait(r.failures)
+	r.timer = time.NewTimer(wait)
+	r.c = r.timer.C
+	return wait
+}
+
+// stop disarms the retry.
+func (r *retrySchedule) stop() {
+	if r.timer != nil {
+		r.timer.Stop()
+	}
+	r.timer, r.c = nil, nil
+}
 
 // retryWait is the wait before the retry after n failed retries: 0.5-1 s, 1-2 s, 2-4 s, 4-8 s, 8-16 s, then
 // 15-30 s.
