@@ -53,18 +53,25 @@ func scaleReplicas(b *testing.B) int {
 	return r
 }
 
-// scaleSizes returns the fleet sizes to benchmark.
+// scaleSizes returns the fleet sizes to benchmark: IMAGEFLEET_SCALE_NODES, comma-separated (default 1000).
 func scaleSizes(b *testing.B) []int {
 	b.Helper()
-	raw := os.Getenv("IMAGEFLEET_SCALE_NODES")
+	return envCounts(b, "IMAGEFLEET_SCALE_NODES", "1000", "node counts")
+}
+
+// envCounts parses the environment variable name (def when unset), a comma-separated list of positive
+// counts of what.
+func envCounts(b *testing.B, name, def, what string) []int {
+	b.Helper()
+	raw := os.Getenv(name)
 	if raw == "" {
-		raw = "1000"
+		raw = def
 	}
 	var out []int
 	for _, f := range strings.Split(raw, ",") {
 		n, err := strconv.Atoi(strings.TrimSpace(f))
 		if err != nil || n < 1 {
-			b.Fatalf("IMAGEFLEET_SCALE_NODES=%q: want node counts, comma-separated", raw)
+			b.Fatalf("%s=%q: want %s, comma-separated", name, raw, what)
 		}
 		out = append(out, n)
 	}
@@ -445,19 +452,7 @@ func inventoryModes(b *testing.B) []string {
 // (default 1,2,4), so one row can be run again alone.
 func inventoryReplicas(b *testing.B) []int {
 	b.Helper()
-	raw := os.Getenv("IMAGEFLEET_SCALE_INVENTORY_REPLICAS")
-	if raw == "" {
-		return []int{1, 2, 4}
-	}
-	var out []int
-	for _, f := range strings.Split(raw, ",") {
-		r, err := strconv.Atoi(strings.TrimSpace(f))
-		if err != nil || r < 1 {
-			b.Fatalf("IMAGEFLEET_SCALE_INVENTORY_REPLICAS=%q: want replica counts, comma-separated", raw)
-		}
-		out = append(out, r)
-	}
-	return out
+	return envCounts(b, "IMAGEFLEET_SCALE_INVENTORY_REPLICAS", "1,2,4", "replica counts")
 }
 
 // detectorTrouble returns the hollow log's lines in which a detector said it failed (up to n, the last):
