@@ -62,15 +62,18 @@ func BenchmarkHollowGCMessages(b *testing.B) {
 				const idleWindow = 10 * time.Second
 				time.Sleep(idleWindow)
 				idle := take()
-				for _, op := range []struct{ name string }{{"gc-dryrun"}, {"gc"}} {
+				for _, op := range []string{"gc-dryrun", "gc", "prepull"} {
 					args := []string{"fleet", "gc", "--all-unused", "--nats", url, "-o", "json"}
-					if op.name == "gc-dryrun" {
+					switch op {
+					case "gc-dryrun":
 						args = append(args, "--dry-run")
+					case "prepull":
+						args = []string{"fleet", "pull", "registry.local/bench/prepull:v1", "--nats", url, "-o", "json"}
 					}
 					take()
 					began := time.Now()
 					if out, err := cli(b.Context(), bin, args...); err != nil {
-						b.Fatalf("%s: %v\n%s", op.name, err, out)
+						b.Fatalf("%s: %v\n%s", op, err, out)
 					}
 					time.Sleep(2 * time.Second) // what the pass set off after its reply (record deletes)
 					got, wall := take(), time.Since(began)
@@ -88,7 +91,7 @@ func BenchmarkHollowGCMessages(b *testing.B) {
 						if v < 0.05 {
 							continue
 						}
-						b.Logf("%s %-70s %6.2f per node", op.name, k, v)
+						b.Logf("%s %-70s %6.2f per node", op, k, v)
 						all += v
 						if strings.HasPrefix(k, "$JS.API.") && !strings.HasPrefix(k, "$JS.API.CONSUMER.MSG.NEXT") {
 							api += v
@@ -97,9 +100,9 @@ func BenchmarkHollowGCMessages(b *testing.B) {
 							kvEvt += v
 						}
 					}
-					b.ReportMetric(all, op.name+"-msgs/node")
-					b.ReportMetric(api, op.name+"-js-api/node")
-					b.ReportMetric(kvEvt, op.name+"-kv-evt/node")
+					b.ReportMetric(all, op+"-msgs/node")
+					b.ReportMetric(api, op+"-js-api/node")
+					b.ReportMetric(kvEvt, op+"-kv-evt/node")
 				}
 				cancel()
 				for range countedSubjects {

@@ -341,6 +341,49 @@ func (f *hollowFleet) run(b *testing.B, bin string, args ...string) rolloutCost 
 	return rc
 }
 
+// idleCost is what the fleet costs while nothing runs: heartbeats, pull requests, periodic passes.
+type idleCost struct {
+	window          time.Duration
+	nats, hollowUse procCost
+	msgs            int64 // handed to the servers (/varz in_msgs, summed)
+}
+
+// idle samples the servers and the hollow agents for window while no rollout runs.
+func (f *hollowFleet) idle(b *testing.B, window time.Duration) idleCost {
+	b.Helper()
+	ctx := b.Context()
+	m0, err := serverMsgs(ctx, f.monitor)
+	if err != nil {
+		b.Fatal(err)
+	}
+	ns, err := sampleProcs(f.c.serverPIDs()...)
+	if err != nil {
+		b.Fatal(err)
+	}
+	hs, err := sampleProcs(f.h.cmd.Process.Pid)
+	if err != nil {
+		b.Fatal(err)
+	}
+	time.Sleep(window)
+	ic := idleCost{window: window, nats: ns.Stop(), hollowUse: hs.Stop()}
+	m1, err := serverMsgs(ctx, f.monitor)
+	if err != nil {
+		b.Fatal(err)
+	}
+	ic.msgs = m1 - m0
+	return ic
+}
+
+func (ic idleCost) report(b *testing.B, f *hollowFleet) {
+	secs := ic.window.Seconds()
+	b.Logf("idle %s: servers %.2f CPU-s/s, %.0f MiB; hollow agents %.2f CPU-s/s; %.0f server messages/s (%.2f per node per second)",
+		ic.window, ic.nats.CPU.Seconds()/secs, float64(ic.nats.PeakRSS)/(1<<20), ic.hollowUse.CPU.Seconds()/secs,
+		float64(ic.msgs)/secs, float64(ic.msgs)/secs/float64(f.n))
+	b.ReportMetric(ic.nats.CPU.Seconds()/secs, "nats-cpu-s/s")
+	b.ReportMetric(ic.hollowUse.CPU.Seconds()/secs, "hollow-cpu-s/s")
+	b.ReportMetric(float64(ic.msgs)/secs/float64(f.n), "server-msgs/node/s")
+}
+
 // failuresByError groups a rollout's failed nodes by their error, most frequent first, naming up to three
 // nodes of each: "11 x kv update ...: context deadline exceeded (hollow-06112, ...)".
 func failuresByError(failed []events.RolloutNodeError) string {
@@ -400,10 +443,17 @@ func BenchmarkHollowFleet(b *testing.B) {
 // benchHollowFleet is BenchmarkHollowFleet at n agents of agentBin.
 func benchHollowFleet(b *testing.B, bin, agentBin, prefix string, n int, nofile uint64) {
 	b.Run(fmt.Sprintf("%snodes=%d", prefix, n), func(b *testing.B) {
-		f := startHollowFleetOf(b, bin, agentBin, n, "--images-per-node", "8", "--pull-delay", "100ms")
+		// IMAGEFLEET_SCALE_HOLLOW_ARGS: more flags for the hollow agents (e.g. "--heartbeat-period 20s").
+		hollowArgs := append([]string{"--images-per-node", "8", "--pull-delay", "100ms"}, strings.Fields(os.Getenv("IMAGEFLEET_SCALE_HOLLOW_ARGS"))...)
+		f := startHollowFleetOf(b, bin, agentBin, n, hollowArgs...)
 		b.Logf("%d agents Ready in %s; hollow RSS %.0f KiB per agent; RLIMIT_NOFILE %d", n, f.startup.Round(time.Millisecond), f.rssPer/1024, nofile)
 		baseline := requestBaseline(b, f.c, n)
 		b.Logf("baseline: %d request/replies in slow-start batches: %s", n, baseline.Round(time.Millisecond))
+		b.Run("op=idle", func(b *testing.B) {
+			for range b.N {
+				f.idle(b, 10*time.Second).report(b, f)
+			}
+		})
 		b.Run("op=gc-dryrun", func(b *testing.B) {
 			for range b.N {
 				rc := f.run(b, bin, "fleet", "gc", "--dry-run", "--all-unused")
