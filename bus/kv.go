@@ -28,7 +28,14 @@ type KVConfig struct {
 type KV struct {
 	b  *Bus
 	kv jetstream.KeyValue
+	// ttl is the bucket's TTL as KV found or made it; ttlKnown is false when KV could not tell (a bucket
+	// another client made at the same moment, or one KVExisting opened).
+	ttl      time.Duration
+	ttlKnown bool
 }
+
+// TTL is the bucket's TTL (0: values never expire) as KV found or made it; false when not known.
+func (k *KV) TTL() (time.Duration, bool) { return k.ttl, k.ttlKnown }
 
 // KV opens the bucket, creating it if it does not exist (idempotent), and returns it. An existing bucket
 // whose settings differ is updated when the identity may; otherwise it is used as it is (a node identity
@@ -56,14 +63,14 @@ func (b *Bus) openKV(ctx context.Context, cfg KVConfig, kvc jetstream.KeyValueCo
 	kv, err := b.js.KeyValue(ctx, cfg.Bucket)
 	switch {
 	case err == nil:
-		matches, sErr := bucketMatches(ctx, kv, &kvc)
+		matches, haveTTL, sErr := bucketMatches(ctx, kv, &kvc)
 		if sErr != nil {
 			// Not a mismatch: a status that timed out (a busy cluster) is retried as a transient error,
 			// instead of an update that is one more API request per node and would fail the same way.
 			return nil, fmt.Errorf("key-value bucket %s status: %w", cfg.Bucket, sErr)
 		}
 		if matches {
-			return &KV{b: b, kv: kv}, nil
+			return &KV{b: b, kv: kv, ttl: haveTTL, ttlKnown: true}, nil
 		}
 		var updated jetstream.KeyValue
 		err := b.refusable(ctx, b.apiPrefix("KV_"+cfg.Bucket)+"STREAM.UPDATE.KV_"+cfg.Bucket, func(ctx context.Context) (err error) {
@@ -72,15 +79,16 @@ func (b *Bus) openKV(ctx context.Context, cfg KVConfig, kvc jetstream.KeyValueCo
 		})
 		if err != nil {
 			b.log.Warn("bucket kept with its existing settings", "bucket", cfg.Bucket, "err", err)
-			return &KV{b: b, kv: kv}, nil
+			return &KV{b: b, kv: kv, ttl: haveTTL, ttlKnown: true}, nil
 		}
-		return &KV{b: b, kv: updated}, nil
+		return &KV{b: b, kv: updated, ttl: kvc.TTL, ttlKnown: true}, nil
 	case errors.Is(err, jetstream.ErrBucketNotFound):
 		kvc.Replicas = max(kvc.Replicas, 1)
 		err = b.refusable(ctx, b.apiPrefix("KV_"+cfg.Bucket)+"STREAM.CREATE.KV_"+cfg.Bucket, func(ctx context.Context) (err error) {
 			kv, err = b.js.CreateKeyValue(ctx, kvc)
 			return err
 		})
+		made := err == nil
 		if errors.Is(err, jetstream.ErrBucketExists) {
 			kv, err = b.js.KeyValue(ctx, cfg.Bucket)
 		}
@@ -90,29 +98,36 @@ func (b *Bus) openKV(ctx context.Context, cfg KVConfig, kvc jetstream.KeyValueCo
 		if err := b.RaiseBucketConsumers(ctx, cfg.Bucket); err != nil {
 			b.log.Warn("bucket kept at the server's consumer limit", "bucket", cfg.Bucket, "err", err)
 		}
-		return &KV{b: b, kv: kv}, nil
+		out := &KV{b: b, kv: kv, ttl: kvc.TTL, ttlKnown: made}
+		if !made {
+			// Another client made it first, perhaps with another TTL: ask (a failed read leaves it unknown).
+			if st, err := kv.Status(ctx); err == nil {
+				out.ttl, out.ttlKnown = st.TTL(), true
+			}
+		}
+		return out, nil
 	default:
 		return nil, fmt.Errorf("key-value bucket %s: %w", cfg.Bucket, err)
 	}
 }
 
-// bucketMatches reports whether an open bucket has the settings KV would give it. Unspecified replicas (0)
-// take the bucket's own. A status that cannot be read is an error, never a mismatch.
-func bucketMatches(ctx context.Context, kv jetstream.KeyValue, want *jetstream.KeyValueConfig) (bool, error) {
+// bucketMatches reports whether an open bucket has the settings KV would give it, and the TTL it has.
+// Unspecified replicas (0) take the bucket's own. A status that cannot be read is an error, never a mismatch.
+func bucketMatches(ctx context.Context, kv jetstream.KeyValue, want *jetstream.KeyValueConfig) (bool, time.Duration, error) {
 	st, err := kv.Status(ctx)
 	if err != nil {
-		return false, err
+		return false, 0, err
 	}
 	bs, ok := st.(*jetstream.KeyValueBucketStatus)
 	if !ok || bs.StreamInfo() == nil {
-		return false, nil
+		return false, st.TTL(), nil
 	}
 	have := bs.StreamInfo().Config
 	if want.Replicas == 0 {
 		want.Replicas = have.Replicas
 	}
 	return have.MaxAge == want.TTL && have.MaxMsgsPerSubject == int64(want.History) &&
-		have.Replicas == want.Replicas && have.MaxBytes == want.MaxBytes, nil
+		have.Replicas == want.Replicas && have.MaxBytes == want.MaxBytes, have.MaxAge, nil
 }
 
 // Get returns the value and revision of key, or ErrKeyNotFound.

@@ -19,7 +19,7 @@ func (statusFails) Status(context.Context) (jetstream.KeyValueStatus, error) {
 // that differ: at 10,000 nodes each such read was followed by an update request and a misleading "bucket kept
 // with its existing settings" warning (docs/scale.md).
 func TestBucketStatusErrorIsNoMismatch(t *testing.T) {
-	matches, err := bucketMatches(t.Context(), statusFails{}, &jetstream.KeyValueConfig{Bucket: "b", History: 1})
+	matches, _, err := bucketMatches(t.Context(), statusFails{}, &jetstream.KeyValueConfig{Bucket: "b", History: 1})
 	if !errors.Is(err, context.DeadlineExceeded) || matches {
 		t.Fatalf("bucketMatches with a status timing out = %v, %v; want false, %v", matches, err, context.DeadlineExceeded)
 	}
