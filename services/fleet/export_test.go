@@ -9,3 +9,6 @@ func SetGCAttemptTimeout(d time.Duration) (restore func()) {
 	gcAttemptTimeout = d
 	return func() { gcAttemptTimeout = old }
 }
+
+// StretchedPeriod is stretchedPeriod, the heartbeat's rate controller.
+var StretchedPeriod = stretchedPeriod

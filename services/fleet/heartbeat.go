@@ -22,9 +22,16 @@ type HeartbeatConfig struct {
 	Labels map[string]string
 	// Period is the heartbeat period (default 10s).
 	Period time.Duration
-	// TTL is how long the heartbeat key lives without a new heartbeat (default 3 periods). It is the TTL of
-	// the imagefleet-nodes bucket, fixed by whichever agent creates it first.
+	// TTL is how long the heartbeat key lives without a new heartbeat (default: 3 periods, at least
+	// DefaultHeartbeatTTL while MaxRate stretches the period). It is the TTL of the imagefleet-nodes bucket,
+	// fixed by whichever agent creates it first (`imagefleet bus init` in production).
 	TTL time.Duration
+	// MaxRate is how many heartbeats per second the fleet's TTL bucket should take at most (default
+	// DefaultHeartbeatMaxRate; negative: never stretch). Each heartbeat measures the rate the bucket takes
+	// from the revisions of its own two last writes; above MaxRate the period stretches so that the fleet's
+	// rate comes back to it, and it shrinks back to Period as the rate falls: never below Period, never
+	// above a third of the bucket's TTL, so the key outlives two missed heartbeats.
+	MaxRate float64
 	// AgentVersion is reported as is (default "dev").
 	AgentVersion string
 	// Workers are the agent's worker names, reported as is.
@@ -54,6 +61,15 @@ type heartbeatRuntime interface {
 // DefaultFullEvery is how many heartbeats may pass between two writes of an unchanged full record.
 const DefaultFullEvery = 30
 
+// DefaultHeartbeatMaxRate is the heartbeats per second the registry's TTL bucket takes before the nodes
+// stretch their period: 500, what the kubelets of Kubernetes' largest supported cluster (5,000 nodes) write
+// renewing their node leases every 10 s. A fleet of up to 5,000 nodes heartbeats every 10 s; 10,000 every 20 s.
+const DefaultHeartbeatMaxRate = 500
+
+// DefaultHeartbeatTTL is the TTL of the heartbeat bucket `imagefleet bus init` makes: 3 periods of 30 s, the
+// longest period the default rate stretches to (15,000 nodes).
+const DefaultHeartbeatTTL = 90 * time.Second
+
 // Heartbeat announces its node into the registry every period: a thin record (node, time, period) into the
 // TTL bucket every period, the full record into the last-seen bucket when it changed or every FullEvery-th
 // period. The registry reads both (and the previous release's full record in both buckets).
@@ -66,6 +82,9 @@ type Heartbeat struct {
 	// Only the goroutine calling beat touches these: Run's loop, or one Beat at a time.
 	lastFull  events.NodeInfo // the last full record written (zero: none yet)
 	sinceFull int             // heartbeats since it was written
+	period    time.Duration   // the period now: cfg.Period, or stretched (MaxRate)
+	lastRev   uint64          // the revision of the last thin record written (0: none, or the beat failed)
+	lastAt    time.Time       // when it was written
 }
 
 // NewHeartbeat validates cfg and returns the worker.
@@ -79,8 +98,14 @@ func NewHeartbeat(cfg HeartbeatConfig, rt heartbeatRuntime, b *bus.Bus) (*Heartb
 	if cfg.Period == 0 {
 		cfg.Period = DefaultHeartbeatPeriod
 	}
+	if cfg.MaxRate == 0 {
+		cfg.MaxRate = DefaultHeartbeatMaxRate
+	}
 	if cfg.TTL == 0 {
 		cfg.TTL = time.Duration(DefaultLostAfterPeriods) * cfg.Period
+		if cfg.MaxRate > 0 {
+			cfg.TTL = max(cfg.TTL, DefaultHeartbeatTTL)
+		}
 	}
 	if cfg.FullEvery < 0 {
 		return nil, fmt.Errorf("heartbeat full-every %d must not be negative", cfg.FullEvery)
@@ -112,7 +137,7 @@ func NewHeartbeat(cfg HeartbeatConfig, rt heartbeatRuntime, b *bus.Bus) (*Heartb
 		cfg.Logger = slog.Default()
 	}
 	cfg.Labels = maps.Clone(cfg.Labels)
-	return &Heartbeat{cfg: cfg, rt: rt, b: b, started: cfg.Clock().UTC()}, nil
+	return &Heartbeat{cfg: cfg, rt: rt, b: b, started: cfg.Clock().UTC(), period: cfg.Period}, nil
 }
 
 // Run heartbeats until ctx ends. A failed heartbeat is logged and retried at the next period: the node is
@@ -127,14 +152,18 @@ func (h *Heartbeat) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	t := time.NewTicker(h.cfg.Period)
+	t := time.NewTicker(h.period)
 	defer t.Stop()
 	for {
-		bctx, cancel := context.WithTimeout(ctx, h.cfg.Period)
+		period := h.period
+		bctx, cancel := context.WithTimeout(ctx, period)
 		_, err := h.beat(bctx, alive, seen)
 		cancel()
 		if err != nil && ctx.Err() == nil {
 			h.cfg.Logger.Warn("heartbeat failed", "node", h.cfg.Node, "err", err)
+		}
+		if h.period != period {
+			t.Reset(h.period)
 		}
 		select {
 		case <-ctx.Done():
@@ -142,6 +171,43 @@ func (h *Heartbeat) Run(ctx context.Context) error {
 		case <-t.C:
 		}
 	}
+}
+
+// adapt sets the next period from the rate the TTL bucket took between this node's last two thin records
+// (their revisions are the bucket's sequence: every node's writes in between are counted).
+func (h *Heartbeat) adapt(alive *bus.KV, rev uint64, at time.Time) {
+	prevRev, prevAt := h.lastRev, h.lastAt
+	h.lastRev, h.lastAt = rev, at
+	if h.cfg.MaxRate <= 0 || prevRev == 0 || rev <= prevRev || !at.After(prevAt) {
+		return
+	}
+	limit := h.cfg.Period
+	if ttl, ok := alive.TTL(); ok && ttl > 0 {
+		limit = max(limit, ttl/time.Duration(DefaultLostAfterPeriods))
+	}
+	rate := float64(rev-prevRev) / at.Sub(prevAt).Seconds()
+	next := stretchedPeriod(h.period, h.cfg.Period, limit, rate, h.cfg.MaxRate)
+	if next != h.period {
+		h.cfg.Logger.Info("heartbeat period changed", "node", h.cfg.Node, "period", next, "was", h.period,
+			"bucket_rate", fmt.Sprintf("%.0f/s", rate), "max_rate", h.cfg.MaxRate)
+		h.period = next
+	}
+}
+
+// stretchedPeriod is the period that brings a bucket taking rate heartbeats per second, while this node
+// beats every cur, to maxRate if every node does the same: cur x rate / maxRate, kept between base and
+// limit, in whole seconds when base is, and cur itself unless that moves it by a tenth or more (the rate of
+// one period is noisy by a few writes; a fleet settles in one or two periods).
+func stretchedPeriod(cur, base, limit time.Duration, rate, maxRate float64) time.Duration {
+	want := time.Duration(float64(cur) * rate / maxRate)
+	if base >= time.Second {
+		want = want.Round(time.Second)
+	}
+	want = min(max(want, base), max(limit, base))
+	if d := want - cur; d < cur/10 && -d < cur/10 {
+		return cur
+	}
+	return want
 }
 
 func (h *Heartbeat) buckets(ctx context.Context) (alive, seen *bus.KV, err error) {
@@ -162,11 +228,11 @@ func heartbeatBuckets(ctx context.Context, b *bus.Bus, ttl time.Duration, replic
 	return alive, seen, nil
 }
 
-// EnsureBuckets creates the fleet's buckets and stream (heartbeats with the default period and TTL, last
+// EnsureBuckets creates the fleet's buckets and stream (heartbeats with DefaultHeartbeatTTL, last
 // seen, inventory, rollouts) with replicas (0: the connection's default): what `imagefleet bus init` runs
 // with the admin identity, so agents with node identities, which may not create buckets, find them.
 func EnsureBuckets(ctx context.Context, b *bus.Bus, replicas int) error {
-	if _, _, err := heartbeatBuckets(ctx, b, time.Duration(DefaultLostAfterPeriods)*DefaultHeartbeatPeriod, replicas); err != nil {
+	if _, _, err := heartbeatBuckets(ctx, b, DefaultHeartbeatTTL, replicas); err != nil {
 		return err
 	}
 	if _, err := b.KV(ctx, inventoryBucket(replicas)); err != nil {
@@ -187,7 +253,7 @@ func (h *Heartbeat) Beat(ctx context.Context) (events.NodeInfo, error) {
 // Info reads the runtime and builds the heartbeat (runtime problems go into Error, not into err).
 func (h *Heartbeat) Info(ctx context.Context) events.NodeInfo {
 	info := events.NodeInfo{Node: h.cfg.Node, Labels: h.cfg.Labels, AgentVersion: h.cfg.AgentVersion,
-		Workers: h.cfg.Workers, Started: h.started, Period: events.Duration{Duration: h.cfg.Period},
+		Workers: h.cfg.Workers, Started: h.started, Period: events.Duration{Duration: h.period},
 		JSDomain: h.b.PullDomain()}
 	var problems []string
 	name, version, err := h.rt.Version(ctx)
@@ -221,7 +287,7 @@ func (h *Heartbeat) beat(ctx context.Context, alive, seen *bus.KV) (events.NodeI
 	info := h.Info(ctx)
 	key := events.NodeToken(h.cfg.Node)
 	// The full record first: a reader that finds the alive key finds the node's record too.
-	if h.lastFull.Node == "" || h.sinceFull+1 >= h.cfg.FullEvery || fullChanged(h.lastFull, info) {
+	if h.lastFull.Node == "" || h.sinceFull+1 >= h.fullEvery() || fullChanged(h.lastFull, info) {
 		raw, err := json.Marshal(info)
 		if err != nil {
 			return info, fmt.Errorf("marshal heartbeat: %w", err)
@@ -237,10 +303,23 @@ func (h *Heartbeat) beat(ctx context.Context, alive, seen *bus.KV) (events.NodeI
 	if err != nil {
 		return info, fmt.Errorf("marshal heartbeat: %w", err)
 	}
-	if _, err := alive.Put(ctx, key, raw); err != nil {
+	rev, err := alive.Put(ctx, key, raw)
+	if err != nil {
+		h.lastRev = 0
 		return info, fmt.Errorf("heartbeat: %w", err)
 	}
+	h.adapt(alive, rev, h.cfg.Clock())
 	return info, nil
+}
+
+// fullEvery is FullEvery counted in periods of the configured length: a stretched period writes the
+// unchanged full record as often in time (5 minutes by default), in fewer heartbeats.
+func (h *Heartbeat) fullEvery() int {
+	if h.period <= h.cfg.Period {
+		return h.cfg.FullEvery
+	}
+	every := time.Duration(h.cfg.FullEvery) * h.cfg.Period
+	return max(1, int((every+h.period-1)/h.period))
 }
 
 // fullChanged reports whether the full record moved enough since it was last written to be written again:
