@@ -169,6 +169,8 @@ var agentWorkers = []workerDef{
 		Flags: func(fs *pflag.FlagSet, c *agentConfig) {
 			fs.StringVar(&c.NodeLabels, "node-labels", "", "labels of this node for fleet selectors, k=v,k2=v2")
 			fs.DurationVar(&c.Heartbeat.Period, "heartbeat-period", 10*time.Second, "how often the node announces itself to the fleet registry")
+			fs.Float64Var(&c.Heartbeat.MaxRate, "heartbeat-max-rate", fleet.DefaultHeartbeatMaxRate,
+				"heartbeats per second the fleet's registry takes before its nodes stretch their period (never below --heartbeat-period, never above a third of the registry bucket's TTL); 0 keeps the period fixed")
 			fs.DurationVar(&c.NodeStatusReportFrequency, "node-status-report-frequency", 5*time.Minute,
 				"how often the node's full record (labels, runtime, workers, image filesystem) is written to the registry even when unchanged, as the kubelet's nodeStatusReportFrequency; rounded up to whole --heartbeat-period periods (a heartbeat in between writes only the node's name and time, a change is written at once)")
 		},
@@ -577,6 +579,12 @@ func heartbeatConfig(c *agentConfig, env *agentEnv) (fleet.HeartbeatConfig, erro
 		return fleet.HeartbeatConfig{}, fmt.Errorf("invalid configuration: nodeStatusReportFrequency (--node-status-report-frequency) %v: must be above 0", report)
 	}
 	cfg := c.Heartbeat
+	switch {
+	case cfg.MaxRate < 0:
+		return fleet.HeartbeatConfig{}, fmt.Errorf("invalid configuration: --heartbeat-max-rate %v: must not be negative (0 keeps the period fixed)", cfg.MaxRate)
+	case cfg.MaxRate == 0:
+		cfg.MaxRate = -1 // HeartbeatConfig's "never stretch"; its 0 is the default rate
+	}
 	period := cfg.Period
 	if period <= 0 {
 		period = fleet.DefaultHeartbeatPeriod // NewHeartbeat's default; a negative one it rejects

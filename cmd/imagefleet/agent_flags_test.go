@@ -70,3 +70,51 @@ func TestNodeStatusReportFrequencyFlag(t *testing.T) {
 		}
 	})
 }
+
+// TestHeartbeatMaxRateFlag: --heartbeat-max-rate (default 500) becomes the heartbeat's MaxRate; 0 keeps the
+// period fixed (HeartbeatConfig's negative); a negative value is refused with the flag's name; hollow
+// agents take it too.
+func TestHeartbeatMaxRateFlag(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		args []string
+		want float64
+		err  string
+	}{
+		{"default", nil, 500, ""},
+		{"set", []string{"--heartbeat-max-rate", "2000"}, 2000, ""},
+		{"fractional", []string{"--heartbeat-max-rate", "0.5"}, 0.5, ""},
+		{"zero: fixed period", []string{"--heartbeat-max-rate", "0"}, -1, ""},
+		{"negative", []string{"--heartbeat-max-rate", "-3"}, 0,
+			"invalid configuration: --heartbeat-max-rate -3: must not be negative (0 keeps the period fixed)"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var c agentConfig
+			fs := pflag.NewFlagSet("agent", pflag.ContinueOnError)
+			c.flags(fs)
+			if err := fs.Parse(tc.args); err != nil {
+				t.Fatal(err)
+			}
+			cfg, err := heartbeatConfig(&c, &agentEnv{Node: "n1", Workers: []string{"heartbeat"}})
+			if tc.err != "" {
+				if err == nil || err.Error() != tc.err {
+					t.Fatalf("error %v, want %q", err, tc.err)
+				}
+				return
+			}
+			if err != nil || cfg.MaxRate != tc.want {
+				t.Fatalf("MaxRate %v, %v; want %v", cfg.MaxRate, err, tc.want)
+			}
+		})
+	}
+	t.Run("hollow", func(t *testing.T) {
+		h, _, err := parseHollow(t, "--nodes", "1", "--heartbeat-max-rate", "50")
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg, err := heartbeatConfig(&h.Agent, &agentEnv{Node: "hollow-0"})
+		if err != nil || cfg.MaxRate != 50 {
+			t.Fatalf("MaxRate %v, %v; want 50", cfg.MaxRate, err)
+		}
+	})
+}
