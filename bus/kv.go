@@ -208,28 +208,31 @@ func (k *KV) List(ctx context.Context, filter string) ([]Entry, error) {
 	}
 	var w jetstream.KeyWatcher
 	err := k.b.retryTransientFor(ctx, "kv list "+k.kv.Bucket(), kvRetryFor, func(context.Context) (err error) {
-		w, err = k.kv.Watch(ctx, filter, jetstream.IgnoreDeletes())
+		w, err = k.kv.Watch(ctx, filter)
 		return err
 	})
 	if err != nil {
 		return nil, fmt.Errorf("kv list %s/%s: %w", k.kv.Bucket(), filter, err)
 	}
 	defer func() { _ = w.Stop() }()
+	// A key rewritten while the bucket streams by comes twice (readInitial): its later entry replaces the
+	// first, where the first was.
 	var out []Entry
-	for {
-		select {
-		case <-ctx.Done():
-			return nil, ctx.Err()
-		case e, ok := <-w.Updates():
-			if !ok {
-				return out, nil
-			}
-			if e == nil { // end of initial values
-				return out, nil
-			}
-			out = append(out, Entry{Key: e.Key(), Value: e.Value(), Revision: e.Revision(), Created: e.Created()})
+	at := map[string]int{}
+	err = readInitial(ctx, w, k.lastRev, func(e jetstream.KeyValueEntry) bool {
+		en := Entry{Key: e.Key(), Value: e.Value(), Revision: e.Revision(), Created: e.Created()}
+		if i, ok := at[en.Key]; ok {
+			out[i] = en
+			return true
 		}
+		at[en.Key] = len(out)
+		out = append(out, en)
+		return true
+	})
+	if err != nil {
+		return nil, err
 	}
+	return out, nil
 }
 
 // Watch calls fn for every current entry, then nil-marker (fn with Entry{} and initial=false), then each change

@@ -4,39 +4,115 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
 )
 
 // Range calls fn for every live entry whose key matches filter (a NATS subject filter over keys, ">" for all),
 // in the bucket's storage order, without holding them: the server filters by key, the caller by anything
-// else, and memory stays that of one entry. fn returning false stops the range early.
+// else, and memory stays that of one entry. fn returning false stops the range early. A key rewritten while
+// the range runs may come twice, the later entry last (readInitial). A range that reads anything asks for
+// the bucket's status once.
 func (k *KV) Range(ctx context.Context, filter string, fn func(Entry) bool) error {
 	if filter == "" {
 		filter = ">"
 	}
 	var w jetstream.KeyWatcher
 	err := k.b.retryTransientFor(ctx, "kv range "+k.kv.Bucket(), kvRetryFor, func(context.Context) (err error) {
-		w, err = k.kv.Watch(ctx, filter, jetstream.IgnoreDeletes())
+		w, err = k.kv.Watch(ctx, filter)
 		return err
 	})
 	if err != nil {
 		return fmt.Errorf("kv range %s/%s: %w", k.kv.Bucket(), filter, err)
 	}
 	defer func() { _ = w.Stop() }()
+	return readInitial(ctx, w, k.lastRev, func(e jetstream.KeyValueEntry) bool {
+		return fn(Entry{Key: e.Key(), Value: e.Value(), Revision: e.Revision(), Created: e.Created()})
+	})
+}
+
+// readInitial passes a watcher's current entries (puts; deletes skipped) to fn until the bucket has none
+// pending, or fn returns false.
+//
+// Neither nats.go's end-of-initial-values marker nor a message's own pending count (Delta 0) says that on
+// its own while the bucket is being written (nats.go v1.55 with nats-server v2.15.2; the repro is
+// TestRangeWhileKeysAreRewritten). A key rewritten as the watch begins has its old revision removed
+// before it is delivered and its new one appended, and the server's pending count can leave out that new
+// one: the range ended one key short. A registry of nodes heartbeating every period missed live nodes that
+// way, and a rollout skipped them as Lost. So once nothing is said to be pending, readInitial asks the
+// bucket's last revision (lastRev, one stream info request) and reads on to it: entries up to that moment
+// are all delivered. A rewritten key can come twice; callers keep the later entry.
+func readInitial(ctx context.Context, w jetstream.KeyWatcher, lastRev func(context.Context) (uint64, error),
+	fn func(jetstream.KeyValueEntry) bool) error {
+	var got, until uint64 // entries read; once the pending count ran out, the revision to read to
 	for {
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case e, ok := <-w.Updates():
-			if !ok || e == nil { // closed, or the end of the initial values
-				return nil
+		var e jetstream.KeyValueEntry
+		var ok bool
+		if until == 0 {
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case e, ok = <-w.Updates():
 			}
-			if !fn(Entry{Key: e.Key(), Value: e.Value(), Revision: e.Revision(), Created: e.Created()}) {
+		} else {
+			// Reading on to until: its entry may have gone meanwhile (expired, purged) with none after it.
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case e, ok = <-w.Updates():
+			case <-time.After(rangeQuiet):
 				return nil
 			}
 		}
+		switch {
+		case !ok:
+			return nil
+		case e == nil:
+			if got == 0 { // nothing was pending when the watch began
+				return nil
+			}
+			continue
+		}
+		got++
+		if e.Operation() == jetstream.KeyValuePut && !fn(e) {
+			return nil
+		}
+		if until != 0 {
+			if e.Revision() >= until {
+				return nil
+			}
+			continue
+		}
+		if e.Delta() != 0 {
+			continue
+		}
+		last, err := lastRev(ctx)
+		if err != nil {
+			return err
+		}
+		if last <= e.Revision() {
+			return nil
+		}
+		until = last
 	}
+}
+
+// rangeQuiet is how long readInitial waits for the bucket's last revision when nothing arrives: it was
+// removed before it could be delivered.
+const rangeQuiet = 2 * time.Second
+
+// lastRev returns the bucket's last revision (its stream's last sequence).
+func (k *KV) lastRev(ctx context.Context) (uint64, error) {
+	st, err := k.kv.Status(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("kv %s status: %w", k.kv.Bucket(), err)
+	}
+	bs, ok := st.(*jetstream.KeyValueBucketStatus)
+	if !ok || bs.StreamInfo() == nil {
+		return 0, fmt.Errorf("kv %s status: no stream info", k.kv.Bucket())
+	}
+	return bs.StreamInfo().State.LastSeq, nil
 }
 
 // DeleteIf removes key only if its latest revision is still rev (compare and delete); otherwise it returns an
