@@ -260,7 +260,7 @@ func (p *pager) wants(node string) bool {
 	if p.after != "" && node <= p.after {
 		return false
 	}
-	if p.full && node >= p.worst {
+	if p.full && node > p.worst {
 		p.more = true
 		return false
 	}
@@ -275,7 +275,18 @@ func (p *pager) add(n pageItem) {
 }
 
 func (p *pager) trim() {
-	sort.Slice(p.cands, func(i, j int) bool { return p.cands[i].node < p.cands[j].node })
+	// A node's record rewritten while the bucket streams by comes twice (the stream delivers the new
+	// revision too): the later one, newer, is kept.
+	sort.SliceStable(p.cands, func(i, j int) bool { return p.cands[i].node < p.cands[j].node })
+	kept := p.cands[:0]
+	for i, c := range p.cands {
+		if i+1 < len(p.cands) && p.cands[i+1].node == c.node {
+			continue
+		}
+		kept = append(kept, c)
+	}
+	clear(p.cands[len(kept):])
+	p.cands = kept
 	if p.limit <= 0 {
 		return
 	}

@@ -1,7 +1,9 @@
 package fleet_test
 
 import (
-	"github.com/imagefleet/imagefleet/services/cri/critest"
+	"context"
+	"encoding/json"
+	"fmt"
 	"slices"
 	"strings"
 	"testing"
@@ -9,6 +11,7 @@ import (
 
 	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/services/cri/critest"
 	"github.com/imagefleet/imagefleet/services/fleet"
 )
 
@@ -204,5 +207,86 @@ func TestParseLabelsAndSelector(t *testing.T) {
 	}
 	if _, err := fleet.ParseSelector("zone=(a"); err == nil {
 		t.Error("bad selector parsed")
+	}
+}
+
+// TestRegistryListsEachNodeOnceWhileRecordsAreRewritten: the buckets stream by while nodes rewrite their
+// records; a record rewritten meanwhile is delivered again, and the registry still lists every node once
+// (a rollout refuses a plan that names a node twice), with its newer record.
+func TestRegistryListsEachNodeOnceWhileRecordsAreRewritten(t *testing.T) {
+	_, b := bustest.Start(t)
+	if err := fleet.EnsureBuckets(t.Context(), b, 1); err != nil {
+		t.Fatal(err)
+	}
+	seen, err := b.KVExisting(t.Context(), events.NodesSeenBucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	alive, err := b.KVExisting(t.Context(), events.NodesBucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 300
+	started := time.Now().UTC()
+	write := func(ctx context.Context, i int) error {
+		node := fmt.Sprintf("node-%03d", i)
+		info := events.NodeInfo{Node: node, Started: started, Heartbeat: time.Now().UTC(), Period: events.Duration{Duration: 10 * time.Second},
+			Labels: map[string]string{"pad": strings.Repeat("x", 200)}}
+		raw, _ := json.Marshal(info)
+		if _, err := seen.Put(ctx, events.NodeToken(node), raw); err != nil {
+			return err
+		}
+		thin, _ := json.Marshal(events.NodeAlive{Node: node, Heartbeat: info.Heartbeat, Period: info.Period})
+		_, err := alive.Put(ctx, events.NodeToken(node), thin)
+		return err
+	}
+	for i := range n {
+		if err := write(t.Context(), i); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan struct{})
+	go func() { // every node rewritten, over and over, while the registry lists
+		defer close(done)
+		for i := 0; ctx.Err() == nil; i = (i + 1) % n {
+			if err := write(ctx, i); err != nil && ctx.Err() == nil {
+				t.Errorf("rewrite: %v", err)
+				return
+			}
+		}
+	}()
+	defer func() { cancel(); <-done }()
+	reg, err := fleet.OpenRegistry(t.Context(), b, fleet.RegistryOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for round := range 30 {
+		for _, limit := range []int{0, 50} {
+			var names []string
+			cont := ""
+			for {
+				page, err := reg.List(t.Context(), fleet.NodeQuery{Limit: limit, Continue: cont})
+				if err != nil {
+					t.Fatal(err)
+				}
+				for _, s := range page.Nodes {
+					names = append(names, s.Node)
+				}
+				if cont = page.Continue; cont == "" {
+					break
+				}
+			}
+			uniq := slices.Compact(slices.Sorted(slices.Values(names)))
+			if len(names) != n || len(uniq) != n {
+				var missing []string
+				for i := range n {
+					if node := fmt.Sprintf("node-%03d", i); !slices.Contains(uniq, node) {
+						missing = append(missing, node)
+					}
+				}
+				t.Fatalf("round %d, limit %d: listed %d nodes, %d of them distinct; want %d once each (missing %v)", round, limit, len(names), len(uniq), n, missing)
+			}
+		}
 	}
 }
