@@ -188,8 +188,14 @@ func (h *Heartbeat) adapt(alive *bus.KV, rev uint64, at time.Time) {
 	rate := float64(rev-prevRev) / at.Sub(prevAt).Seconds()
 	next := stretchedPeriod(h.period, h.cfg.Period, limit, rate, h.cfg.MaxRate)
 	if next != h.period {
-		h.cfg.Logger.Info("heartbeat period changed", "node", h.cfg.Node, "period", next, "was", h.period,
-			"bucket_rate", fmt.Sprintf("%.0f/s", rate), "max_rate", h.cfg.MaxRate)
+		// Said at Info when the node leaves its configured period or comes back to it; the steps between
+		// (a fleet settling) at Debug, or 10,000 nodes would log a line each every period or two.
+		level := slog.LevelDebug
+		if h.period == h.cfg.Period || next == h.cfg.Period {
+			level = slog.LevelInfo
+		}
+		h.cfg.Logger.Log(context.Background(), level, "heartbeat period changed", "node", h.cfg.Node, "period", next,
+			"was", h.period, "bucket_rate", fmt.Sprintf("%.0f/s", rate), "max_rate", h.cfg.MaxRate)
 		h.period = next
 	}
 }
@@ -323,12 +329,13 @@ func (h *Heartbeat) fullEvery() int {
 }
 
 // fullChanged reports whether the full record moved enough since it was last written to be written again:
-// anything but the heartbeat time and the usage, or the usage by at least 1% of the capacity (1 MiB when the
-// capacity is unknown).
+// anything but the heartbeat time, the period and the usage, or the usage by at least 1% of the capacity
+// (1 MiB when the capacity is unknown). The period is the thin record's to tell (the registry takes it from
+// there): one that stretches as a fleet settles would otherwise write the full record at each step.
 func fullChanged(old, cur events.NodeInfo) bool {
 	if old.Node != cur.Node || !maps.Equal(old.Labels, cur.Labels) || old.RuntimeName != cur.RuntimeName ||
 		old.RuntimeVersion != cur.RuntimeVersion || old.AgentVersion != cur.AgentVersion ||
-		!slices.Equal(old.Workers, cur.Workers) || !old.Started.Equal(cur.Started) || old.Period != cur.Period ||
+		!slices.Equal(old.Workers, cur.Workers) || !old.Started.Equal(cur.Started) ||
 		old.Error != cur.Error || old.ImageFs.Mountpoint != cur.ImageFs.Mountpoint ||
 		old.ImageFs.CapacityBytes != cur.ImageFs.CapacityBytes {
 		return true

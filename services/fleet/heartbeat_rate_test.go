@@ -47,7 +47,8 @@ func TestStretchedPeriod(t *testing.T) {
 // configured period.
 func TestHeartbeatStretchesItsPeriodAboveMaxRate(t *testing.T) {
 	_, b := bustest.Start(t)
-	const period, ttl = 100 * time.Millisecond, 3 * time.Second
+	// A beat has one period to be written: 300 ms leaves room on a loaded machine.
+	const period, ttl = 300 * time.Millisecond, 6 * time.Second
 	hb, err := fleet.NewHeartbeat(fleet.HeartbeatConfig{Node: "n1.example", Period: period, TTL: ttl, MaxRate: 20,
 		Statfs: func(string) (int64, int64, error) { return 100 << 30, 60 << 30, nil }}, critest.NewRuntime(), b)
 	if err != nil {
@@ -92,8 +93,8 @@ func TestHeartbeatStretchesItsPeriodAboveMaxRate(t *testing.T) {
 		}
 		return a.Period.Duration
 	}
-	bustest.WaitWithin(t, "the period stretched to a third of the TTL", 20*time.Second, func() bool { return recorded() == ttl/3 })
+	bustest.WaitWithin(t, "the period stretched to a third of the TTL", 30*time.Second, func() bool { return recorded() == ttl/3 })
 	stopOthers()
 	<-othersDone
-	bustest.WaitWithin(t, "the period back to the configured one", 20*time.Second, func() bool { return recorded() == period })
+	bustest.WaitWithin(t, "the period back to the configured one", 30*time.Second, func() bool { return recorded() == period })
 }
