@@ -23,16 +23,17 @@ func TestStretchedPeriod(t *testing.T) {
 		want             time.Duration
 	}{
 		{"under the rate: the base", 10 * s, 10 * s, 30 * s, 200, 500, 10 * s},
-		{"twice the rate: twice the period", 10 * s, 10 * s, 30 * s, 1000, 500, 20 * s},
+		{"twice the rate: half the correction (sqrt 2)", 10 * s, 10 * s, 30 * s, 1000, 500, 14 * s},
+		{"four times: twice the period", 10 * s, 10 * s, 30 * s, 2000, 500, 20 * s},
 		{"stretched, the fleet settled at the rate: kept", 20 * s, 10 * s, 30 * s, 500, 500, 20 * s},
 		{"within a tenth: kept", 20 * s, 10 * s, 30 * s, 520, 500, 20 * s},
-		{"a tenth or more: moved", 20 * s, 10 * s, 30 * s, 560, 500, 22 * s},
-		{"the fleet shrank: back toward the base", 20 * s, 10 * s, 30 * s, 300, 500, 12 * s},
+		{"a tenth or more: moved", 20 * s, 10 * s, 30 * s, 620, 500, 22 * s},
+		{"the fleet shrank: back toward the base", 20 * s, 10 * s, 30 * s, 300, 500, 15 * s},
 		{"far under: the base, never below", 20 * s, 10 * s, 30 * s, 10, 500, 10 * s},
 		{"far over: the limit, a third of the TTL", 10 * s, 10 * s, 30 * s, 100000, 500, 30 * s},
 		{"a limit under the base: the base", 10 * s, 10 * s, 5 * s, 100000, 500, 10 * s},
-		{"whole seconds when the base is", 10 * s, 10 * s, 30 * s, 1234, 500, 25 * s},
-		{"sub-second base: not rounded", 100 * time.Millisecond, 100 * time.Millisecond, s, 30, 10, 300 * time.Millisecond},
+		{"whole seconds when the base is", 10 * s, 10 * s, 30 * s, 1234, 500, 16 * s},
+		{"sub-second base: not rounded", 100 * time.Millisecond, 100 * time.Millisecond, s, 40, 10, 200 * time.Millisecond},
 	}
 	for _, c := range cases {
 		if got := fleet.StretchedPeriod(c.cur, c.base, c.limit, c.rate, c.maxRate); got != c.want {
@@ -47,8 +48,8 @@ func TestStretchedPeriod(t *testing.T) {
 // configured period.
 func TestHeartbeatStretchesItsPeriodAboveMaxRate(t *testing.T) {
 	_, b := bustest.Start(t)
-	// A beat has one period to be written: 300 ms leaves room on a loaded machine.
-	const period, ttl = 300 * time.Millisecond, 6 * time.Second
+	// A beat has one period to be written: 500 ms leaves room on a loaded machine.
+	const period, ttl = 500 * time.Millisecond, 6 * time.Second
 	hb, err := fleet.NewHeartbeat(fleet.HeartbeatConfig{Node: "n1.example", Period: period, TTL: ttl, MaxRate: 20,
 		Statfs: func(string) (int64, int64, error) { return 100 << 30, 60 << 30, nil }}, critest.NewRuntime(), b)
 	if err != nil {
