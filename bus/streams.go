@@ -302,6 +302,20 @@ func (b *Bus) Stream(ctx context.Context, name string) (StreamInfo, error) {
 		MaxConsumers: info.Config.MaxConsumers}, nil
 }
 
+// SubjectCounts returns how many messages stream holds on each subject matching filter (the server pages
+// them; one entry per subject).
+func (b *Bus) SubjectCounts(ctx context.Context, name, filter string) (map[string]uint64, error) {
+	s, err := b.js.Stream(ctx, name)
+	if err != nil {
+		return nil, fmt.Errorf("stream %s: %w", name, err)
+	}
+	info, err := s.Info(ctx, jetstream.WithSubjectFilter(filter))
+	if err != nil {
+		return nil, fmt.Errorf("stream %s subjects %s: %w", name, filter, err)
+	}
+	return info.State.Subjects, nil
+}
+
 func leader(c *jetstream.ClusterInfo) string {
 	if c == nil {
 		return ""
