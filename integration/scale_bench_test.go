@@ -346,6 +346,34 @@ type idleCost struct {
 	window          time.Duration
 	nats, hollowUse procCost
 	msgs            int64 // handed to the servers (/varz in_msgs, summed)
+	periods         string
+}
+
+// heartbeatPeriods counts the periods the nodes' last heartbeats carry: "20s x 9990, 10s x 10".
+func heartbeatPeriods(b *testing.B, bc *bus.Bus) string {
+	b.Helper()
+	kv, err := bc.KVExisting(b.Context(), events.NodesBucket)
+	if err != nil {
+		b.Fatal(err)
+	}
+	entries, err := kv.List(b.Context(), "")
+	if err != nil {
+		b.Fatal(err)
+	}
+	counts := map[time.Duration]int{}
+	for _, e := range entries {
+		var a events.NodeAlive
+		if err := json.Unmarshal(e.Value, &a); err != nil {
+			b.Fatalf("heartbeat %s: %v", e.Key, err)
+		}
+		counts[a.Period.Duration]++
+	}
+	periods := slices.Sorted(maps.Keys(counts))
+	var parts []string
+	for i := len(periods) - 1; i >= 0; i-- {
+		parts = append(parts, fmt.Sprintf("%s x %d", periods[i], counts[periods[i]]))
+	}
+	return strings.Join(parts, ", ")
 }
 
 // idle samples the servers and the hollow agents for window while no rollout runs.
@@ -365,7 +393,7 @@ func (f *hollowFleet) idle(b *testing.B, window time.Duration) idleCost {
 		b.Fatal(err)
 	}
 	time.Sleep(window)
-	ic := idleCost{window: window, nats: ns.Stop(), hollowUse: hs.Stop()}
+	ic := idleCost{window: window, nats: ns.Stop(), hollowUse: hs.Stop(), periods: heartbeatPeriods(b, f.c.Bus)}
 	m1, err := serverMsgs(ctx, f.monitor)
 	if err != nil {
 		b.Fatal(err)
@@ -376,9 +404,9 @@ func (f *hollowFleet) idle(b *testing.B, window time.Duration) idleCost {
 
 func (ic idleCost) report(b *testing.B, f *hollowFleet) {
 	secs := ic.window.Seconds()
-	b.Logf("idle %s: servers %.2f CPU-s/s, %.0f MiB; hollow agents %.2f CPU-s/s; %.0f server messages/s (%.2f per node per second)",
+	b.Logf("idle %s: servers %.2f CPU-s/s, %.0f MiB; hollow agents %.2f CPU-s/s; %.0f server messages/s (%.2f per node per second); heartbeat periods %s",
 		ic.window, ic.nats.CPU.Seconds()/secs, float64(ic.nats.PeakRSS)/(1<<20), ic.hollowUse.CPU.Seconds()/secs,
-		float64(ic.msgs)/secs, float64(ic.msgs)/secs/float64(f.n))
+		float64(ic.msgs)/secs, float64(ic.msgs)/secs/float64(f.n), ic.periods)
 	b.ReportMetric(ic.nats.CPU.Seconds()/secs, "nats-cpu-s/s")
 	b.ReportMetric(ic.hollowUse.CPU.Seconds()/secs, "hollow-cpu-s/s")
 	b.ReportMetric(float64(ic.msgs)/secs/float64(f.n), "server-msgs/node/s")
@@ -477,6 +505,12 @@ func benchHollowFleet(b *testing.B, bin, agentBin, prefix string, n int, nofile 
 				rc.report(b, f, baseline)
 			}
 		})
+		// At rest again, minutes after the start: the heartbeat periods settled.
+		b.Run("op=idle-after", func(b *testing.B) {
+			for range b.N {
+				f.idle(b, 10*time.Second).report(b, f)
+			}
+		})
 	})
 }
 
@@ -503,6 +537,37 @@ func inventoryModes(b *testing.B) []string {
 func inventoryReplicas(b *testing.B) []int {
 	b.Helper()
 	return envCounts(b, "IMAGEFLEET_SCALE_INVENTORY_REPLICAS", "1,2,4", "replica counts")
+}
+
+// shortNodes names the nodes (up to 5) with fewer than want image.detected events in the events stream, and
+// what the hollow log says of each (its last 15 lines naming it): a node whose events are missing, found.
+func shortNodes(ctx context.Context, f *hollowFleet, want uint64) string {
+	counts, err := f.c.Bus.SubjectCounts(ctx, events.EventsStream, "imagefleet.evt.*.image.detected")
+	if err != nil {
+		return err.Error()
+	}
+	raw, _ := os.ReadFile(f.h.log)
+	lines := strings.Split(string(raw), "\n")
+	var sb strings.Builder
+	short := 0
+	for _, node := range f.names {
+		subject := events.EventSubject(node, events.EntityImage, events.ActionDetected)
+		if counts[subject] >= want {
+			continue
+		}
+		if short++; short > 5 {
+			continue
+		}
+		var said []string
+		for _, l := range lines {
+			if strings.Contains(l, node+" ") || strings.Contains(l, node+"\"") || strings.HasSuffix(l, node) {
+				said = append(said, l)
+			}
+		}
+		fmt.Fprintf(&sb, "%s: %d image.detected events; %d log lines, the last %d:\n  %s\n", node, counts[subject], len(said),
+			min(15, len(said)), strings.Join(said[max(0, len(said)-15):], "\n  "))
+	}
+	return fmt.Sprintf("%d nodes short of %d events\n%s", short, want, sb.String())
 }
 
 // detectorTrouble returns the hollow log's lines in which a detector said it failed (up to n, the last):
@@ -560,8 +625,8 @@ func BenchmarkInventoryCatchUp(b *testing.B) {
 								last, lastChange = got, time.Now()
 							}
 							if time.Since(lastChange) > 90*time.Second || time.Since(began) > 15*time.Minute {
-								b.Fatalf("%d of %d image.detected events after %s\n%s", got, want, time.Since(began).Round(time.Second),
-									detectorTrouble(f.h.log, 20))
+								b.Fatalf("%d of %d image.detected events after %s\n%s\n%s", got, want, time.Since(began).Round(time.Second),
+									detectorTrouble(f.h.log, 20), shortNodes(ctx, f, 50))
 							}
 							time.Sleep(time.Second)
 						}
