@@ -175,7 +175,9 @@ func timedRunExit(b testing.TB, bin string, ok []int, args ...string) (out []byt
 	if err != nil {
 		b.Fatal(err)
 	}
-	fs := strings.Fields(string(raw))
+	// After a non-zero exit, /usr/bin/time writes "Command exited with non-zero status N" first: the
+	// figures are the last line.
+	fs := strings.Fields(tailString(string(raw), 1))
 	if len(fs) != 3 {
 		b.Fatalf("/usr/bin/time: %q", raw)
 	}
