@@ -304,14 +304,7 @@ func (f *hollowFleet) run(b *testing.B, bin string, args ...string) rolloutCost 
 		b.Fatal(err)
 	}
 	idleRate := float64(m1-m0) / 3
-	ns, err := sampleProcs(f.c.serverPIDs()...)
-	if err != nil {
-		b.Fatal(err)
-	}
-	hs, err := sampleProcs(f.h.cmd.Process.Pid)
-	if err != nil {
-		b.Fatal(err)
-	}
+	ns, hs := f.sample(b)
 	var rc rolloutCost
 	args = append(args, "--nats", f.c.URL, "--stream-replicas", strconv.Itoa(scaleReplicas(b)), "--timeout", "5m", "-o", "json")
 	// IMAGEFLEET_SCALE_ROLLOUT_ARGS: more flags for every rollout (e.g. "--max-in-flight 250 --node-timeout 3m").
@@ -378,6 +371,19 @@ func heartbeatPeriods(b *testing.B, bc *bus.Bus) string {
 	return strings.Join(parts, ", ")
 }
 
+// sample starts sampling the three servers and the hollow process.
+func (f *hollowFleet) sample(b *testing.B) (servers, hollow *procSampler) {
+	b.Helper()
+	servers, err := sampleProcs(f.c.serverPIDs()...)
+	if err != nil {
+		b.Fatal(err)
+	}
+	if hollow, err = sampleProcs(f.h.cmd.Process.Pid); err != nil {
+		b.Fatal(err)
+	}
+	return servers, hollow
+}
+
 // idle samples the servers and the hollow agents for window while no rollout runs.
 func (f *hollowFleet) idle(b *testing.B, window time.Duration) idleCost {
 	b.Helper()
@@ -386,14 +392,7 @@ func (f *hollowFleet) idle(b *testing.B, window time.Duration) idleCost {
 	if err != nil {
 		b.Fatal(err)
 	}
-	ns, err := sampleProcs(f.c.serverPIDs()...)
-	if err != nil {
-		b.Fatal(err)
-	}
-	hs, err := sampleProcs(f.h.cmd.Process.Pid)
-	if err != nil {
-		b.Fatal(err)
-	}
+	ns, hs := f.sample(b)
 	time.Sleep(window)
 	ic := idleCost{window: window, nats: ns.Stop(), hollowUse: hs.Stop(), periods: heartbeatPeriods(b, f.c.Bus)}
 	m1, err := serverMsgs(ctx, f.monitor)
