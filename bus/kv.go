@@ -219,7 +219,7 @@ func (k *KV) List(ctx context.Context, filter string) ([]Entry, error) {
 	// first, where the first was.
 	var out []Entry
 	at := map[string]int{}
-	err = readInitial(ctx, w, k.lastRev, func(e jetstream.KeyValueEntry) bool {
+	err = readInitial(ctx, w, k.lastRev(filter), func(e jetstream.KeyValueEntry) bool {
 		en := Entry{Key: e.Key(), Value: e.Value(), Revision: e.Revision(), Created: e.Created()}
 		if i, ok := at[en.Key]; ok {
 			out[i] = en

@@ -12,8 +12,8 @@ import (
 // Range calls fn for every live entry whose key matches filter (a NATS subject filter over keys, ">" for all),
 // in the bucket's storage order, without holding them: the server filters by key, the caller by anything
 // else, and memory stays that of one entry. fn returning false stops the range early. A key rewritten while
-// the range runs may come twice, the later entry last (readInitial). A range that reads anything asks for
-// the bucket's status once.
+// the range runs may come twice, the later entry last (readInitial). A range that reads anything asks once
+// for the last revision of the keys it covers.
 func (k *KV) Range(ctx context.Context, filter string, fn func(Entry) bool) error {
 	if filter == "" {
 		filter = ">"
@@ -27,7 +27,7 @@ func (k *KV) Range(ctx context.Context, filter string, fn func(Entry) bool) erro
 		return fmt.Errorf("kv range %s/%s: %w", k.kv.Bucket(), filter, err)
 	}
 	defer func() { _ = w.Stop() }()
-	return readInitial(ctx, w, k.lastRev, func(e jetstream.KeyValueEntry) bool {
+	return readInitial(ctx, w, k.lastRev(filter), func(e jetstream.KeyValueEntry) bool {
 		return fn(Entry{Key: e.Key(), Value: e.Value(), Revision: e.Revision(), Created: e.Created()})
 	})
 }
@@ -41,7 +41,7 @@ func (k *KV) Range(ctx context.Context, filter string, fn func(Entry) bool) erro
 // before it is delivered and its new one appended, and the server's pending count can leave out that new
 // one: the range ended one key short. A registry of nodes heartbeating every period missed live nodes that
 // way, and a rollout skipped them as Lost. So once nothing is said to be pending, readInitial asks the
-// bucket's last revision (lastRev, one stream info request) and reads on to it: entries up to that moment
+// last revision of the keys the watch covers (KV.lastRev) and reads on to it: entries up to that moment
 // are all delivered. A rewritten key can come twice; callers keep the later entry.
 func readInitial(ctx context.Context, w jetstream.KeyWatcher, lastRev func(context.Context) (uint64, error),
 	fn func(jetstream.KeyValueEntry) bool) error {
@@ -102,17 +102,36 @@ func readInitial(ctx context.Context, w jetstream.KeyWatcher, lastRev func(conte
 // removed before it could be delivered.
 const rangeQuiet = 2 * time.Second
 
-// lastRev returns the bucket's last revision (its stream's last sequence).
-func (k *KV) lastRev(ctx context.Context) (uint64, error) {
-	st, err := k.kv.Status(ctx)
-	if err != nil {
-		return 0, fmt.Errorf("kv %s status: %w", k.kv.Bucket(), err)
+// lastRev returns a func that gives the last revision of the keys matching filter: the bucket's stream's
+// last sequence for ">" (one stream info request), else the sequence of the last message on the filter's
+// subjects (a stream lookup and a message get; 0 when none). Reading on to the bucket's last revision for a
+// filter its last key does not match would wait for an entry that never comes.
+func (k *KV) lastRev(filter string) func(context.Context) (uint64, error) {
+	return func(ctx context.Context) (uint64, error) {
+		if filter == ">" {
+			st, err := k.kv.Status(ctx)
+			if err != nil {
+				return 0, fmt.Errorf("kv %s status: %w", k.kv.Bucket(), err)
+			}
+			bs, ok := st.(*jetstream.KeyValueBucketStatus)
+			if !ok || bs.StreamInfo() == nil {
+				return 0, fmt.Errorf("kv %s status: no stream info", k.kv.Bucket())
+			}
+			return bs.StreamInfo().State.LastSeq, nil
+		}
+		s, err := k.b.js.Stream(ctx, "KV_"+k.kv.Bucket())
+		if err != nil {
+			return 0, fmt.Errorf("kv %s stream: %w", k.kv.Bucket(), err)
+		}
+		m, err := s.GetLastMsgForSubject(ctx, "$KV."+k.kv.Bucket()+"."+filter)
+		if errors.Is(err, jetstream.ErrMsgNotFound) {
+			return 0, nil
+		}
+		if err != nil {
+			return 0, fmt.Errorf("kv %s last of %s: %w", k.kv.Bucket(), filter, err)
+		}
+		return m.Sequence, nil
 	}
-	bs, ok := st.(*jetstream.KeyValueBucketStatus)
-	if !ok || bs.StreamInfo() == nil {
-		return 0, fmt.Errorf("kv %s status: no stream info", k.kv.Bucket())
-	}
-	return bs.StreamInfo().State.LastSeq, nil
 }
 
 // DeleteIf removes key only if its latest revision is still rev (compare and delete); otherwise it returns an

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"slices"
 	"testing"
+	"time"
 
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/bus/bustest"
@@ -89,5 +90,74 @@ func TestRangeWhileKeysAreRewritten(t *testing.T) {
 		if uniq := slices.Compact(slices.Sorted(slices.Values(keys))); len(keys) != n || len(uniq) != n {
 			t.Fatalf("round %d: List gave %d entries, %d distinct keys; want %d once each", round, len(keys), len(uniq), n)
 		}
+	}
+}
+
+// TestRangeFilteredReadsOnlyToItsKeys: a filtered Range or List reads on to the last revision of the keys
+// it covers, not the bucket's: with other keys written last, it neither misses its own rewritten keys nor
+// waits for an entry it will never be sent (150 of each, well under a second each).
+func TestRangeFilteredReadsOnlyToItsKeys(t *testing.T) {
+	_, b := bustest.Start(t)
+	kv, err := b.KV(t.Context(), bus.KVConfig{Bucket: "filtered"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 100
+	put := func(ctx context.Context, i int) error {
+		for _, p := range []string{"a", "b"} { // "b" is written last
+			if _, err := kv.Put(ctx, fmt.Sprintf("%s.k%03d", p, i), []byte("v")); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	for i := range n {
+		if err := put(t.Context(), i); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for i := 0; ctx.Err() == nil; i = (i + 1) % n {
+			if err := put(ctx, i); err != nil && ctx.Err() == nil {
+				t.Errorf("rewrite: %v", err)
+				return
+			}
+		}
+	}()
+	defer func() { cancel(); <-done }()
+	began := time.Now()
+	for round := range 150 {
+		got := map[string]bool{}
+		if err := kv.Range(t.Context(), "a.>", func(e bus.Entry) bool { got[e.Key] = true; return true }); err != nil {
+			t.Fatal(err)
+		}
+		entries, err := kv.List(t.Context(), "a.>")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(got) != n || len(entries) != n {
+			t.Fatalf("round %d: Range gave %d keys, List %d; want %d", round, len(got), len(entries), n)
+		}
+	}
+	if took := time.Since(began); took > time.Minute {
+		t.Errorf("150 filtered ranges and lists took %v: waiting for entries they are not sent", took)
+	}
+	// Quiet now, a "b" key written last: nothing more is coming for "a.>".
+	cancel()
+	<-done
+	if err := put(t.Context(), 0); err != nil {
+		t.Fatal(err)
+	}
+	began = time.Now()
+	for range 10 {
+		if err := kv.Range(t.Context(), "a.>", func(bus.Entry) bool { return true }); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if took := time.Since(began); took > 5*time.Second {
+		t.Errorf("10 filtered ranges of a quiet bucket took %v: each waited for the bucket's last key, not one of its own", took)
 	}
 }
