@@ -118,16 +118,24 @@ func bucketMatches(ctx context.Context, kv jetstream.KeyValue, want *jetstream.K
 	if err != nil {
 		return false, 0, err
 	}
-	bs, ok := st.(*jetstream.KeyValueBucketStatus)
-	if !ok || bs.StreamInfo() == nil {
+	info := streamInfoOf(st)
+	if info == nil {
 		return false, st.TTL(), nil
 	}
-	have := bs.StreamInfo().Config
+	have := info.Config
 	if want.Replicas == 0 {
 		want.Replicas = have.Replicas
 	}
 	return have.MaxAge == want.TTL && have.MaxMsgsPerSubject == int64(want.History) &&
 		have.Replicas == want.Replicas && have.MaxBytes == want.MaxBytes, have.MaxAge, nil
+}
+
+// streamInfoOf is the stream info a bucket's status carries (nil when it has none).
+func streamInfoOf(st jetstream.KeyValueStatus) *jetstream.StreamInfo {
+	if bs, ok := st.(*jetstream.KeyValueBucketStatus); ok {
+		return bs.StreamInfo()
+	}
+	return nil
 }
 
 // Get returns the value and revision of key, or ErrKeyNotFound.

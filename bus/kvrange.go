@@ -45,36 +45,33 @@ func (k *KV) Range(ctx context.Context, filter string, fn func(Entry) bool) erro
 // are all delivered. A rewritten key can come twice; callers keep the later entry.
 func readInitial(ctx context.Context, w jetstream.KeyWatcher, lastRev func(context.Context) (uint64, error),
 	fn func(jetstream.KeyValueEntry) bool) error {
-	var got, until uint64 // entries read; once the pending count ran out, the revision to read to
+	got := false     // an entry was read
+	var until uint64 // once the pending count ran out: the revision to read to
 	for {
+		var quiet <-chan time.Time
+		if until != 0 {
+			// Reading on to until: its entry may have gone meanwhile (expired, purged) with none after it.
+			quiet = time.After(rangeQuiet)
+		}
 		var e jetstream.KeyValueEntry
 		var ok bool
-		if until == 0 {
-			select {
-			case <-ctx.Done():
-				return ctx.Err()
-			case e, ok = <-w.Updates():
-			}
-		} else {
-			// Reading on to until: its entry may have gone meanwhile (expired, purged) with none after it.
-			select {
-			case <-ctx.Done():
-				return ctx.Err()
-			case e, ok = <-w.Updates():
-			case <-time.After(rangeQuiet):
-				return nil
-			}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case e, ok = <-w.Updates():
+		case <-quiet:
+			return nil
 		}
 		switch {
 		case !ok:
 			return nil
 		case e == nil:
-			if got == 0 { // nothing was pending when the watch began
+			if !got { // nothing was pending when the watch began
 				return nil
 			}
 			continue
 		}
-		got++
+		got = true
 		if e.Operation() == jetstream.KeyValuePut && !fn(e) {
 			return nil
 		}
@@ -113,11 +110,11 @@ func (k *KV) lastRev(filter string) func(context.Context) (uint64, error) {
 			if err != nil {
 				return 0, fmt.Errorf("kv %s status: %w", k.kv.Bucket(), err)
 			}
-			bs, ok := st.(*jetstream.KeyValueBucketStatus)
-			if !ok || bs.StreamInfo() == nil {
+			info := streamInfoOf(st)
+			if info == nil {
 				return 0, fmt.Errorf("kv %s status: no stream info", k.kv.Bucket())
 			}
-			return bs.StreamInfo().State.LastSeq, nil
+			return info.State.LastSeq, nil
 		}
 		s, err := k.b.js.Stream(ctx, "KV_"+k.kv.Bucket())
 		if err != nil {
