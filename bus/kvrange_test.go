@@ -59,18 +59,11 @@ func TestRangeWhileKeysAreRewritten(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	ctx, cancel := context.WithCancel(t.Context())
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		for i := 0; ctx.Err() == nil; i = (i + 1) % n {
-			if _, err := kv.Put(ctx, fmt.Sprintf("k%03d", i), []byte("v")); err != nil && ctx.Err() == nil {
-				t.Errorf("rewrite: %v", err)
-				return
-			}
-		}
-	}()
-	defer func() { cancel(); <-done }()
+	stop := rewriteLoop(t, n, func(ctx context.Context, i int) error {
+		_, err := kv.Put(ctx, fmt.Sprintf("k%03d", i), []byte("v"))
+		return err
+	})
+	defer stop()
 	for round := range 150 {
 		got := map[string]int{}
 		if err := kv.Range(t.Context(), ">", func(e bus.Entry) bool { got[e.Key]++; return true }); err != nil {
@@ -116,18 +109,8 @@ func TestRangeFilteredReadsOnlyToItsKeys(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	ctx, cancel := context.WithCancel(t.Context())
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		for i := 0; ctx.Err() == nil; i = (i + 1) % n {
-			if err := put(ctx, i); err != nil && ctx.Err() == nil {
-				t.Errorf("rewrite: %v", err)
-				return
-			}
-		}
-	}()
-	defer func() { cancel(); <-done }()
+	stop := rewriteLoop(t, n, put)
+	defer stop()
 	began := time.Now()
 	for round := range 150 {
 		got := map[string]bool{}
@@ -146,8 +129,7 @@ func TestRangeFilteredReadsOnlyToItsKeys(t *testing.T) {
 		t.Errorf("150 filtered ranges and lists took %v: waiting for entries they are not sent", took)
 	}
 	// Quiet now, a "b" key written last: nothing more is coming for "a.>".
-	cancel()
-	<-done
+	stop()
 	if err := put(t.Context(), 0); err != nil {
 		t.Fatal(err)
 	}
@@ -160,4 +142,22 @@ func TestRangeFilteredReadsOnlyToItsKeys(t *testing.T) {
 	if took := time.Since(began); took > 5*time.Second {
 		t.Errorf("10 filtered ranges of a quiet bucket took %v: each waited for the bucket's last key, not one of its own", took)
 	}
+}
+
+// rewriteLoop calls put for keys 0..n-1 over and over in the background until stop is called (stop may be
+// called again, and waits for the loop to end).
+func rewriteLoop(t *testing.T, n int, put func(ctx context.Context, i int) error) (stop func()) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for i := 0; ctx.Err() == nil; i = (i + 1) % n {
+			if err := put(ctx, i); err != nil && ctx.Err() == nil {
+				t.Errorf("rewrite: %v", err)
+				return
+			}
+		}
+	}()
+	return func() { cancel(); <-done }
 }
