@@ -5,6 +5,8 @@ import (
 	"testing"
 
 	"github.com/spf13/pflag"
+
+	"github.com/imagefleet/imagefleet/services/fleet"
 )
 
 // TestNodeStatusReportFrequencyFlag: --node-status-report-frequency (the kubelet's nodeStatusReportFrequency,
@@ -30,13 +32,7 @@ func TestNodeStatusReportFrequencyFlag(t *testing.T) {
 			"invalid configuration: nodeStatusReportFrequency (--node-status-report-frequency) -1m0s: must be above 0"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			var c agentConfig
-			fs := pflag.NewFlagSet("agent", pflag.ContinueOnError)
-			c.flags(fs)
-			if err := fs.Parse(tc.args); err != nil {
-				t.Fatal(err)
-			}
-			cfg, err := heartbeatConfig(&c, &agentEnv{Node: "n1", Workers: []string{"heartbeat"}})
+			cfg, err := agentHeartbeatConfig(t, tc.args...)
 			if tc.err != "" {
 				if err == nil || err.Error() != tc.err {
 					t.Fatalf("error %v, want %q", err, tc.err)
@@ -89,13 +85,7 @@ func TestHeartbeatMaxRateFlag(t *testing.T) {
 			"invalid configuration: --heartbeat-max-rate -3: must not be negative (0 keeps the period fixed)"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			var c agentConfig
-			fs := pflag.NewFlagSet("agent", pflag.ContinueOnError)
-			c.flags(fs)
-			if err := fs.Parse(tc.args); err != nil {
-				t.Fatal(err)
-			}
-			cfg, err := heartbeatConfig(&c, &agentEnv{Node: "n1", Workers: []string{"heartbeat"}})
+			cfg, err := agentHeartbeatConfig(t, tc.args...)
 			if tc.err != "" {
 				if err == nil || err.Error() != tc.err {
 					t.Fatalf("error %v, want %q", err, tc.err)
@@ -117,4 +107,16 @@ func TestHeartbeatMaxRateFlag(t *testing.T) {
 			t.Fatalf("MaxRate %v, %v; want 50", cfg.MaxRate, err)
 		}
 	})
+}
+
+// agentHeartbeatConfig parses args as the agent's flags and builds node n1's heartbeat config from them.
+func agentHeartbeatConfig(t *testing.T, args ...string) (fleet.HeartbeatConfig, error) {
+	t.Helper()
+	var c agentConfig
+	fs := pflag.NewFlagSet("agent", pflag.ContinueOnError)
+	c.flags(fs)
+	if err := fs.Parse(args); err != nil {
+		t.Fatal(err)
+	}
+	return heartbeatConfig(&c, &agentEnv{Node: "n1", Workers: []string{"heartbeat"}})
 }
