@@ -243,8 +243,15 @@ func (k *KV) List(ctx context.Context, filter string) ([]Entry, error) {
 	return out, nil
 }
 
-// Watch calls fn for every current entry, then nil-marker (fn with Entry{} and initial=false), then each change
-// until ctx ends. Deleted keys arrive with Deleted set.
+// Watch calls fn for every current entry, then the marker (fn with Entry{} and initialDone true), then each
+// change until ctx ends. Deleted keys arrive with Deleted set.
+//
+// The marker comes once every entry written before the watch began has been passed on. nats.go's own marker
+// can come one key early while the bucket is being written (readInitial says why), so at it Watch asks the
+// last revision of the keys it covers (KV.lastRev) and holds the marker until an entry at or past that
+// revision has been passed on, or nothing came for rangeQuiet (that entry was removed before it could be
+// delivered). Changes are passed on meanwhile as they come; only the marker waits. If the last revision
+// cannot be read, the marker comes at once, as nats.go gave it.
 func (k *KV) Watch(ctx context.Context, filter string, fn func(e Entry, initialDone bool)) error {
 	if filter == "" {
 		filter = ">"
@@ -259,20 +266,45 @@ func (k *KV) Watch(ctx context.Context, filter string, fn func(e Entry, initialD
 		return fmt.Errorf("kv watch %s/%s: %w", k.kv.Bucket(), filter, err)
 	}
 	defer func() { _ = w.Stop() }()
+	lastRev := k.lastRev(filter)
+	var (
+		seen   uint64 // the highest revision passed on
+		until  uint64 // while the marker is held: the revision to pass on first
+		quiet  <-chan time.Time
+		marked bool // the marker was passed on
+	)
+	mark := func() { marked, until, quiet = true, 0, nil; fn(Entry{}, true) }
 	for {
 		select {
 		case <-ctx.Done():
 			return nil
+		case <-quiet:
+			mark()
 		case e, ok := <-w.Updates():
 			if !ok {
 				return nil
 			}
 			if e == nil {
-				fn(Entry{}, true)
+				if marked || until != 0 {
+					continue
+				}
+				last, err := lastRev(ctx)
+				if err != nil {
+					k.b.log.Warn("kv watch: passing the initial-values marker on unchecked", "bucket", k.kv.Bucket(), "filter", filter, "err", err)
+				}
+				if err != nil || last <= seen {
+					mark()
+					continue
+				}
+				until, quiet = last, time.After(rangeQuiet)
 				continue
 			}
 			fn(Entry{Key: e.Key(), Value: e.Value(), Revision: e.Revision(), Created: e.Created(),
 				Deleted: e.Operation() != jetstream.KeyValuePut}, false)
+			seen = max(seen, e.Revision())
+			if until != 0 && seen >= until {
+				mark()
+			}
 		}
 	}
 }

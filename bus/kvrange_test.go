@@ -161,3 +161,69 @@ func rewriteLoop(t *testing.T, n int, put func(ctx context.Context, i int) error
 	}()
 	return func() { cancel(); <-done }
 }
+
+// TestWatchMarksInitialDoneAfterEveryKeyWhileRewritten: while every key of a bucket is rewritten over and
+// over, Watch passes on every key before its initial-values marker (nats.go's own marker came one rewritten
+// key early, as the range did before readInitial), then goes on with changes; on a quiet bucket the marker
+// comes at once.
+func TestWatchMarksInitialDoneAfterEveryKeyWhileRewritten(t *testing.T) {
+	_, b := bustest.Start(t)
+	kv, err := b.KV(t.Context(), bus.KVConfig{Bucket: "watched"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 300
+	put := func(ctx context.Context, i int) error {
+		_, err := kv.Put(ctx, fmt.Sprintf("k%03d", i), []byte("v"))
+		return err
+	}
+	for i := range n {
+		if err := put(t.Context(), i); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// watch returns the keys passed on before the marker and whether a change came after it.
+	watch := func() (before map[string]bool, changeAfter bool, took time.Duration) {
+		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+		defer cancel()
+		before = map[string]bool{}
+		marked := false
+		began := time.Now()
+		err := kv.Watch(ctx, ">", func(e bus.Entry, initialDone bool) {
+			switch {
+			case initialDone:
+				marked, took = true, time.Since(began)
+				if _, err := kv.Put(ctx, "after", []byte("v")); err != nil {
+					t.Errorf("put after the marker: %v", err)
+				}
+			case !marked:
+				before[e.Key] = true
+			case e.Key == "after":
+				changeAfter = true
+				cancel()
+			}
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !marked {
+			t.Fatal("no initial-values marker in 10 s")
+		}
+		return before, changeAfter, took
+	}
+	stop := rewriteLoop(t, n, put)
+	defer stop()
+	for round := range 150 {
+		before, changeAfter, _ := watch()
+		delete(before, "after")
+		if len(before) != n || !changeAfter {
+			t.Fatalf("round %d: %d of %d keys before the marker, a change after it: %v", round, len(before), n, changeAfter)
+		}
+	}
+	stop()
+	for range 5 {
+		if _, _, took := watch(); took > time.Second {
+			t.Errorf("marker of a quiet bucket after %v: it waited for an entry that was not coming", took)
+		}
+	}
+}
