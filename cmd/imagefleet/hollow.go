@@ -5,6 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
+	"net/http"
+	"net/http/pprof"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -42,6 +45,8 @@ type hollowConfig struct {
 	Zones int
 	// MemProfile, when set, is where the heap profile goes 10 s after every agent runs (diagnostics).
 	MemProfile string
+	// PprofAddr, when set, is where the process serves net/http/pprof's /debug/pprof/ (diagnostics).
+	PprofAddr string
 }
 
 // hollowDefaults are the agent flags whose default differs in `imagefleet hollow` (docs/hollow.md).
@@ -89,6 +94,7 @@ func (h *hollowConfig) flags(fs *pflag.FlagSet) {
 	fs.StringVar(&h.StartRate, "start-rate", "500/s", "agents started per second (N/s or N), so N connections do not arrive at once")
 	fs.IntVar(&h.Zones, "zones", 0, "label node i zone=z<i mod zones> for fleet selectors (0: no zone label)")
 	fs.StringVar(&h.MemProfile, "mem-profile", "", "write the heap profile to this file 10 s after every agent runs (diagnostics)")
+	fs.StringVar(&h.PprofAddr, "pprof-addr", "", "serve Go's /debug/pprof/ on this address, e.g. 127.0.0.1:6061, for CPU profiles of the hollow process during a rollout (diagnostics; no authentication: keep it on loopback)")
 	_ = fs.MarkHidden("mem-profile") // bound just above
 }
 
@@ -250,6 +256,12 @@ func runHollow(ctx context.Context, cl *cli, cmd *cobra.Command, h *hollowConfig
 	began := time.Now()
 	lim := rate.NewLimiter(rate.Limit(p.rate), 1)
 	g, gctx := errgroup.WithContext(ctx)
+	if h.PprofAddr != "" {
+		if err := servePprof(gctx, g, h.PprofAddr); err != nil {
+			return err
+		}
+		fmt.Fprintf(stderr, "hollow: serving /debug/pprof/ on %s\n", h.PprofAddr)
+	}
 	var running, restarts atomic.Int64 // agents running; agents restarted after a failure
 	allRunning := make(chan struct{})
 	for i, name := range p.names {
@@ -289,6 +301,33 @@ func runHollow(ctx context.Context, cl *cli, cmd *cobra.Command, h *hollowConfig
 	err = g.Wait()
 	fmt.Fprintf(stderr, "hollow: %d agents stopped (%d restarts after a failure)\n", running.Load(), restarts.Load())
 	return err
+}
+
+// servePprof serves net/http/pprof's handlers on addr, in g, until ctx ends. A listen error is returned at
+// once, before any agent starts.
+func servePprof(ctx context.Context, g *errgroup.Group, addr string) error {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return fmt.Errorf("--pprof-addr: %w", err)
+	}
+	mux := http.NewServeMux()
+	mux.HandleFunc("/debug/pprof/", pprof.Index)
+	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	g.Go(func() error {
+		<-ctx.Done()
+		return srv.Close()
+	})
+	g.Go(func() error {
+		if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
+			return fmt.Errorf("--pprof-addr: %w", err)
+		}
+		return nil
+	})
+	return nil
 }
 
 // runHollowNode runs hollow node i until ctx ends: its runtime, its connection, its agent. running is

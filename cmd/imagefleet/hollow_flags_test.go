@@ -1,12 +1,17 @@
 package main
 
 import (
+	"context"
+	"io"
+	"net"
+	"net/http"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/spf13/pflag"
+	"golang.org/x/sync/errgroup"
 )
 
 // parseHollow parses args as `imagefleet hollow` flags and plans the run.
@@ -132,5 +137,46 @@ func TestRaiseNoFile(t *testing.T) {
 	}
 	if after != lim {
 		t.Fatalf("a failed raise changed the limit: %+v, was %+v", after, lim)
+	}
+}
+
+// TestHollowPprofAddr: --pprof-addr serves /debug/pprof/ until the run ends, and an address it cannot listen
+// on is refused before any agent starts.
+func TestHollowPprofAddr(t *testing.T) {
+	h, _, err := parseHollow(t, "--nodes", "1", "--pprof-addr", "127.0.0.1:0")
+	if err != nil || h.PprofAddr != "127.0.0.1:0" {
+		t.Fatalf("--pprof-addr %q: %v", h.PprofAddr, err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	// Taken: refused.
+	g, ctx := errgroup.WithContext(t.Context())
+	if err := servePprof(ctx, g, addr); err == nil || !strings.Contains(err.Error(), "--pprof-addr") {
+		t.Fatalf("listening on a taken address: %v", err)
+	}
+	_ = ln.Close()
+	ctx, cancel := context.WithCancel(t.Context())
+	g, gctx := errgroup.WithContext(ctx)
+	if err := servePprof(gctx, g, addr); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := http.Get("http://" + addr + "/debug/pprof/goroutine?debug=1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	_ = resp.Body.Close()
+	if resp.StatusCode != http.StatusOK || !strings.Contains(string(body), "goroutine profile:") {
+		t.Fatalf("GET /debug/pprof/goroutine: %s %.200s", resp.Status, body)
+	}
+	cancel()
+	if err := g.Wait(); err != nil {
+		t.Fatalf("stop: %v", err)
+	}
+	if _, err := http.Get("http://" + addr + "/debug/pprof/"); err == nil {
+		t.Fatal("still serving after the run ended")
 	}
 }
