@@ -1,10 +1,13 @@
 package integration_test
 
 import (
+	"bufio"
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"maps"
 	"net/http"
 	"os"
@@ -284,6 +287,7 @@ func startHollowFleetOf(b *testing.B, bin, agentBin string, n int, extra ...stri
 // servers during the rollout, less the idle rate measured just before).
 type rolloutCost struct {
 	res             events.RolloutResult
+	warnings        string // the hollow log's warnings and errors written during the rollout, by message
 	wall, orchCPU   time.Duration
 	orchRSS         int64
 	nats, hollowUse procCost
@@ -315,8 +319,10 @@ func (f *hollowFleet) run(b *testing.B, bin string, args ...string) rolloutCost 
 	budget := slices.ContainsFunc(extra, func(a string) bool { return strings.HasPrefix(a, "--max-failures") })
 	// Exit 2 (some nodes failed) still prints the result: it is read, so a failed run says why its nodes
 	// failed, not only the progress lines' tail.
+	logFrom := fileSize(f.h.log)
 	out, wall, rss, cpu := timedRunExit(b, bin, []int{2}, args...)
 	rc.nats, rc.hollowUse = ns.Stop(), hs.Stop()
+	rc.warnings = logWarnings(f.h.log, logFrom)
 	m2, err := serverMsgs(ctx, f.monitor)
 	if err != nil {
 		b.Fatal(err)
@@ -446,6 +452,106 @@ func (rc rolloutCost) report(b *testing.B, f *hollowFleet, baseline time.Duratio
 	b.ReportMetric(rc.hollowUse.CPU.Seconds(), "hollow-cpu-s")
 	b.ReportMetric(f.rssPer/(1<<10), "hollow-rss-KiB/agent")
 	b.ReportMetric(f.startup.Seconds(), "startup-s")
+	if t := nodeTimes(rc.res.Nodes); t != "" {
+		b.Logf("rollout %s: %s", rc.res.ID, t)
+	}
+	if rc.warnings != "" {
+		b.Logf("rollout %s: the hollow agents warned meanwhile:\n%s", rc.res.ID, rc.warnings)
+	}
+}
+
+// fileSize is path's size (0 when it cannot be read).
+func fileSize(path string) int64 {
+	st, err := os.Stat(path)
+	if err != nil {
+		return 0
+	}
+	return st.Size()
+}
+
+// logWarnings counts the WARN and ERROR lines of a hollow log from offset on by message, most frequent
+// first (at most 8 messages, with one node each), so a rollout's late or failed nodes come with what their
+// agents said: a consumer that pulled anew, a write that was retried ("" when there are none).
+func logWarnings(path string, offset int64) string {
+	f, err := os.Open(path)
+	if err != nil {
+		return ""
+	}
+	defer f.Close()
+	if _, err := f.Seek(offset, io.SeekStart); err != nil {
+		return ""
+	}
+	counts, nodeOf := map[string]int{}, map[string]string{}
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		level := logField(line, "level")
+		if level != "WARN" && level != "ERROR" {
+			continue
+		}
+		key := level + " " + logField(line, "msg")
+		counts[key]++
+		if _, ok := nodeOf[key]; !ok {
+			nodeOf[key] = logField(line, "node")
+		}
+	}
+	keys := slices.Collect(maps.Keys(counts))
+	slices.SortFunc(keys, func(a, b string) int {
+		if c := counts[b] - counts[a]; c != 0 {
+			return c
+		}
+		return strings.Compare(a, b)
+	})
+	var sb strings.Builder
+	for _, k := range keys[:min(8, len(keys))] {
+		fmt.Fprintf(&sb, "  %d x %s (%s, ...)\n", counts[k], k, nodeOf[k])
+	}
+	return sb.String()
+}
+
+// logField is the value of key in one slog text line (quoted values unquoted), "" when absent.
+func logField(line, key string) string {
+	i := strings.Index(line, " "+key+"=")
+	if i < 0 {
+		if !strings.HasPrefix(line, key+"=") {
+			return ""
+		}
+		i = -1
+	}
+	v := line[i+len(key)+2:]
+	if strings.HasPrefix(v, `"`) {
+		if u, err := strconv.QuotedPrefix(v); err == nil {
+			if s, err := strconv.Unquote(u); err == nil {
+				return s
+			}
+		}
+		return v
+	}
+	if j := strings.IndexByte(v, ' '); j >= 0 {
+		return v[:j]
+	}
+	return v
+}
+
+// nodeTimes summarizes how long the nodes of a rollout took, each from its claim to its outcome:
+// percentiles and the slowest three, so a wall time stretched by a few late nodes says which ("" when the
+// result lists none).
+func nodeTimes(nodes []events.RolloutNodeResult) string {
+	if len(nodes) == 0 {
+		return ""
+	}
+	byTime := slices.Clone(nodes)
+	slices.SortStableFunc(byTime, func(a, b events.RolloutNodeResult) int { return cmp.Compare(a.Duration.Duration, b.Duration.Duration) })
+	at := func(q float64) time.Duration {
+		return byTime[min(len(byTime)-1, int(q*float64(len(byTime))))].Duration.Duration.Round(time.Millisecond)
+	}
+	var slow []string
+	for _, n := range slices.Backward(byTime[max(0, len(byTime)-3):]) {
+		slow = append(slow, fmt.Sprintf("%s %s (batch %d)", n.Node, n.Duration.Duration.Round(time.Millisecond), n.Batch))
+	}
+	return fmt.Sprintf("node times p50 %s, p90 %s, p99 %s, p99.9 %s; slowest %s", at(0.5), at(0.9), at(0.99), at(0.999),
+		strings.Join(slow, ", "))
 }
 
 // BenchmarkHollowFleet measures fleet GC (dry run, then real) and a fleet pre-pull of one image (hollow
