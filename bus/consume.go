@@ -155,6 +155,9 @@ func (b *Bus) consume(ctx context.Context, cfg ConsumerConfig, cc jetstream.Cons
 		currentCon jetstream.Consumer
 		lastActive atomic.Int64 // unix nanoseconds of the last delivery or (re)start of the pull
 		lastDeliv  atomic.Int64 // unix nanoseconds of the last delivery (or the start)
+		// replStart: unix nanoseconds of the last (re)start of a replicated consumer's pull, until the
+		// watchdog took it for an early look (stallWatch.started); 0 otherwise.
+		replStart atomic.Int64
 	)
 	lastDeliv.Store(time.Now().UnixNano())
 	open := func() (jetstream.MessagesContext, error) {
@@ -172,6 +175,9 @@ func (b *Bus) consume(ctx context.Context, cfg ConsumerConfig, cc jetstream.Cons
 			currentCon = cons
 			mu.Unlock()
 			lastActive.Store(time.Now().UnixNano())
+			if replicated(cons) {
+				replStart.Store(time.Now().UnixNano())
+			}
 			return nil
 		})
 		return msgs, err
@@ -213,6 +219,9 @@ func (b *Bus) consume(ctx context.Context, cfg ConsumerConfig, cc jetstream.Cons
 			}
 			now := time.Now()
 			last := time.Unix(0, lastActive.Load())
+			if at := replStart.Load(); at != 0 && now.Sub(time.Unix(0, at)) >= earlyLookAfter && replStart.CompareAndSwap(at, 0) {
+				w.started()
+			}
 			if !w.due(now, time.Unix(0, lastDeliv.Load()), last, hinted) {
 				continue
 			}
@@ -356,6 +365,13 @@ func (b *Bus) consume(ctx context.Context, cfg ConsumerConfig, cc jetstream.Cons
 	}
 	wg.Wait()
 	return loopErr
+}
+
+// replicated reports whether cons has replicas besides its leader (its Raft group can be without a leader),
+// as its create or lookup answer said.
+func replicated(cons jetstream.Consumer) bool {
+	info := cons.CachedInfo()
+	return info != nil && info.Cluster != nil && len(info.Cluster.Replicas) > 0
 }
 
 // recheckWaits are the waits of the Next calls that follow a delivery, before one that waits without end.

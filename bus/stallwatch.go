@@ -50,7 +50,30 @@ type stallWatch struct {
 	lastActive   time.Time     // the last delivery or (re)start of the pull
 	failures     int           // looks in a row whose info request failed
 	suspect      bool          // the last look found no pull request of ours
-	jitter       func() float64
+	// The early look after a replicated consumer's (re)start (started): due at the next look's turn,
+	// budgeted one per delivery.
+	soon, early bool // soon: an early look is due; early: the look being made is one
+	earlyBudget int
+	jitter      func() float64
+}
+
+// earlyLookAfter is how long after a replicated consumer's (re)start its early look may come: long enough
+// for the first pull request to reach the consumer's leader (a few milliseconds on a healthy cluster).
+const earlyLookAfter = 2 * time.Second
+
+// started records that the pull of a replicated consumer (R>1) was (re)started at least earlyLookAfter
+// ago, and makes an early look due if the budget allows. A pull request that reaches the servers while the
+// consumer's Raft group has no leader (just created, or electing one) is dropped without a word: nats.go
+// learns of it only when two heartbeats are missed (30 s), the schedule above at StallAfter + StallAfter/3
+// (20 s), and a pull request queued meanwhile waits that long. 300 hollow agents on a 3-server cluster,
+// pre-pulling 20 s after they started, had nodes wait 1.5-7 s for it (docs/benchmarks.md). The early look
+// finds that at once. One per delivery: a cluster that stays without leaders gets one extra info request
+// and pull per consumer, not one every few seconds.
+func (w *stallWatch) started() {
+	if w.earlyBudget > 0 {
+		w.earlyBudget--
+		w.soon = true
+	}
 }
 
 func newStallWatch(stallAfter time.Duration, now time.Time) *stallWatch {
@@ -61,6 +84,7 @@ func newStallWatch(stallAfter time.Duration, now time.Time) *stallWatch {
 
 func (w *stallWatch) restart(delivery, active time.Time) {
 	w.lastDelivery, w.lastActive = delivery, active
+	w.earlyBudget = 1
 	w.period, w.failures, w.suspect = w.stallAfter, 0, false
 	w.next = active.Add(w.stallAfter)
 }
@@ -81,12 +105,29 @@ func (w *stallWatch) due(now, lastDelivery, lastActive time.Time, hinted bool) b
 		w.period = w.stallAfter
 		w.next = now
 	}
-	return !now.Before(w.next) && now.Sub(w.lastActive) >= w.stallAfter
+	if !now.Before(w.next) && now.Sub(w.lastActive) >= w.stallAfter {
+		w.soon = false // the scheduled look is made instead
+		return true
+	}
+	if w.soon {
+		w.soon, w.early = false, true
+		return true
+	}
+	return false
 }
 
 // checked records a look made at now (err: the info request's error; v: judgeStall's verdict, if err is
 // nil) and returns what to do.
 func (w *stallWatch) checked(now time.Time, err error, v stallVerdict) stallVerdict {
+	if w.early {
+		// Just started: no pull request of ours is no expiry gap (the first lasts 30 s), so pull anew at
+		// once; anything else leaves the schedule as it was.
+		w.early = false
+		if err == nil && v == stallSuspect {
+			return stallNoWaiting
+		}
+		return stallOK
+	}
 	backOff := func() {
 		w.next = now.Add(time.Duration(float64(w.period) * w.jitter()))
 		w.period = min(2*w.period, max(maxStallCheckPeriod, w.stallAfter))

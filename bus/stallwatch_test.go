@@ -47,6 +47,43 @@ func TestStallWatchBacksOff(t *testing.T) {
 			t.Fatalf("after a delivery, looks at %v", got)
 		}
 	})
+	t.Run("early look after a replicated start", func(t *testing.T) {
+		w := newWatch()
+		w.started()
+		now := t0.Add(5 * time.Second)
+		if !w.due(now, t0, t0, false) {
+			t.Fatal("no early look 5 s after the start")
+		}
+		if v := w.checked(now, nil, stallSuspect); v != stallNoWaiting {
+			t.Fatalf("early look finding no pull request: %v, want stallNoWaiting (pull anew at once)", v)
+		}
+		// Pulled anew: a second early look needs a delivery first.
+		restarted := now
+		w.started()
+		if w.due(t0.Add(10*time.Second), t0, restarted, false) {
+			t.Fatal("a second early look without a delivery between")
+		}
+		delivered := t0.Add(12 * time.Second)
+		w.due(delivered, delivered, delivered, false)
+		w.started()
+		now = t0.Add(14 * time.Second)
+		if !w.due(now, delivered, delivered, false) {
+			t.Fatal("no early look after a delivery and a restart")
+		}
+		next := w.next
+		if v := w.checked(now, nil, stallOK); v != stallOK || !w.next.Equal(next) {
+			t.Fatalf("an early look finding a pull request: %v, next look moved from %v to %v", v, next, w.next)
+		}
+		if got := looks(w, 15*time.Second, time.Minute, delivered, nil, stallOK); !equalDurations(got, []time.Duration{27 * time.Second, 42 * time.Second}) {
+			t.Fatalf("schedule after the early look: looks at %v", got)
+		}
+	})
+	t.Run("no early look without a start", func(t *testing.T) {
+		w := newWatch()
+		if got := looks(w, 0, 20*time.Second, t0, nil, stallSuspect); !equalDurations(got, []time.Duration{15 * time.Second, 20 * time.Second}) {
+			t.Fatalf("looks at %v", got)
+		}
+	})
 	t.Run("hint", func(t *testing.T) {
 		w := newWatch()
 		looks(w, 0, 10*time.Minute, t0, nil, stallOK) // next look at 13 m
