@@ -69,3 +69,74 @@ func TestPullWatchWithdrawsARequestItCouldNotConfirm(t *testing.T) {
 		t.Errorf("%d waiters left", len(w.waiters))
 	}
 }
+
+// TestPullWatchNudgeRestartsAStaleFollower: a lookup that finds a result the follower has not reached makes
+// the follower anew only when it has read nothing for followerStale, once per stale period.
+func TestPullWatchNudgeRestartsAStaleFollower(t *testing.T) {
+	restarts := 0
+	w := &PullWatch{restart: func() { restarts++ }, next: 10, progress: time.Now().Add(-3 * time.Second)}
+	w.nudge(9) // already read
+	if restarts != 0 {
+		t.Fatalf("restarted for a result the follower has read")
+	}
+	w.nudge(10)
+	if restarts != 1 {
+		t.Fatalf("%d restarts for a stale follower behind the result, want 1", restarts)
+	}
+	w.nudge(11) // at once again: the restart just made is given its time
+	if restarts != 1 {
+		t.Fatalf("%d restarts, want 1 per stale period", restarts)
+	}
+	w.progress = time.Now().Add(-time.Second) // read a second ago: not stale
+	w.nudge(11)
+	if restarts != 1 {
+		t.Fatalf("%d restarts of a follower that read a second ago", restarts)
+	}
+}
+
+// TestPullWatchFollowerRestartedReadsOn: a follower made anew by nudge reads on from where it was: a result
+// published after the restart reaches its waiter through the follower, not a lookup.
+func TestPullWatchFollowerRestartedReadsOn(t *testing.T) {
+	_, b := bustest.Start(t)
+	w, err := StartPullWatch(t.Context(), b, "pull-1", "busybox", "", WithNodeDomains(nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Stop()
+	publish := func(node string) {
+		t.Helper()
+		ev, err := events.New(node, events.EntityPull, events.ActionPulled, events.PullResult{RequestID: PullRequestID("pull-1", node), Image: "busybox"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := b.Publish(t.Context(), ev); err != nil {
+			t.Fatal(err)
+		}
+	}
+	await := func(node string) {
+		t.Helper()
+		select {
+		case r := <-w.wait(PullRequestID("pull-1", node)):
+			if r.Image != "busybox" {
+				t.Fatalf("result %+v", r)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatalf("no result for %s from the follower in 5 s", node)
+		}
+	}
+	publish("node-a")
+	await("node-a")
+	w.mu.Lock()
+	starts := w.starts
+	w.progress = time.Now().Add(-time.Minute)
+	seq := w.next
+	w.mu.Unlock()
+	w.nudge(seq)
+	bustest.WaitFor(t, "the follower made anew", func() bool {
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		return w.starts == starts+1
+	})
+	publish("node-b")
+	await("node-b")
+}
