@@ -59,7 +59,8 @@ type ConsumerConfig struct {
 	// StallAfter: when messages wait (the consumer's NumPending > 0, a free ack slot) and none has been
 	// delivered for this long, the pull is started anew (default 15s). A pull request left on a server that
 	// was lost or lost its leadership is not always reported by a missed heartbeat. An idle consumer's info
-	// is asked StallAfter after its last delivery, then at periods that double up to 5 minutes (stallWatch).
+	// is asked StallAfter after its last delivery, then at periods that double up to 5 minutes (stallWatch);
+	// a replicated consumer's also once about 2 s after its pull (re)starts (stallWatch.started).
 	StallAfter time.Duration
 	// MemoryStorage keeps the consumer's state (on a cluster, its Raft log too) in memory instead of files.
 	// Used by the benchmarks that measure what it saves (docs/benchmarks.md); no worker sets it.
