@@ -48,21 +48,9 @@ func TestKVRange(t *testing.T) {
 // still give every key (the server's pending count alone left out the key rewritten as the watch began,
 // one time in a few dozen), Range at least once, List exactly once with its latest value seen.
 func TestRangeWhileKeysAreRewritten(t *testing.T) {
-	_, b := bustest.Start(t)
-	kv, err := b.KV(t.Context(), bus.KVConfig{Bucket: "rewritten"})
-	if err != nil {
-		t.Fatal(err)
-	}
 	const n = 300
-	for i := range n {
-		if _, err := kv.Put(t.Context(), fmt.Sprintf("k%03d", i), []byte("v")); err != nil {
-			t.Fatal(err)
-		}
-	}
-	stop := rewriteLoop(t, n, func(ctx context.Context, i int) error {
-		_, err := kv.Put(ctx, fmt.Sprintf("k%03d", i), []byte("v"))
-		return err
-	})
+	kv, put := filledBucket(t, "rewritten", n, putKey)
+	stop := rewriteLoop(t, n, put)
 	defer stop()
 	for round := range 150 {
 		got := map[string]int{}
@@ -90,25 +78,17 @@ func TestRangeWhileKeysAreRewritten(t *testing.T) {
 // it covers, not the bucket's: with other keys written last, it neither misses its own rewritten keys nor
 // waits for an entry it will never be sent (150 of each, well under a second each).
 func TestRangeFilteredReadsOnlyToItsKeys(t *testing.T) {
-	_, b := bustest.Start(t)
-	kv, err := b.KV(t.Context(), bus.KVConfig{Bucket: "filtered"})
-	if err != nil {
-		t.Fatal(err)
-	}
 	const n = 100
-	put := func(ctx context.Context, i int) error {
-		for _, p := range []string{"a", "b"} { // "b" is written last
-			if _, err := kv.Put(ctx, fmt.Sprintf("%s.k%03d", p, i), []byte("v")); err != nil {
-				return err
+	kv, put := filledBucket(t, "filtered", n, func(kv *bus.KV) func(context.Context, int) error {
+		return func(ctx context.Context, i int) error {
+			for _, p := range []string{"a", "b"} { // "b" is written last
+				if _, err := kv.Put(ctx, fmt.Sprintf("%s.k%03d", p, i), []byte("v")); err != nil {
+					return err
+				}
 			}
+			return nil
 		}
-		return nil
-	}
-	for i := range n {
-		if err := put(t.Context(), i); err != nil {
-			t.Fatal(err)
-		}
-	}
+	})
 	stop := rewriteLoop(t, n, put)
 	defer stop()
 	began := time.Now()
@@ -167,21 +147,8 @@ func rewriteLoop(t *testing.T, n int, put func(ctx context.Context, i int) error
 // key early, as the range did before readInitial), then goes on with changes; on a quiet bucket the marker
 // comes at once.
 func TestWatchMarksInitialDoneAfterEveryKeyWhileRewritten(t *testing.T) {
-	_, b := bustest.Start(t)
-	kv, err := b.KV(t.Context(), bus.KVConfig{Bucket: "watched"})
-	if err != nil {
-		t.Fatal(err)
-	}
 	const n = 300
-	put := func(ctx context.Context, i int) error {
-		_, err := kv.Put(ctx, fmt.Sprintf("k%03d", i), []byte("v"))
-		return err
-	}
-	for i := range n {
-		if err := put(t.Context(), i); err != nil {
-			t.Fatal(err)
-		}
-	}
+	kv, put := filledBucket(t, "watched", n, putKey)
 	// watch returns the keys passed on before the marker and whether a change came after it.
 	watch := func() (before map[string]bool, changeAfter bool, took time.Duration) {
 		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
@@ -225,5 +192,31 @@ func TestWatchMarksInitialDoneAfterEveryKeyWhileRewritten(t *testing.T) {
 		if _, _, took := watch(); took > time.Second {
 			t.Errorf("marker of a quiet bucket after %v: it waited for an entry that was not coming", took)
 		}
+	}
+}
+
+// filledBucket opens bucket on a server of its own and writes keys 0..n-1 once with the put putOf makes for
+// it, which it returns for the test to go on rewriting them with.
+func filledBucket(t *testing.T, bucket string, n int, putOf func(*bus.KV) func(context.Context, int) error) (*bus.KV, func(context.Context, int) error) {
+	t.Helper()
+	_, b := bustest.Start(t)
+	kv, err := b.KV(t.Context(), bus.KVConfig{Bucket: bucket})
+	if err != nil {
+		t.Fatal(err)
+	}
+	put := putOf(kv)
+	for i := range n {
+		if err := put(t.Context(), i); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return kv, put
+}
+
+// putKey writes key k<i> (three digits).
+func putKey(kv *bus.KV) func(context.Context, int) error {
+	return func(ctx context.Context, i int) error {
+		_, err := kv.Put(ctx, fmt.Sprintf("k%03d", i), []byte("v"))
+		return err
 	}
 }
