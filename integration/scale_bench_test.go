@@ -700,9 +700,19 @@ func detectorTrouble(path string, n int) string {
 // events.InventoryStream) on the 16 partition durables, and the benchmark times them until the inventory
 // bucket holds every placement.
 // Each replica count gets its own cluster and fleet, so every run starts from the same backlog.
+//
+// IMAGEFLEET_SCALE_REPLICA_CPU (a share of one core, such as 0.1) holds each replica to that share in a CPU
+// cgroup of its own (root only), as separate hosts would give each its own CPU: on this 2-core machine the
+// uncapped replicas and the servers share two cores, so more replicas cannot add (docs/benchmarks.md).
+// Capped well below what the servers leave, the replicas are the bound, and their rate against their number
+// is what the partitioning gives.
 func BenchmarkInventoryCatchUp(b *testing.B) {
 	bin := imagefleetBinary(b)
 	raiseNoFile(b)
+	cpuShare, err := parseCPUCap(os.Getenv("IMAGEFLEET_SCALE_REPLICA_CPU"))
+	if err != nil {
+		b.Fatalf("IMAGEFLEET_SCALE_REPLICA_CPU=%v", err)
+	}
 	for _, n := range scaleSizes(b) {
 		for _, mode := range inventoryModes(b) {
 			var rate1 float64
@@ -774,6 +784,7 @@ func BenchmarkInventoryCatchUp(b *testing.B) {
 						b.StartTimer()
 						t0 := time.Now()
 						var pids []int
+						var groups []*cpuCgroup
 						for r := range replicas {
 							args := []string{"agent", "--node", fmt.Sprintf("fleet-inventory-%d", r+1),
 								"--nats", f.c.URL, "--workers", "inventory", "--stream-replicas", strconv.Itoa(scaleReplicas(b)), "--data-dir", b.TempDir()}
@@ -782,6 +793,9 @@ func BenchmarkInventoryCatchUp(b *testing.B) {
 							}
 							p := startProc(b, fmt.Sprintf("inventory-%d", r+1), bin, args...)
 							pids = append(pids, p.cmd.Process.Pid)
+							if cpuShare > 0 {
+								groups = append(groups, capCPU(b, p.cmd.Process.Pid, cpuShare))
+							}
 						}
 						var s *procSampler
 						watched := append(append([]int{}, pids...), f.c.serverPIDs()...)
@@ -820,6 +834,22 @@ func BenchmarkInventoryCatchUp(b *testing.B) {
 							d := st.CPU - cpu0[p]
 							if i < len(pids) {
 								replicaCPU += d
+								if cpuShare > 0 {
+									// The cap held: no replica used more than its share of the wall time (10 % and
+									// one period over for the moment before it was moved). Its throttled time says
+									// whether the cap was the bound (none: it waited on the servers instead).
+									limit := time.Duration(cpuShare*1.1*float64(wall)) + cpuCapPeriod
+									thr, err := groups[i].throttled()
+									if err != nil {
+										b.Fatal(err)
+									}
+									if d > limit {
+										b.Fatalf("replica %d: %s of CPU in %s (cap %.2f core): the cap did not hold",
+											i+1, d.Round(time.Millisecond), wall.Round(time.Millisecond), cpuShare)
+									}
+									b.Logf("replica %d: %s of CPU in %s (%.0f %% of its cap), throttled %s", i+1, d.Round(time.Millisecond),
+										wall.Round(time.Millisecond), 100*d.Seconds()/(cpuShare*wall.Seconds()), thr.Round(time.Millisecond))
+								}
 							} else {
 								serversCPU += d
 								serverCPU = append(serverCPU, d.Round(10*time.Millisecond).String())
@@ -849,6 +879,9 @@ func BenchmarkInventoryCatchUp(b *testing.B) {
 						}
 						b.ReportMetric(cost.CPU.Seconds(), "cpu-s")
 						b.ReportMetric(float64(cost.PeakRSS)/(1<<20), "rss-MiB")
+						if cpuShare > 0 {
+							b.ReportMetric(cpuShare, "replica-core-cap")
+						}
 					}
 				})
 			}
