@@ -351,12 +351,25 @@ func (s *Inventory) indexEntry(e bus.Entry) (legacy events.Placement, ok bool) {
 		s.drop(e.Key)
 		return legacy, false
 	}
+	// This replica's own write comes back from the watch with the revision it was indexed under (wrote):
+	// a bucket revision names one write, so it is not decoded again. (Every replica decodes every other
+	// replica's writes: that is what each one's whole-fleet index costs, docs/benchmarks.md.)
+	if img, node, found := strings.Cut(e.Key, "."); found && e.Revision > 0 {
+		if cur, ok := s.index[img][node]; ok && cur.rev == e.Revision {
+			return legacy, false
+		}
+	}
 	var p events.Placement
 	if err := json.Unmarshal(e.Value, &p); err != nil || p.Node == "" || p.ID == "" {
 		s.drop(e.Key)
 		return legacy, false
 	}
-	switch e.Key {
+	return s.indexPlacement(e.Key, p, e.Revision)
+}
+
+// indexPlacement indexes p, read from key at revision rev (s.mu held); see indexEntry.
+func (s *Inventory) indexPlacement(key string, p events.Placement, rev uint64) (legacy events.Placement, ok bool) {
+	switch key {
 	case events.InventoryKey(p.ID, p.Node):
 	case events.InventoryNodeFirstKey(p.Node, p.ID):
 		ok = true
@@ -376,7 +389,6 @@ func (s *Inventory) indexEntry(e bus.Entry) (legacy events.Placement, ok bool) {
 	if found {
 		s.unref(cur.Placement)
 	}
-	rev := e.Revision
 	if ok {
 		rev = 0 // the node-first key's revision, not the image-first key's
 	}
@@ -690,14 +702,14 @@ func (s *Inventory) write(ctx context.Context, p events.Placement, withIndex boo
 		return false, nil
 	case known && cur.rev > 0:
 		if rev, err := s.kv.Update(ctx, key, raw, cur.rev); err == nil {
-			s.wrote(key, raw, rev)
+			s.wrote(key, p, rev)
 			return true, nil
 		} else if !errors.Is(err, bus.ErrConflict) {
 			return false, err
 		}
 	case !known && !p.Gone:
 		if rev, err := s.kv.Create(ctx, key, raw); err == nil {
-			s.wrote(key, raw, rev)
+			s.wrote(key, p, rev)
 			return true, nil
 		} else if !errors.Is(err, bus.ErrConflict) {
 			return false, err
@@ -714,7 +726,7 @@ func (s *Inventory) write(ctx context.Context, p events.Placement, withIndex boo
 				}
 				return false, err
 			}
-			s.wrote(key, raw, nrev)
+			s.wrote(key, p, nrev)
 			return true, nil
 		case err != nil:
 			return false, err
@@ -730,7 +742,7 @@ func (s *Inventory) write(ctx context.Context, p events.Placement, withIndex boo
 			}
 			return false, err
 		}
-		s.wrote(key, raw, nrev)
+		s.wrote(key, p, nrev)
 		return true, nil
 	}
 	return false, fmt.Errorf("apply %s: too many conflicting writers", key)
@@ -745,9 +757,11 @@ func (s *Inventory) lookup(p events.Placement) (indexed, bool) {
 }
 
 // wrote indexes what this replica just wrote, so its next apply to the key compares and sets on the new
-// revision without waiting for the watch (which brings the same entry again: indexing it twice is a no-op).
-func (s *Inventory) wrote(key string, raw []byte, rev uint64) {
-	s.indexEntry(bus.Entry{Key: key, Value: raw, Revision: rev})
+// revision without waiting for the watch (which brings the same entry again, recognized by its revision).
+func (s *Inventory) wrote(key string, p events.Placement, rev uint64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.indexPlacement(key, p, rev)
 }
 
 // Query answers an inventory query from the in-memory index: where reads only the placements of the image

@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"reflect"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -14,7 +15,8 @@ import (
 )
 
 // TestInventoryTotalsMatchAScan: the per-image and per-node totals the index keeps as placements come, change
-// size, go and come back answer images and nodes exactly as a scan of the live placements does (Answer).
+// size, go and come back (half of them written by this replica, then echoed by the watch) answer images and
+// nodes exactly as a scan of the live placements does (Answer).
 func TestInventoryTotalsMatchAScan(t *testing.T) {
 	rng := rand.New(rand.NewPCG(15, 1))
 	inv := &Inventory{cfg: InventoryConfig{Replica: "r"}, index: map[string]map[string]indexed{},
@@ -40,7 +42,11 @@ func TestInventoryTotalsMatchAScan(t *testing.T) {
 			continue
 		}
 		raw, _ := json.Marshal(p)
-		inv.indexEntry(bus.Entry{Key: key, Value: raw})
+		if rng.IntN(2) == 0 {
+			// This replica's own write, indexed as written, then its echo from the watch.
+			inv.wrote(key, p, seq)
+		}
+		inv.indexEntry(bus.Entry{Key: key, Value: raw, Revision: seq})
 		if seq%500 != 0 {
 			continue
 		}
@@ -70,5 +76,33 @@ func TestInventoryTotalsMatchAScan(t *testing.T) {
 				t.Fatalf("after %d changes, %s:\n got %+v\nwant %+v", seq, what, got, want)
 			}
 		}
+	}
+}
+
+// TestInventoryEchoNotDecodedAgain: the watch's echo of this replica's own write (same key, same revision) is
+// recognized without decoding its value; any other revision of the key is decoded as before.
+func TestInventoryEchoNotDecodedAgain(t *testing.T) {
+	inv := &Inventory{cfg: InventoryConfig{Replica: "r"}, index: map[string]map[string]indexed{},
+		refs: map[string]map[string]int{}, images: map[string]*imageTotals{}, nodes: map[string]*events.InventoryNode{}}
+	p := events.Placement{Node: "n1", ID: "sha256:" + strings.Repeat("a", 64), Size: 10, Seq: 5, RepoTags: []string{"img:1"}}
+	key := events.InventoryKey(p.ID, p.Node)
+	inv.wrote(key, p, 7)
+	// A value that is no placement at the written revision: the echo, not decoded, changes nothing.
+	inv.indexEntry(bus.Entry{Key: key, Value: []byte("not a placement"), Revision: 7})
+	if cur, ok := inv.lookup(p); !ok || cur.rev != 7 || cur.Seq != 5 || inv.images[p.ID].nodes != 1 {
+		t.Fatalf("after the echo: %+v %v, image totals %+v", cur, ok, inv.images[p.ID])
+	}
+	// Another replica's later write is decoded and indexed.
+	q := p
+	q.Seq, q.Size = 6, 20
+	raw, _ := json.Marshal(q)
+	inv.indexEntry(bus.Entry{Key: key, Value: raw, Revision: 9})
+	if cur, ok := inv.lookup(p); !ok || cur.rev != 9 || cur.Seq != 6 || inv.images[p.ID].bytes != 20 {
+		t.Fatalf("after another replica's write: %+v %v, image totals %+v", cur, ok, inv.images[p.ID])
+	}
+	// The same bad value at a revision the index does not hold is decoded, fails, and drops the key.
+	inv.indexEntry(bus.Entry{Key: key, Value: []byte("not a placement"), Revision: 10})
+	if cur, ok := inv.lookup(p); ok || inv.images[p.ID] != nil {
+		t.Fatalf("a bad value at a new revision kept %+v, image totals %+v", cur, inv.images[p.ID])
 	}
 }
