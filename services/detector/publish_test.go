@@ -1,6 +1,7 @@
 package detector_test
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -146,5 +147,71 @@ func TestFailedDetectionRetriedBeforeTheNextPeriod(t *testing.T) {
 	t.Logf("image detected %v after the runtime answered again", time.Since(back).Round(time.Millisecond))
 	if got := load(t, b); len(got) != 1 {
 		t.Fatalf("records %v, want sha256:a", got)
+	}
+}
+
+// TestRecordsWriteInDoubtPublishesItsEvents: a records write that fails may have landed (its last attempt's
+// ack lost to a timeout, as 10,000 agents starting at once saw: two nodes never published their 50
+// image.detected events, the next detection finding every record stored). The next detection publishes the
+// events of what the store shows written, once each, and a detection whose write did not land publishes them
+// once when it is found again.
+func TestRecordsWriteInDoubtPublishesItsEvents(t *testing.T) {
+	bustest.VerifyNoLeaks(t)
+	_, b := bustest.Start(t)
+	rt := critest.NewRuntime()
+	svc, err := detector.New(detector.Config{Node: node, Period: time.Hour}, rt, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := svc.Open(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	lost := errors.New("ack lost")
+	mode := "ok"
+	detector.SetStoreWrite(svc, func(ctx context.Context, puts []events.ImageRecord, deletes []string,
+		write func(context.Context, []events.ImageRecord, []string) error) error {
+		switch mode {
+		case "landed": // written, reported failed
+			if err := write(ctx, puts, deletes); err != nil {
+				return err
+			}
+			return lost
+		case "lost": // not written
+			return lost
+		}
+		return write(ctx, puts, deletes)
+	})
+	step := func(m string, images []cri.Image, wantErr bool) {
+		t.Helper()
+		mode = m
+		set(rt, images, nil, nil)
+		_, err := svc.Detect(t.Context(), time.Now())
+		if (err != nil) != wantErr {
+			t.Fatalf("detect with the write %s: err %v, want an error %v", m, err, wantErr)
+		}
+	}
+	a, bb, c := cri.Image{ID: "sha256:a", Size: 1}, cri.Image{ID: "sha256:b", Size: 1}, cri.Image{ID: "sha256:c", Size: 1}
+	step("landed", []cri.Image{a, bb}, true)
+	if evs, _ := storedImageEvents(t, b); len(evs) != 0 {
+		t.Fatalf("events after a failed write: %v", evs)
+	}
+	step("ok", []cri.Image{a, bb}, false)
+	step("landed", []cri.Image{bb}, true) // a vanished
+	step("ok", []cri.Image{bb}, false)
+	step("lost", []cri.Image{bb, c}, true) // c not written
+	step("ok", []cri.Image{bb, c}, false)
+
+	want := []string{"imagefleet.image.detected.v1 sha256:a", "imagefleet.image.detected.v1 sha256:b",
+		"imagefleet.image.vanished.v1 sha256:a", "imagefleet.image.detected.v1 sha256:c"}
+	evs, ids := storedImageEvents(t, b)
+	if !slices.Equal(evs, want) {
+		t.Fatalf("stream holds %v, want %v", evs, want)
+	}
+	slices.Sort(ids)
+	if len(slices.Compact(ids)) != len(evs) {
+		t.Fatalf("event ids %v: an event stored twice", ids)
+	}
+	if recs := load(t, b); len(recs) != 2 || recs["sha256:b"].ID == "" || recs["sha256:c"].ID == "" {
+		t.Fatalf("records = %+v", recs)
 	}
 }

@@ -37,6 +37,12 @@ type Service struct {
 	records     *records.Table
 	loaded      bool
 	unpublished []events.Event // events of earlier detections whose publish failed, oldest first
+	// inDoubt holds the added and removed records of detections whose records write failed. A failed write
+	// may have landed all the same (its last attempt's ack lost to a timeout): the next detection would then
+	// find nothing new and their events would never be published. The next load settles them (settle).
+	inDoubt records.Changes
+	// storeWrite, when set, replaces store.Write (tests: a write that lands but reports a failure).
+	storeWrite func(ctx context.Context, puts []events.ImageRecord, deletes []string) error
 	// retry (one slot) tells Run that a publish failed: Run retries unpublished on its own schedule
 	// (retryWait), not only at the next detection.
 	retry chan struct{}
@@ -118,7 +124,43 @@ func (s *Service) load(ctx context.Context) error {
 		return err
 	}
 	s.records, s.loaded = records.NewTable(recs), true
+	s.settle(recs)
 	return nil
+}
+
+// settle queues the events of in-doubt changes the store shows were written: an added record it holds as
+// detected (same first detection), a removed record it no longer holds. The others were not written, and the
+// detection that follows finds them again. The caller holds the lock.
+func (s *Service) settle(stored map[string]events.ImageRecord) {
+	if len(s.inDoubt.Added)+len(s.inDoubt.Removed) == 0 {
+		return
+	}
+	var landed records.Changes
+	for _, r := range s.inDoubt.Added {
+		if got, ok := stored[r.ID]; ok && got.FirstDetected.Equal(r.FirstDetected) {
+			landed.Added = append(landed.Added, r)
+		}
+	}
+	for _, r := range s.inDoubt.Removed {
+		if _, ok := stored[r.ID]; !ok {
+			landed.Removed = append(landed.Removed, r)
+		}
+	}
+	s.inDoubt = records.Changes{}
+	if len(landed.Added)+len(landed.Removed) == 0 {
+		return
+	}
+	if err := s.queue(landed); err != nil {
+		s.cfg.Logger.Warn("image events of a records write in doubt not queued", "node", s.cfg.Node, "err", err)
+		return
+	}
+	s.cfg.Logger.Info("records write in doubt had landed; publishing its events", "node", s.cfg.Node,
+		"detected", len(landed.Added), "vanished", len(landed.Removed))
+	// Published by this detection's flush, or by Run's retry if the detection fails before it.
+	select {
+	case s.retry <- struct{}{}:
+	default:
+	}
 }
 
 // loadStore reads the node's records within retryFor: one attempt, as the bucket's listing retries a
@@ -132,7 +174,11 @@ func (s *Service) loadStore(ctx context.Context) (map[string]events.ImageRecord,
 // write stores the changes; on failure memory is ahead of the store, so the next detection reloads it.
 // The caller holds the lock.
 func (s *Service) write(ctx context.Context, puts []events.ImageRecord, deletes []string) error {
-	if err := call(ctx, len(puts)+len(deletes), func(ctx context.Context) error { return s.store.Write(ctx, puts, deletes) }); err != nil {
+	write := s.store.Write
+	if s.storeWrite != nil {
+		write = s.storeWrite
+	}
+	if err := call(ctx, len(puts)+len(deletes), func(ctx context.Context) error { return write(ctx, puts, deletes) }); err != nil {
 		s.loaded = false
 		return err
 	}
@@ -355,6 +401,8 @@ func (s *Service) detect(ctx context.Context, detectTime time.Time, withRecords 
 		removed = append(removed, r.ID)
 	}
 	if err := s.write(ctx, puts, removed); err != nil {
+		s.inDoubt.Added = append(s.inDoubt.Added, ch.Added...)
+		s.inDoubt.Removed = append(s.inDoubt.Removed, ch.Removed...)
 		return events.DetectReply{}, err
 	}
 	if err := s.queue(ch); err != nil {
