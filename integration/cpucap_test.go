@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -39,15 +40,17 @@ type cpuCgroup struct {
 
 // capCPU moves the running process pid (all its threads) into a new CPU cgroup that holds it to share of one
 // core: cgroup v2's cpu.max where the unified hierarchy has the cpu controller, else v1's cpu.cfs_quota_us.
-// It fails the test when neither can be made (not root, no cpu controller): a capped run that is not capped
-// would measure something else.
+// The group is made under the hierarchy's root; with v2 the root must be able to hand the cpu controller to
+// its children (a host; in a container with a cgroup namespace of its own, its root holds processes and the
+// kernel refuses, EBUSY). It fails the test when the group cannot be made (not root, no cpu controller): a
+// capped run that is not capped would measure something else.
 func capCPU(t testing.TB, pid int, share float64) *cpuCgroup {
 	t.Helper()
 	quota := int64(share * float64(cpuCapPeriod/time.Microsecond))
 	name := fmt.Sprintf("imagefleet-bench-%d-%d", os.Getpid(), pid)
 	var cg *cpuCgroup
 	var files [][2]string
-	if ctl, err := os.ReadFile("/sys/fs/cgroup/cgroup.controllers"); err == nil && strings.Contains(" "+string(ctl)+" ", " cpu ") {
+	if ctl, err := os.ReadFile("/sys/fs/cgroup/cgroup.controllers"); err == nil && slices.Contains(strings.Fields(string(ctl)), "cpu") {
 		// v2: the root must hand the cpu controller to its children.
 		if err := os.WriteFile("/sys/fs/cgroup/cgroup.subtree_control", []byte("+cpu"), 0); err != nil {
 			t.Fatalf("cgroup v2: enable the cpu controller for children: %v", err)
@@ -63,13 +66,18 @@ func capCPU(t testing.TB, pid int, share float64) *cpuCgroup {
 	} else {
 		t.Fatalf("cap pid %d at %.2f core: no CPU cgroup (neither /sys/fs/cgroup/cgroup.controllers with cpu nor /sys/fs/cgroup/cpu)", pid, share)
 	}
+	removeStaleGroups(filepath.Dir(cg.dir))
+	home := filepath.Dir(cg.dir)
+	if path, ok := cpuCgroupOf(pid, cg.v2); ok {
+		home = filepath.Join(filepath.Dir(cg.dir), path)
+	}
 	if err := os.Mkdir(cg.dir, 0o755); err != nil {
 		t.Fatalf("cap pid %d at %.2f core: %v (the benchmark needs root for a CPU cap)", pid, share, err)
 	}
 	t.Cleanup(func() {
 		// A cgroup is removed only once empty, and this cleanup runs before the one that stops the process
-		// (started first, so cleaned up last): the process goes back to the parent group first.
-		_ = os.WriteFile(filepath.Join(filepath.Dir(cg.dir), "cgroup.procs"), []byte(strconv.Itoa(pid)), 0)
+		// (started first, so cleaned up last): the process goes back to the group it came from first.
+		_ = os.WriteFile(filepath.Join(home, "cgroup.procs"), []byte(strconv.Itoa(pid)), 0)
 		for range 50 {
 			if os.Remove(cg.dir) == nil {
 				return
@@ -89,8 +97,41 @@ func capCPU(t testing.TB, pid int, share float64) *cpuCgroup {
 	return cg
 }
 
+// cpuCgroupOf returns pid's CPU cgroup path from /proc/<pid>/cgroup: v2's "0::" line, or the v1 line whose
+// controllers include cpu.
+func cpuCgroupOf(pid int, v2 bool) (string, bool) {
+	raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", pid))
+	if err != nil {
+		return "", false
+	}
+	for _, l := range strings.Split(strings.TrimSpace(string(raw)), "\n") {
+		parts := strings.SplitN(l, ":", 3)
+		if len(parts) != 3 {
+			continue
+		}
+		if (v2 && parts[0] == "0" && parts[1] == "") || (!v2 && slices.Contains(strings.Split(parts[1], ","), "cpu")) {
+			return parts[2], true
+		}
+	}
+	return "", false
+}
+
+// removeStaleGroups removes the empty groups an earlier benchmark process left under root (killed before its
+// cleanup ran): imagefleet-bench-<its pid>-..., the process gone.
+func removeStaleGroups(root string) {
+	dirs, _ := filepath.Glob(filepath.Join(root, "imagefleet-bench-*"))
+	for _, d := range dirs {
+		owner, _, _ := strings.Cut(strings.TrimPrefix(filepath.Base(d), "imagefleet-bench-"), "-")
+		if _, err := os.Stat("/proc/" + owner); err != nil {
+			_ = os.Remove(d) // only an empty group goes
+		}
+	}
+}
+
 // throttled returns how long the kernel held the group's process back for its quota (cpu.stat's
-// throttled_time in v1, throttled_usec in v2): more than zero shows the cap acted.
+// throttled_time in v1, throttled_usec in v2): more than zero shows the cap acted. The kernel sums it over
+// the CPUs the group's threads were held back on, so it can exceed the wall time: compare it between
+// replicas, not with the wall time.
 func (cg *cpuCgroup) throttled() (time.Duration, error) {
 	raw, err := os.ReadFile(filepath.Join(cg.dir, "cpu.stat"))
 	if err != nil {

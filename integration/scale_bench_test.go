@@ -836,8 +836,8 @@ func BenchmarkInventoryCatchUp(b *testing.B) {
 								replicaCPU += d
 								if cpuShare > 0 {
 									// The cap held: no replica used more than its share of the wall time (10 % and
-									// one period over for the moment before it was moved). Its throttled time says
-									// whether the cap was the bound (none: it waited on the servers instead).
+									// one quota period over, for the kernel's accounting). Its throttled time says
+									// whether the cap was the bound (little or none: it waited on the servers).
 									limit := time.Duration(cpuShare*1.1*float64(wall)) + cpuCapPeriod
 									thr, err := groups[i].throttled()
 									if err != nil {
