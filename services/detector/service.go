@@ -157,6 +157,11 @@ func (s *Service) settle(stored map[string]events.ImageRecord) {
 	s.cfg.Logger.Info("records write in doubt had landed; publishing its events", "node", s.cfg.Node,
 		"detected", len(landed.Added), "vanished", len(landed.Removed))
 	// Published by this detection's flush, or by Run's retry if the detection fails before it.
+	s.askRetry()
+}
+
+// askRetry tells Run that events wait for its retry (one slot: a signal already waiting is enough).
+func (s *Service) askRetry() {
 	select {
 	case s.retry <- struct{}{}:
 	default:
@@ -522,10 +527,7 @@ func (s *Service) flush(ctx context.Context) error {
 		s.cfg.Logger.Warn("image events dropped: NATS has not taken them", "node", s.cfg.Node, "dropped", n)
 		s.unpublished = slices.Clone(s.unpublished[n:])
 	}
-	select {
-	case s.retry <- struct{}{}:
-	default:
-	}
+	s.askRetry()
 	return err
 }
 
