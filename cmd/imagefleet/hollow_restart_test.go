@@ -137,6 +137,13 @@ func TestHollowRestartsAFailedAgent(t *testing.T) {
 				return fmt.Errorf("%d nodes (%v): %s", len(nodes), err, stderr.String())
 			}
 			for name, n := range nodes {
+				// A node whose thin heartbeat came before its full record is listed without its start
+				// time (Registry.List): the start time compared below is the full record's.
+				if n.Started.IsZero() {
+					return fmt.Errorf("%s listed before its full record", name)
+				}
+			}
+			for name, n := range nodes {
 				started[name] = n.Started
 			}
 			return nil
