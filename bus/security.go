@@ -7,6 +7,7 @@ import (
 	"os"
 	"regexp"
 	"slices"
+	"sort"
 	"strings"
 	"sync"
 
@@ -150,6 +151,19 @@ func (b *Bus) PermissionViolation(subject string) error {
 		}
 	}
 	return nil
+}
+
+// PermissionViolations lists what the server refused this connection lately ("publish <subject>" or
+// "subscription <subject>", sorted): a worker whose identity lacks a right it uses shows it here.
+func (b *Bus) PermissionViolations() []string {
+	b.perms.mu.Lock()
+	defer b.perms.mu.Unlock()
+	out := make([]string, 0, len(b.perms.last))
+	for k := range b.perms.last {
+		out = append(out, k)
+	}
+	sort.Strings(out)
+	return out
 }
 
 // explainPermission wraps err with the server's permission violation for subject, when there is one: a

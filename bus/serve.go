@@ -141,19 +141,57 @@ func (b *Bus) Request(ctx context.Context, subject string, req any, resp any) er
 		}
 		return fmt.Errorf("request %s: %w", subject, b.explainPermission(subject, err))
 	}
-	var rep events.Reply
-	if err := json.Unmarshal(m.Data, &rep); err != nil {
-		return fmt.Errorf("decode reply from %s: %w", subject, err)
+	data, err = replyData(subject, m)
+	if err != nil {
+		return err
 	}
-	if rep.Error != "" {
-		return &remoteError{text: rep.Error, code: events.CodeError(m.Header.Get(events.HeaderErrorCode))}
-	}
-	if resp != nil && len(rep.Data) > 0 {
-		if err := json.Unmarshal(rep.Data, resp); err != nil {
+	if resp != nil && len(data) > 0 {
+		if err := json.Unmarshal(data, resp); err != nil {
 			return fmt.Errorf("decode reply data from %s: %w", subject, err)
 		}
 	}
 	return nil
+}
+
+// replyData opens a reply's envelope (events.Reply): its data, or its error as one wrapping ErrRemote.
+func replyData(subject string, m *nats.Msg) (json.RawMessage, error) {
+	var rep events.Reply
+	if err := json.Unmarshal(m.Data, &rep); err != nil {
+		return nil, fmt.Errorf("decode reply from %s: %w", subject, err)
+	}
+	if rep.Error != "" {
+		return nil, &remoteError{text: rep.Error, code: events.CodeError(m.Header.Get(events.HeaderErrorCode))}
+	}
+	return rep.Data, nil
+}
+
+// Gather sends data to subject once, with no queue group, and passes every reply to fn, decoded as
+// Request decodes one (an error reply as an error wrapping ErrRemote), until fn returns false or ctx ends.
+// It returns nil when fn stopped it, ErrNoResponders when nobody serves the subject, and ctx's error when
+// the replies did not satisfy fn in time: a scatter and gather, for workers that each hold a part.
+func (b *Bus) Gather(ctx context.Context, subject string, data []byte, fn func(data []byte, err error) bool) error {
+	inbox := b.nc.NewInbox()
+	sub, err := b.nc.SubscribeSync(inbox)
+	if err != nil {
+		return fmt.Errorf("gather %s: subscribe: %w", subject, err)
+	}
+	defer func() { _ = sub.Unsubscribe() }()
+	msg := &nats.Msg{Subject: subject, Reply: inbox, Data: data}
+	if err := b.nc.PublishMsg(msg); err != nil {
+		return fmt.Errorf("gather %s: %w", subject, b.explainPermission(subject, err))
+	}
+	for {
+		m, err := sub.NextMsgWithContext(ctx)
+		if err != nil {
+			return fmt.Errorf("gather %s: %w", subject, err)
+		}
+		if len(m.Data) == 0 && m.Header.Get("Status") == "503" {
+			return fmt.Errorf("gather %s: %w (is the worker running?)", subject, ErrNoResponders)
+		}
+		if !fn(replyData(subject, m)) {
+			return nil
+		}
+	}
 }
 
 // RequestRaw sends data and returns the raw reply envelope (for tests of malformed input).

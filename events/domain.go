@@ -42,7 +42,7 @@ func ValidateDomain(domain string) error {
 func FleetWideStream(stream string) bool {
 	switch stream {
 	case EventsStream, PodsStream, DeadLetterStream, RolloutStream,
-		"KV_" + NodesBucket, "KV_" + NodesSeenBucket, "KV_" + InventoryBucket:
+		"KV_" + NodesBucket, "KV_" + NodesSeenBucket, "KV_" + InventoryBucket, "KV_" + InventoryOwnersBucket:
 		return true
 	}
 	return false

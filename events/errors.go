@@ -13,6 +13,7 @@ const (
 
 	CodeMalformed       = "malformed"         // ErrMalformed
 	CodeIndexCatchingUp = "index-catching-up" // ErrIndexCatchingUp
+	CodePartsMissing    = "parts-missing"     // ErrPartsMissing
 )
 
 // ErrIndexCatchingUp is the pod index's answer to queries until it has applied the events its stream held
@@ -20,12 +21,18 @@ const (
 // Callers wait and ask again.
 var ErrIndexCatchingUp = errors.New("the pod index is catching up with its events")
 
+// ErrPartsMissing is the partitioned inventory's answer when the parts it gathered do not cover every
+// partition in time: a partition is being taken over by another replica (seconds), or no replica holds it.
+// Callers wait and ask again.
+var ErrPartsMissing = errors.New("the inventory's partitions are not all answered")
+
 var errorCodes = []struct {
 	code string
 	err  error
 }{
 	{CodeIndexCatchingUp, ErrIndexCatchingUp},
 	{CodeMalformed, ErrMalformed},
+	{CodePartsMissing, ErrPartsMissing},
 }
 
 // ErrorCode is the code of err: that of the first sentinel of the table err wraps ("" for none).

@@ -11,6 +11,7 @@ import (
 // Fleet subjects, buckets and streams.
 //
 //	imagefleet.fleet.inventory.query             request/reply, queue group fleet-inventory
+//	imagefleet.fleet.inventory.parts             request, every partitioned replica replies (InventoryPart)
 //	imagefleet.fleet.rollout.<id>.started        a rollout's plan (RolloutStarted)
 //	imagefleet.fleet.rollout.<id>.claim.<node>   the orchestrator is about to act on node (RolloutClaim)
 //	imagefleet.fleet.rollout.<id>.batch          a batch started (RolloutBatch)
@@ -32,6 +33,15 @@ const (
 	RolloutSubjects = Prefix + ".fleet.rollout.>"
 	// InventoryQuerySubject is the inventory's query subject; every replica answers in one queue group.
 	InventoryQuerySubject = Prefix + ".fleet.inventory.query"
+	// InventoryPartsSubject asks every partitioned replica (no queue group) for its part of a query's
+	// answer: the partitions it owns, answered from them alone (InventoryPart). The replica that took an
+	// InventoryQuerySubject request gathers the parts until all InventoryPartitions are covered and merges
+	// them, so clients ask as before.
+	InventoryPartsSubject = Prefix + ".fleet.inventory.parts"
+	// InventoryOwnersBucket holds which partitioned replica owns which inventory partition (a lease key
+	// per partition, InventoryLeaseKey) and which replicas are alive (InventoryMemberKey), with a TTL: a
+	// key not renewed expires, so a stopped replica's partitions are taken over.
+	InventoryOwnersBucket = "imagefleet-inventory-owners"
 	// ImageEventsFilter matches every image event of every node (the inventory's input).
 	ImageEventsFilter = Prefix + ".evt.*." + EntityImage + ".>"
 	// PullEventsFilter matches every pull event of every node (a pre-pull's results).
@@ -159,6 +169,43 @@ type NodeStatus struct {
 	State string `json:"state"`
 	// Age is how long ago the last heartbeat was sent.
 	Age Duration `json:"age"`
+}
+
+// InventoryLeaseKey is partition p's lease key in InventoryOwnersBucket: p.<pp>; its value is the owner's
+// replica name.
+func InventoryLeaseKey(p int) string { return fmt.Sprintf("p.%02d", p) }
+
+// InventoryMemberKey is replica's key in InventoryOwnersBucket: r.<token> (a token made as
+// InventoryImageToken makes one); its value is the replica name.
+func InventoryMemberKey(replica string) string { return "r." + InventoryImageToken(replica) }
+
+// InventoryPart is one partitioned replica's part of an inventory answer (InventoryPartsSubject): the
+// answer from the placements of the partitions it owns. For where and nodes the part is paged as the query
+// asks (each part is sorted, so the first Limit of the merged parts are the answer's); for images it holds
+// the images of its partitions in ID order, a chunk at a time (InventoryPartQuery.After), since an image's
+// totals add up over partitions and their order is known only after the merge.
+type InventoryPart struct {
+	Replica    string         `json:"replica"`
+	Partitions []int          `json:"partitions"`
+	Reply      InventoryReply `json:"reply"`
+}
+
+// InventoryPartQuery is the body of InventoryPartsSubject: what the gathering replica asks every
+// partitioned replica for, answered from the partitions it owns (InventoryPart).
+type InventoryPartQuery struct {
+	// Query is the client's query. where and nodes parts are paged as it asks (Limit, Continue).
+	Query InventoryQuery `json:"query"`
+	// Resolve asks for the image IDs the part knows Query.Image by (tag, digest, ID prefix), in
+	// Reply.Images with only ID set: a tag may be known on some nodes of an image and not on others, so
+	// the IDs of a where are resolved over every part first.
+	Resolve bool `json:"resolve,omitempty"`
+	// IDs are a where's image IDs, resolved over every part: the part yields their placements.
+	IDs []string `json:"ids,omitempty"`
+	// After and Chunk page an images part by image ID: at most Chunk images (0: all) with IDs after After,
+	// Reply.Continue the last one's ID when more follow (an images part is merged before it is paged, so
+	// it travels whole, in chunks that each stay far under the server's max payload).
+	After string `json:"after,omitempty"`
+	Chunk int    `json:"chunk,omitempty"`
 }
 
 // InventoryQuery is the body of imagefleet.fleet.inventory.query.

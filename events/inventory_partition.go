@@ -48,6 +48,17 @@ func InventoryPartition(node string) int {
 	return int(h.Sum32() % InventoryPartitions)
 }
 
+// InventoryTokenPartition is InventoryPartition of the node whose token is token, without allocating (the
+// partitioned inventory tells a bucket key's partition from its node token for every key it is shown).
+func InventoryTokenPartition(token string) int {
+	h := uint32(2166136261)
+	for i := 0; i < len(token); i++ {
+		h ^= uint32(token[i])
+		h *= 16777619
+	}
+	return int(h % InventoryPartitions)
+}
+
 // InventoryPartitionDurable is partition p's durable consumer on InventoryStream: fleet-inventory-p<pp>.
 func InventoryPartitionDurable(p int) string {
 	return fmt.Sprintf("%s%02d", InventoryPartitionDurablePrefix, p)

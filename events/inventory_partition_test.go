@@ -56,6 +56,12 @@ func TestInventoryPartitionNames(t *testing.T) {
 	if len(seen) != InventoryPartitions {
 		t.Errorf("200 nodes in %d of %d partitions", len(seen), InventoryPartitions)
 	}
+	// A key's node token gives the same partition without the name.
+	for _, node := range []string{"n1", "node-1.zone", "a_b", "", "hollow-09999", "x.y.z"} {
+		if got, want := InventoryTokenPartition(NodeToken(node)), InventoryPartition(node); got != want {
+			t.Errorf("%q: token partition %d, want %d", node, got, want)
+		}
+	}
 }
 
 func itoa(i int) string {

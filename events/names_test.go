@@ -51,6 +51,7 @@ func wireNames() [][2]string {
 		c("RecordsBucket", RecordsBucket), c("RecordsBucketDescription", RecordsBucketDescription),
 		c("PodsBucket", PodsBucket), c("PullBackoffBucket", PullBackoffBucket), c("PullRecordsBucket", PullRecordsBucket),
 		c("NodesBucket", NodesBucket), c("NodesSeenBucket", NodesSeenBucket), c("InventoryBucket", InventoryBucket),
+		c("InventoryOwnersBucket", InventoryOwnersBucket),
 		c("KubeEventsBucket", KubeEventsBucket), c("GCLeaseBucket", GCLeaseBucket),
 		// Queue groups and durable consumers.
 		c("CacheQueue", CacheQueue), c("DetectorQueue", DetectorQueue), c("GCQueue", GCQueue),
@@ -64,8 +65,10 @@ func wireNames() [][2]string {
 		c("InventoryKey(\"sha256:ab\", node)", InventoryKey("sha256:ab", node)),
 		c("InventoryImageKeys(\"sha256:ab\")", InventoryImageKeys("sha256:ab")),
 		c("InventoryNodeFirstKey(node, \"sha256:ab\")", InventoryNodeFirstKey(node, "sha256:ab")),
+		c("InventoryLeaseKey(3)", InventoryLeaseKey(3)), c("InventoryMemberKey(\"inv-1\")", InventoryMemberKey("inv-1")),
 		// Fleet subjects and filters.
 		c("InventoryQuerySubject", InventoryQuerySubject), c("ImageEventsFilter", ImageEventsFilter),
+		c("InventoryPartsSubject", InventoryPartsSubject),
 		c("PullEventsFilter", PullEventsFilter),
 		c("RolloutSubject(r1, RolloutNodeKind, node)", RolloutSubject("r1", RolloutNodeKind, node)),
 		c("RolloutSubject(r1, RolloutStartedKind)", RolloutSubject("r1", RolloutStartedKind, "")),
@@ -84,7 +87,7 @@ func wireNames() [][2]string {
 		c("ConfigSourceAnnotationKey", ConfigSourceAnnotationKey), c("ConfigMirrorAnnotationKey", ConfigMirrorAnnotationKey),
 		c("ConfigHashAnnotationKey", ConfigHashAnnotationKey), c("ConfigFirstSeenAnnotationKey", ConfigFirstSeenAnnotationKey),
 		c("ApiserverSource", ApiserverSource), c("FileSource", FileSource),
-		c("CodeMalformed", CodeMalformed), c("CodeIndexCatchingUp", CodeIndexCatchingUp),
+		c("CodeMalformed", CodeMalformed), c("CodeIndexCatchingUp", CodeIndexCatchingUp), c("CodePartsMissing", CodePartsMissing),
 		c("PodRejectBadSubject", PodRejectBadSubject), c("PodRejectBadType", PodRejectBadType),
 		c("PodRejectBadPod", PodRejectBadPod), c("PodRejectNoUID", PodRejectNoUID), c("PodRejectTooLarge", PodRejectTooLarge),
 	}

@@ -191,9 +191,10 @@ func FleetPermissions(pub string) Permissions {
 }
 
 // InventoryPermissions are the fleet inventory worker's: it consumes every node's image events through
-// its partition durables on events.InventoryStream (or, as the previous release, its shared durable), keeps the inventory bucket, and answers inventory queries.
+// its partition durables on events.InventoryStream (or, as the previous release, its shared durable), keeps the inventory bucket, and answers inventory queries
+// (partitioned: keeps its partition leases in events.InventoryOwnersBucket and gathers the other replicas' parts).
 func InventoryPermissions(pub string) Permissions {
-	b := events.InventoryBucket
+	b, o := events.InventoryBucket, events.InventoryOwnersBucket
 	return Permissions{
 		Publish: []string{
 			"$JS.API.INFO",
@@ -217,9 +218,21 @@ func InventoryPermissions(pub string) Permissions {
 			"$JS.API.DIRECT.GET.KV_" + b + ".>",
 			"$JS.API.CONSUMER.CREATE.KV_" + b + ".>",
 			"$JS.API.CONSUMER.MSG.NEXT.KV_" + b + ".*",
+			// A range or watch ends by deleting its ordered consumer; refused, the client waited out a 5 s
+			// API timeout at the end of every range (the re-key pass, a partition taken over).
+			"$JS.API.CONSUMER.DELETE.KV_" + b + ".*",
+			// The partitioned replicas' partition leases and member keys, and their parts of an answer.
+			"$JS.API.STREAM.CREATE.KV_" + o,
+			"$JS.API.STREAM.UPDATE.KV_" + o,
+			"$KV." + o + ".>",
+			"$JS.API.DIRECT.GET.KV_" + o + ".>",
+			"$JS.API.CONSUMER.CREATE.KV_" + o + ".>",
+			"$JS.API.CONSUMER.MSG.NEXT.KV_" + o + ".*",
+			"$JS.API.CONSUMER.DELETE.KV_" + o + ".*",
+			events.InventoryPartsSubject,
 			events.DeadLetterPrefix + ".>",
 		},
-		Subscribe:      []string{events.InventoryQuerySubject, inbox(pub)},
+		Subscribe:      []string{events.InventoryQuerySubject, events.InventoryPartsSubject, inbox(pub)},
 		AllowResponses: true,
 	}
 }
