@@ -823,6 +823,19 @@ func BenchmarkInventoryCatchUp(b *testing.B) {
 						}
 						wall := time.Since(t0)
 						b.StopTimer()
+						// The replicas answer for the whole fleet (partitioned: gathered from their parts).
+						bustest.Eventually(b, "the inventory answers for every node", time.Minute, func() error {
+							qctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+							defer cancel()
+							var rep events.InventoryReply
+							if err := f.c.Bus.Request(qctx, events.InventoryQuerySubject, events.InventoryQuery{What: events.InventoryNodes, Limit: 1}, &rep); err != nil {
+								return err
+							}
+							if rep.Total != n {
+								return fmt.Errorf("nodes total %d, want %d", rep.Total, n)
+							}
+							return nil
+						})
 						// Messages handed to the servers (clients' and routes': Raft replication included) per event.
 						if msgs1, err := serverMsgs(ctx, urls); err == nil && msgsErr == nil {
 							b.ReportMetric(float64(msgs1-msgs0)/float64(backlog), "server-msgs/event")

@@ -26,18 +26,20 @@ type InventoryConfig struct {
 	// Replica names this replica in logs and query replies (default <hostname>-<pid>).
 	Replica string
 	// Partitioned consumes the image events through the 16 partition durables on events.InventoryStream
-	// (the server's partitioned copy of the image events), every replica pulling from every partition,
-	// instead of the one durable (Durable) on the events stream shared by every replica. Default false: on
-	// this project's 2-core machine with three servers both ways caught up at about the same rate, neither
-	// faster at every replica count, the cores the limit (docs/benchmarks.md, "Issue 15: partitioned
-	// inventory"), so the partitions are opt-in until measured on servers with cores of their own.
+	// (the server's partitioned copy of the image events) instead of the one durable (Durable) on the events
+	// stream shared by every replica. Each replica owns a share of the partitions (leases in
+	// events.InventoryOwnersBucket, owners.go), consumes and indexes only those, and a query is gathered from
+	// every replica's part (inventory_owned.go). Default false: on this project's 2-core machine with three
+	// servers both ways caught up at about the same rate uncapped, the cores the limit (docs/benchmarks.md,
+	// "Issue 15: partitioned inventory"), so the partitions are opt-in until measured on servers with cores
+	// of their own.
 	Partitioned bool
 	// Durable is the shared durable consumer (default "fleet-inventory"). It is API: renaming it re-applies
 	// the whole events stream.
 	Durable string
 	// Concurrency is the number of events this replica applies at once (default 32; Partitioned: 256 over
-	// the partitions, ceil(256/16) = 16 each: a partition's handlers are also its pull batch, and at 2 each
-	// the servers handled 27-29 messages per event instead of 14).
+	// the 16 partitions, ceil(256/16) = 16 for each partition it owns: a partition's handlers are also its
+	// pull batch, and at 2 each the servers handled 27-29 messages per event instead of 14).
 	Concurrency int
 	// Replicas of the inventory bucket (3 on a 3-server cluster; 0: the connection's Options.Replicas).
 	Replicas int
@@ -52,6 +54,7 @@ type InventoryConfig struct {
 // events (the server hands each event to one replica), apply it to the inventory bucket with
 // compare-and-set guarded by the event's stream sequence (so a redelivered or reordered event changes
 // nothing), keep an in-memory index by watching the bucket, and answer queries in one queue group.
+// Partitioned replicas each consume, index and answer for the partitions they own (InventoryConfig.Partitioned).
 //
 // Keys are image first (events.InventoryKey), so `where` reads only the keys of the images asked for. A key
 // of the previous release's node-first layout (events.InventoryNodeFirstKey), found at start or written
@@ -74,6 +77,22 @@ type Inventory struct {
 	images map[string]*imageTotals          // image ID -> its live placements' totals
 	nodes  map[string]*events.InventoryNode // node name -> its live placements' totals
 	ready  bool
+
+	// Partitioned (inventory_owned.go): what this replica has of each partition, a generation bumped at
+	// every acquire and release (a range reading a partition taken over indexes only while it is current),
+	// the partitions the initial watch loads, and whether it has started.
+	own      [events.InventoryPartitions]partState
+	gen      [events.InventoryPartitions]uint64
+	viaWatch [events.InventoryPartitions]bool
+	watching bool
+	// The partition consumers, started and stopped as partitions come and go, under cmu.
+	runCtx    context.Context
+	cmu       sync.Mutex
+	consumers [events.InventoryPartitions]context.CancelFunc
+	cwg       sync.WaitGroup // the partition consumers and range loads, waited for by Run
+	stopped   bool           // under cmu: Run is ending, nothing more is started
+	fail      chan error
+	owners    *owners
 }
 
 // indexed is a placement in the index with the bucket revision of its image-first key (0: not known, the
@@ -140,13 +159,25 @@ func NewInventory(ctx context.Context, cfg InventoryConfig, b *bus.Bus) (*Invent
 	if err != nil {
 		return nil, fmt.Errorf("inventory: %w", err)
 	}
+	s := newInventory(cfg)
+	s.b, s.kv = b, kv
 	if cfg.Partitioned {
 		if err := EnsureInventoryStream(ctx, b, cfg.Replicas); err != nil {
 			return nil, fmt.Errorf("inventory: %w", err)
 		}
+		okv, err := b.KV(ctx, ownersBucket(cfg.Replicas))
+		if err != nil {
+			return nil, fmt.Errorf("inventory: %w", err)
+		}
+		s.owners = newOwners(okv, cfg.Replica, cfg.Logger, s.partitionsChanged)
 	}
-	return &Inventory{cfg: cfg, b: b, kv: kv, index: map[string]map[string]indexed{},
-		refs: map[string]map[string]int{}, images: map[string]*imageTotals{}, nodes: map[string]*events.InventoryNode{}}, nil
+	return s, nil
+}
+
+// newInventory is an inventory with an empty index, not yet connected (NewInventory connects it).
+func newInventory(cfg InventoryConfig) *Inventory {
+	return &Inventory{cfg: cfg, index: map[string]map[string]indexed{}, refs: map[string]map[string]int{},
+		images: map[string]*imageTotals{}, nodes: map[string]*events.InventoryNode{}, fail: make(chan error, 1)}
 }
 
 func inventoryBucket(replicas int) bus.KVConfig {
@@ -164,6 +195,7 @@ func (s *Inventory) Stats() InventoryStats {
 func (s *Inventory) Run(ctx context.Context) error {
 	// The first part to fail stops the others; an error after the stop is the stop's, not reported.
 	g, ctx := errgroup.WithContext(ctx)
+	s.runCtx = ctx
 	loaded := make(chan struct{})
 	run := func(name string, f func() error) {
 		g.Go(func() error {
@@ -179,7 +211,29 @@ func (s *Inventory) Run(ctx context.Context) error {
 	// queued by the watch (a few) and re-keyed as they come. Neither holds up the watch, events or queries.
 	var atStart atomic.Bool
 	live := newRekeyQueue()
+	if s.owners != nil {
+		// Partitioned: the partitions are taken first, so the initial watch loads just theirs.
+		run("owners", func() error { return s.owners.run(ctx) })
+		run("partition consumers", func() error {
+			select {
+			case <-ctx.Done():
+				return nil
+			case err := <-s.fail:
+				return err
+			}
+		})
+	}
 	run("watch", func() error {
+		if s.owners != nil {
+			select {
+			case <-ctx.Done():
+				return nil
+			case <-s.owners.first:
+			}
+		}
+		s.mu.Lock()
+		s.watching = true
+		s.mu.Unlock()
 		var once sync.Once
 		loadedAll := false // the watch callback's own: the initial values are done
 		return s.kv.Watch(ctx, ">", func(e bus.Entry, initialDone bool) {
@@ -190,7 +244,11 @@ func (s *Inventory) Run(ctx context.Context) error {
 				once.Do(func() {
 					s.mu.Lock()
 					s.ready = true
+					ready := s.initialLoaded()
 					s.mu.Unlock()
+					for _, p := range ready {
+						s.startConsumer(p)
+					}
 					close(loaded)
 				})
 				return
@@ -234,7 +292,6 @@ func (s *Inventory) Run(ctx context.Context) error {
 	// idempotent (the sequence guard), so an ack the server never got only redelivers an event whose second
 	// apply changes nothing, and a handler's slot is not held for the ack's Raft round on the consumer's
 	// group (~10 ms of the ~25 ms an event held it during a catch-up: docs/benchmarks.md).
-	backoff := []time.Duration{100 * time.Millisecond, time.Second, 5 * time.Second}
 	if !s.cfg.Partitioned {
 		run("consume", func() error {
 			if !waitLoaded(ctx, loaded) {
@@ -242,27 +299,10 @@ func (s *Inventory) Run(ctx context.Context) error {
 			}
 			return s.b.Consume(ctx, bus.ConsumerConfig{Stream: events.EventsStream, Durable: s.cfg.Durable,
 				FilterSubjects: []string{events.ImageEventsFilter}, MaxAckPending: 4 * s.cfg.Concurrency,
-				Concurrency: s.cfg.Concurrency, MaxDeliver: 10, Backoff: backoff, DeliverNew: s.cfg.DeliverNew,
+				Concurrency: s.cfg.Concurrency, MaxDeliver: 10, Backoff: inventoryBackoff, DeliverNew: s.cfg.DeliverNew,
 				AsyncAck: true},
 				s.Apply)
 		})
-	} else {
-		// Every replica pulls from every partition; the server hands each copy to one of them. Replicas
-		// come and go without a rebalance: a new one adds pull requests, the copies a stopped one held
-		// unacked are redelivered after AckWait, and the sequence guard makes a second apply a no-op.
-		per := (s.cfg.Concurrency + events.InventoryPartitions - 1) / events.InventoryPartitions
-		for p := range events.InventoryPartitions {
-			run(fmt.Sprintf("consume partition %d", p), func() error {
-				if !waitLoaded(ctx, loaded) {
-					return nil
-				}
-				return s.b.Consume(ctx, bus.ConsumerConfig{Stream: events.InventoryStream,
-					Durable: events.InventoryPartitionDurable(p), FilterSubjects: []string{events.InventoryPartitionFilter(p)},
-					MaxAckPending: inventoryPartitionMaxAckPending, Concurrency: per, MaxDeliver: 10, Backoff: backoff,
-					AckWait: inventoryAckWait, AsyncAck: true, StallAfter: inventoryStallAfter,
-					DeliverNew: s.cfg.DeliverNew}, s.ApplyCopy)
-			})
-		}
 	}
 	run("query", func() error {
 		// Queries are served only once the index is loaded, so a starting replica never answers from half
@@ -274,11 +314,28 @@ func (s *Inventory) Run(ctx context.Context) error {
 		}
 		return s.b.ServeConcurrent(ctx, events.InventoryQuerySubject, events.InventoryQueue, 4, s.Query)
 	})
-	return g.Wait()
+	if s.owners != nil {
+		run("parts", func() error {
+			if !waitLoaded(ctx, loaded) {
+				return nil
+			}
+			return s.b.ServeConcurrent(ctx, events.InventoryPartsSubject, "", 4, s.Part)
+		})
+	}
+	err := g.Wait() // ends ctx, so the partition consumers and range loads end too
+	s.cmu.Lock()
+	s.stopped = true
+	s.cmu.Unlock()
+	s.cwg.Wait()
+	return err
 }
 
-// inventoryPartitionMaxAckPending bounds a partition durable's events in flight over every replica: 16
-// replicas at the default 16 each. An event counts from its delivery until the server has its ack; with the
+// inventoryBackoff is the redelivery backoff of an event whose apply failed.
+var inventoryBackoff = []time.Duration{100 * time.Millisecond, time.Second, 5 * time.Second}
+
+// inventoryPartitionMaxAckPending bounds a partition durable's events in flight: its owner's 16 handlers,
+// with room for a previous owner's unacked events during a handover (and for replicas of the previous
+// release, which pulled from every partition, 16 of them at 16 each). An event counts from its delivery until the server has its ack; with the
 // acks not waited for (AsyncAck), a replica's handlers may start new events while acks of theirs are still
 // on the way, and the server holds back deliveries past the bound as before.
 const inventoryPartitionMaxAckPending = 256
@@ -351,9 +408,13 @@ func (s *Inventory) indexEntry(e bus.Entry) (legacy events.Placement, ok bool) {
 		s.drop(e.Key)
 		return legacy, false
 	}
+	if s.foreignKey(e.Key) {
+		return legacy, false
+	}
 	// This replica's own write comes back from the watch with the revision it was indexed under (wrote):
-	// a bucket revision names one write, so it is not decoded again. (Every replica decodes every other
-	// replica's writes: that is what each one's whole-fleet index costs, docs/benchmarks.md.)
+	// a bucket revision names one write, so it is not decoded again. (A shared-durable replica decodes
+	// every other replica's writes: that is what its whole-fleet index costs, docs/benchmarks.md; a
+	// partitioned one only those of its partitions, foreignKey.)
 	if img, node, found := strings.Cut(e.Key, "."); found && e.Revision > 0 {
 		if cur, ok := s.index[img][node]; ok && cur.rev == e.Revision {
 			return legacy, false
@@ -374,6 +435,9 @@ func (s *Inventory) indexPlacement(key string, p events.Placement, rev uint64) (
 	case events.InventoryNodeFirstKey(p.Node, p.ID):
 		ok = true
 	default:
+		return legacy, false
+	}
+	if !s.ownsNode(p.Node) {
 		return legacy, false
 	}
 	img, node := events.InventoryImageToken(p.ID), events.NodeToken(p.Node)
@@ -765,16 +829,25 @@ func (s *Inventory) wrote(key string, p events.Placement, rev uint64) {
 }
 
 // Query answers an inventory query from the in-memory index: where reads only the placements of the image
-// IDs the query names; images and nodes read the per-image and per-node totals kept with the index.
-func (s *Inventory) Query(_ context.Context, data []byte) (any, error) {
+// IDs the query names; images and nodes read the per-image and per-node totals kept with the index. A
+// partitioned replica gathers the answer from every replica's part (gather).
+func (s *Inventory) Query(ctx context.Context, data []byte) (any, error) {
 	var q events.InventoryQuery
 	if err := events.DecodeStrict(data, &q); err != nil {
 		return nil, err
 	}
-	if q.What == events.InventoryWhere {
+	if q.What == events.InventoryWhere || s.owners != nil {
 		if err := q.Validate(); err != nil {
 			return nil, fmt.Errorf("%w: %v", events.ErrMalformed, err)
 		}
+	}
+	if s.owners != nil {
+		rep, err := s.gather(ctx, q)
+		if err != nil {
+			return nil, err
+		}
+		rep.Replica = s.cfg.Replica
+		return rep, nil
 	}
 	var rep events.InventoryReply
 	var err error
@@ -823,7 +896,7 @@ func (s *Inventory) Query(_ context.Context, data []byte) (any, error) {
 func (s *Inventory) resolve(image string) []string {
 	m := newImageMatcher(image)
 	found := map[string]bool{}
-	if strings.HasPrefix(m.raw, "sha256:") && len(m.raw) == len("sha256:")+64 && isHex(m.raw[len("sha256:"):]) {
+	if isFullID(m.raw) {
 		found[m.raw] = true
 	}
 	s.mu.RLock()
@@ -897,6 +970,8 @@ func answer(q events.InventoryQuery, each func(yield func(events.Placement))) (e
 		})
 		list := make([]events.InventoryImage, 0, len(byID))
 		for _, im := range byID {
+			sort.Strings(im.RepoTags) // sorted, as a replica's totals give them (sortedKeys)
+			sort.Strings(im.RepoDigests)
 			list = append(list, *im)
 		}
 		return pageImages(q, list)

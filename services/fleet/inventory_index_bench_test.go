@@ -10,9 +10,10 @@ import (
 	"github.com/imagefleet/imagefleet/events"
 )
 
-// BenchmarkInventoryIndexEntry measures what one bucket change costs a replica's index: the work every
-// replica does for every placement another replica writes (each keeps the whole fleet's index to answer
-// queries alone), against decoding the placement alone, and the echo of a placement it wrote itself. 1,000 nodes x 50 images of the hollow agents' shape (one
+// BenchmarkInventoryIndexEntry measures what one bucket change costs a replica's index: the work a replica
+// does for every placement another replica writes in a partition it indexes (a shared-durable replica keeps
+// the whole fleet's index), against decoding the placement alone, the echo of a placement it wrote itself,
+// and (foreign) an entry of a partition a partitioned replica does not own. 1,000 nodes x 50 images of the hollow agents' shape (one
 // tag, one digest), each key new (a catch-up).
 func BenchmarkInventoryIndexEntry(b *testing.B) {
 	const nodes, images = 1000, 50
@@ -47,8 +48,7 @@ func BenchmarkInventoryIndexEntry(b *testing.B) {
 		for i := range b.N {
 			if i%len(entries) == 0 {
 				b.StopTimer()
-				s = &Inventory{index: map[string]map[string]indexed{}, refs: map[string]map[string]int{},
-					images: map[string]*imageTotals{}, nodes: map[string]*events.InventoryNode{}}
+				s = newInventory(InventoryConfig{})
 				b.StartTimer()
 			}
 			s.indexEntry(entries[i%len(entries)])
@@ -57,8 +57,7 @@ func BenchmarkInventoryIndexEntry(b *testing.B) {
 	// The echo: a placement this replica wrote (indexed as written), brought back by the watch.
 	b.Run("echo", func(b *testing.B) {
 		b.ReportAllocs()
-		s := &Inventory{index: map[string]map[string]indexed{}, refs: map[string]map[string]int{},
-			images: map[string]*imageTotals{}, nodes: map[string]*events.InventoryNode{}}
+		s := newInventory(InventoryConfig{})
 		for _, e := range entries {
 			var p events.Placement
 			if err := json.Unmarshal(e.Value, &p); err != nil {
@@ -69,6 +68,28 @@ func BenchmarkInventoryIndexEntry(b *testing.B) {
 		b.ResetTimer()
 		for i := range b.N {
 			s.indexEntry(entries[i%len(entries)])
+		}
+	})
+	// A partitioned replica owning half the partitions, shown the other half's entries: a hash of the key.
+	b.Run("foreign", func(b *testing.B) {
+		b.ReportAllocs()
+		s := newInventory(InventoryConfig{Partitioned: true})
+		for p := range events.InventoryPartitions / 2 {
+			s.own[p] = partReady
+		}
+		var foreign []bus.Entry
+		for _, e := range entries {
+			if keyPartition(e.Key) >= events.InventoryPartitions/2 {
+				foreign = append(foreign, e)
+			}
+		}
+		b.ResetTimer()
+		for i := range b.N {
+			s.indexEntry(foreign[i%len(foreign)])
+		}
+		b.StopTimer()
+		if n := len(s.index); n != 0 {
+			b.Fatalf("%d images indexed from foreign entries", n)
 		}
 	})
 }

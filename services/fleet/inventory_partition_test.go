@@ -69,9 +69,8 @@ func wantBucket(t *testing.T, evs []events.Event) map[string]events.Placement {
 	return want
 }
 
-// checkBucket compares the inventory bucket with want: every key there, each with the latest event's
-// sequence (the events stream's, whichever way the event reached the replica) and liveness.
-func checkBucket(t *testing.T, b *bus.Bus, want map[string]events.Placement) {
+// bucketEntries reads the inventory bucket: every key's placement, live or gone.
+func bucketEntries(t *testing.T, b *bus.Bus) map[string]events.Placement {
 	t.Helper()
 	kv, err := b.KV(t.Context(), bus.KVConfig{Bucket: events.InventoryBucket})
 	if err != nil {
@@ -89,6 +88,14 @@ func checkBucket(t *testing.T, b *bus.Bus, want map[string]events.Placement) {
 		}
 		got[e.Key] = p
 	}
+	return got
+}
+
+// checkBucket compares the inventory bucket with want: every key there, each with the latest event's
+// sequence (the events stream's, whichever way the event reached the replica) and liveness.
+func checkBucket(t *testing.T, b *bus.Bus, want map[string]events.Placement) {
+	t.Helper()
+	got := bucketEntries(t, b)
 	if len(got) != len(want) {
 		t.Errorf("bucket holds %d keys, want %d", len(got), len(want))
 	}

@@ -19,8 +19,7 @@ import (
 // nodes exactly as a scan of the live placements does (Answer).
 func TestInventoryTotalsMatchAScan(t *testing.T) {
 	rng := rand.New(rand.NewPCG(15, 1))
-	inv := &Inventory{cfg: InventoryConfig{Replica: "r"}, index: map[string]map[string]indexed{},
-		refs: map[string]map[string]int{}, images: map[string]*imageTotals{}, nodes: map[string]*events.InventoryNode{}}
+	inv := newInventory(InventoryConfig{Replica: "r"})
 	live := map[string]events.Placement{} // key -> the last value, when live
 	base := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 	for seq := uint64(1); seq <= 3000; seq++ {
@@ -82,8 +81,7 @@ func TestInventoryTotalsMatchAScan(t *testing.T) {
 // TestInventoryEchoNotDecodedAgain: the watch's echo of this replica's own write (same key, same revision) is
 // recognized without decoding its value; any other revision of the key is decoded as before.
 func TestInventoryEchoNotDecodedAgain(t *testing.T) {
-	inv := &Inventory{cfg: InventoryConfig{Replica: "r"}, index: map[string]map[string]indexed{},
-		refs: map[string]map[string]int{}, images: map[string]*imageTotals{}, nodes: map[string]*events.InventoryNode{}}
+	inv := newInventory(InventoryConfig{Replica: "r"})
 	p := events.Placement{Node: "n1", ID: "sha256:" + strings.Repeat("a", 64), Size: 10, Seq: 5, RepoTags: []string{"img:1"}}
 	key := events.InventoryKey(p.ID, p.Node)
 	inv.wrote(key, p, 7)
