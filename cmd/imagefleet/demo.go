@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -190,13 +191,18 @@ func runDemo(ctx context.Context, w io.Writer, f demoFlags) error {
 
 	st.begin("pulls through the work queue")
 	var pulls []string
+	var results []string // the pull results' event IDs, which the feed below waits for
 	for _, p := range []struct{ image, policy string }{
 		{"docker.io/library/nginx:1.27", events.PullIfNotPresent},
 		{"docker.io/library/nginx:1.27", events.PullIfNotPresent},
 		{"FAILED_IMAGE", events.PullAlways},
 		{"docker.io/library/traefik:3", events.PullNever},
 	} {
-		r, reason, err := demoPull(ctx, b, f.node, p.image, p.policy)
+		r, ev, err := demoPull(ctx, b, f.node, p.image, p.policy)
+		reason := ev.Reason
+		if err == nil {
+			results = append(results, ev.ID)
+		}
 		switch {
 		case err != nil:
 			pulls = append(pulls, fmt.Sprintf("%s: %v", p.image, err))
@@ -211,19 +217,7 @@ func runDemo(ctx context.Context, w io.Writer, f demoFlags) error {
 	st.done("%s", strings.Join(pulls, "; "))
 
 	st.begin("event feed")
-	counts := map[string]int{}
-	var warnings []string
-	err = b.ReadStream(rc, events.EventsStream, events.NodeEvents(f.node), 0, func(m bus.StreamMsg) bool {
-		ev, err := events.DecodeEventMsg(m.Header, m.Data)
-		if err != nil {
-			return true
-		}
-		counts[ev.Type]++
-		if ev.Severity == events.Warning {
-			warnings = append(warnings, ev.Reason+": "+ev.Message)
-		}
-		return true
-	})
+	counts, warnings, err := demoFeed(rc, b, f.node, results)
 	if err != nil {
 		return err
 	}
@@ -250,23 +244,59 @@ func runDemo(ctx context.Context, w io.Writer, f demoFlags) error {
 	return nil
 }
 
+// demoFeed reads node's events from the stream: a count per type and the warnings. A subscriber can see an
+// event before the stream has stored it, so the feed is read again (for up to 5 s) until it holds every
+// event of want, the pull results just waited for.
+func demoFeed(ctx context.Context, b *bus.Bus, node string, want []string) (map[string]int, []string, error) {
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		counts := map[string]int{}
+		var warnings []string
+		seen := map[string]bool{}
+		err := b.ReadStream(ctx, events.EventsStream, events.NodeEvents(node), 0, func(m bus.StreamMsg) bool {
+			ev, err := events.DecodeEventMsg(m.Header, m.Data)
+			if err != nil {
+				return true
+			}
+			seen[ev.ID] = true
+			counts[ev.Type]++
+			if ev.Severity == events.Warning {
+				warnings = append(warnings, ev.Reason+": "+ev.Message)
+			}
+			return true
+		})
+		if err != nil {
+			return nil, nil, err
+		}
+		missing := slices.ContainsFunc(want, func(id string) bool { return !seen[id] })
+		if !missing || time.Now().After(deadline) {
+			return counts, warnings, nil
+		}
+		select {
+		case <-ctx.Done():
+			return nil, nil, ctx.Err()
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
 // demoPull queues a pull and waits for its result event, as `imagefleet pull --wait` does.
-func demoPull(ctx context.Context, b *bus.Bus, node, image, policy string) (events.PullResult, string, error) {
+func demoPull(ctx context.Context, b *bus.Bus, node, image, policy string) (events.PullResult, events.Event, error) {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	sub, err := b.SubscribeSync(ctx, events.EventSubject(node, events.EntityPull, "*"))
 	if err != nil {
-		return events.PullResult{}, "", err
+		return events.PullResult{}, events.Event{}, err
 	}
 	defer sub.Close()
 	req := events.PullRequest{ID: events.NewID(), Image: image, Policy: policy, Enqueued: time.Now()}
 	if _, err := puller.Enqueue(ctx, b, node, req); err != nil {
-		return events.PullResult{}, "", err
+		return events.PullResult{}, events.Event{}, err
 	}
 	for {
 		_, header, data, err := sub.NextMsg(ctx)
 		if err != nil {
-			return events.PullResult{}, "", err
+			return events.PullResult{}, events.Event{}, err
 		}
 		ev, err := events.DecodeEventMsg(header, data)
 		if err != nil || ev.Is(events.EntityPull, events.ActionPulling) {
@@ -274,7 +304,7 @@ func demoPull(ctx context.Context, b *bus.Bus, node, image, policy string) (even
 		}
 		var r events.PullResult
 		if ev.DecodeData(&r) == nil && r.RequestID == req.ID {
-			return r, ev.Reason, nil
+			return r, ev, nil
 		}
 	}
 }

@@ -174,11 +174,22 @@ func (cl *cli) inventoryQuery(cmd *cobra.Command, q events.InventoryQuery) (even
 	}
 	defer b.Close()
 	ask := func(q events.InventoryQuery) (events.InventoryReply, error) {
-		var rep events.InventoryReply
-		if err := b.Request(ctx, events.InventoryQuerySubject, q, &rep); err != nil {
-			return rep, fmt.Errorf("fleet inventory: %w", err)
+		for attempt := 1; ; attempt++ {
+			var rep events.InventoryReply
+			err := b.Request(ctx, events.InventoryQuerySubject, q, &rep)
+			if err == nil {
+				return rep, nil
+			}
+			// A partitioned inventory whose partitions are being taken over answers in seconds.
+			if !errors.Is(err, events.ErrPartsMissing) || attempt == 5 {
+				return rep, fmt.Errorf("fleet inventory: %w", err)
+			}
+			select {
+			case <-ctx.Done():
+				return rep, fmt.Errorf("fleet inventory: %w", err)
+			case <-time.After(time.Second):
+			}
 		}
-		return rep, nil
 	}
 	if q.Limit > 0 {
 		return ask(q)

@@ -91,8 +91,15 @@ func TestFleetNodesPages(t *testing.T) {
 }
 
 // TestFleetWhereAndImagesPages drives `imagefleet fleet where|images --limit --continue` against a real
-// inventory replica: the JSON answer carries the continue token, the table prints it on stderr.
+// inventory replica, and against two partitioned replicas whose answers are gathered from their parts: the
+// JSON answer carries the continue token, the table prints it on stderr.
 func TestFleetWhereAndImagesPages(t *testing.T) {
+	for _, partitioned := range []bool{false, true} {
+		t.Run(fmt.Sprintf("partitioned=%v", partitioned), func(t *testing.T) { testFleetWhereAndImagesPages(t, partitioned) })
+	}
+}
+
+func testFleetWhereAndImagesPages(t *testing.T, partitioned bool) {
 	srv, b := bustest.Start(t)
 	var evs []events.Event
 	for n := range 5 {
@@ -121,13 +128,33 @@ func TestFleetWhereAndImagesPages(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	inv, err := fleet.NewInventory(t.Context(), fleet.InventoryConfig{Replica: "r1"}, b)
-	if err != nil {
-		t.Fatal(err)
+	var invs []*fleet.Inventory
+	replicas := []string{"r1"}
+	if partitioned {
+		replicas = append(replicas, "r2")
 	}
-	stop := bustest.RunService(t, inv)
-	defer stop()
-	bustest.WaitFor(t, "inventory applied", func() bool { return inv.Ready() && inv.Stats().Applied == int64(len(evs)) })
+	for _, name := range replicas {
+		inv, err := fleet.NewInventory(t.Context(), fleet.InventoryConfig{Replica: name, Partitioned: partitioned}, b)
+		if err != nil {
+			t.Fatal(err)
+		}
+		stop := bustest.RunService(t, inv)
+		defer stop()
+		invs = append(invs, inv)
+	}
+	bustest.WaitWithin(t, "inventory applied", time.Minute, func() bool {
+		var applied int64
+		owned := 0
+		for _, inv := range invs {
+			if !inv.Ready() {
+				return false
+			}
+			st := inv.Stats()
+			applied += st.Applied + st.Duplicates // a partition handed over may have some applied twice
+			owned += len(inv.Owned())
+		}
+		return applied >= int64(len(evs)) && (!partitioned || owned == events.InventoryPartitions)
+	})
 	nats := []string{"--nats", srv.ClientURL()}
 	var got []string
 	cont := ""
