@@ -76,7 +76,9 @@ type Inventory struct {
 	// Totals kept up to date with the index, so images and nodes answer in O(images) and O(nodes).
 	images map[string]*imageTotals          // image ID -> its live placements' totals
 	nodes  map[string]*events.InventoryNode // node name -> its live placements' totals
-	ready  bool
+	// The IDs of images, sorted, for a part's chunks (sortedImageIDs); nil once an image comes or goes.
+	imageIDs []string
+	ready    bool
 
 	// Partitioned (inventory_owned.go): what this replica has of each partition, a generation bumped at
 	// every acquire and release (a range reading a partition taken over indexes only while it is current),
@@ -481,6 +483,7 @@ func (s *Inventory) ref(p events.Placement) {
 	if im == nil {
 		im = &imageTotals{tags: map[string]int{}, digests: map[string]int{}}
 		s.images[p.ID] = im
+		s.imageIDs = nil
 	}
 	im.nodes++
 	im.bytes += p.Size
@@ -531,6 +534,7 @@ func (s *Inventory) unref(p events.Placement) {
 		uncount(im.digests, p.RepoDigests)
 		if im.nodes <= 0 {
 			delete(s.images, p.ID)
+			s.imageIDs = nil
 		}
 	}
 	if n := s.nodes[p.Node]; n != nil {

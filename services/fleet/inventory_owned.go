@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"sort"
 	"strings"
 	"time"
@@ -309,28 +310,21 @@ func (s *Inventory) Part(_ context.Context, data []byte) (any, error) {
 				}
 			}
 		})
+	case q.What == events.InventoryImages && !partial:
+		part.Reply.Images, part.Reply.Continue = s.imagesChunk(pq.After, pq.Chunk)
 	case q.What == events.InventoryImages:
-		var list []events.InventoryImage
-		if !partial {
-			list = make([]events.InventoryImage, 0, len(s.images))
-			for id, im := range s.images {
-				if id > pq.After {
-					list = append(list, s.imageTotal(id, im))
-				}
-			}
-		} else {
-			var rep events.InventoryReply
-			rep, err = answer(events.InventoryQuery{What: events.InventoryImages}, func(yield func(events.Placement)) {
-				for _, nodes := range s.index {
-					for _, p := range nodes {
-						if !p.Gone && p.ID > pq.After && in(p.Node) {
-							yield(p.Placement)
-						}
+		// Some partitions are indexed but not answered for: the totals of the answered ones' placements.
+		var rep events.InventoryReply
+		rep, err = answer(events.InventoryQuery{What: events.InventoryImages}, func(yield func(events.Placement)) {
+			for _, nodes := range s.index {
+				for _, p := range nodes {
+					if !p.Gone && p.ID > pq.After && in(p.Node) {
+						yield(p.Placement)
 					}
 				}
-			})
-			list = rep.Images
-		}
+			}
+		})
+		list := rep.Images
 		sort.Slice(list, func(i, j int) bool { return list[i].ID < list[j].ID })
 		if pq.Chunk > 0 && len(list) > pq.Chunk {
 			list = list[:pq.Chunk]
@@ -350,6 +344,40 @@ func (s *Inventory) Part(_ context.Context, data []byte) (any, error) {
 		return nil, err
 	}
 	return part, nil
+}
+
+// imagesChunk returns the first chunk (0: all) of the indexed images with IDs after after, in ID order,
+// and the last one's ID when more follow (s.mu held).
+func (s *Inventory) imagesChunk(after string, chunk int) ([]events.InventoryImage, string) {
+	ids := s.sortedImageIDs()
+	i, found := slices.BinarySearch(ids, after)
+	if found {
+		i++
+	}
+	end, next := len(ids), ""
+	if chunk > 0 && end-i > chunk {
+		end = i + chunk
+		next = ids[end-1]
+	}
+	list := make([]events.InventoryImage, 0, end-i)
+	for _, id := range ids[i:end] {
+		list = append(list, s.imageTotal(id, s.images[id]))
+	}
+	return list, next
+}
+
+// sortedImageIDs returns the IDs of the indexed images, sorted, sorting them again only after an image
+// came or went (s.mu held).
+func (s *Inventory) sortedImageIDs() []string {
+	if s.imageIDs == nil {
+		ids := make([]string, 0, len(s.images))
+		for id := range s.images {
+			ids = append(ids, id)
+		}
+		slices.Sort(ids)
+		s.imageIDs = ids
+	}
+	return s.imageIDs
 }
 
 // Gathering waits: a query waits up to inventoryGatherWait in all for parts covering every partition,
