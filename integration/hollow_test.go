@@ -17,22 +17,43 @@ import (
 )
 
 // startBus starts a standalone nats-server (`imagefleet bus`, the embedded nats-server in a process of its
-// own) and returns its URL and a test connection to it.
+// own) and returns its URL and a test connection to it. A server that exits before it accepts a connection
+// (its port taken between testport's check and its bind, by a process testport does not know of) is
+// started again on another port, up to three times; each failure is logged with the server's output.
 func startBus(t testing.TB, bin string) (string, *bus.Bus) {
 	t.Helper()
-	addr := fmt.Sprintf("127.0.0.1:%d", freePort(t))
-	startProc(t, "nats", bin, "bus", "--listen", addr, "--store-dir", filepath.Join(t.TempDir(), "nats"))
-	url := "nats://" + addr
-	var b *bus.Bus
-	bustest.Eventually(t, "a connection to the nats-server", time.Minute, func() error {
-		ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
-		defer cancel()
-		var err error
-		b, err = bus.Connect(ctx, url, bus.Options{Name: "hollow-test", ConnectTimeout: 5 * time.Second})
-		return err
-	})
-	t.Cleanup(b.Close)
-	return url, b
+	for try := 1; ; try++ {
+		addr := fmt.Sprintf("127.0.0.1:%d", freePort(t))
+		p := startProc(t, "nats", bin, "bus", "--listen", addr, "--store-dir", filepath.Join(t.TempDir(), "nats"))
+		url := "nats://" + addr
+		var b *bus.Bus
+		exited := false
+		bustest.Eventually(t, "a connection to the nats-server", time.Minute, func() error {
+			select {
+			case <-p.done:
+				exited = true
+				return nil
+			default:
+			}
+			ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
+			defer cancel()
+			var err error
+			b, err = bus.Connect(ctx, url, bus.Options{Name: "hollow-test", ConnectTimeout: 5 * time.Second})
+			return err
+		})
+		if !exited {
+			t.Cleanup(b.Close)
+			return url, b
+		}
+		if b != nil {
+			b.Close()
+		}
+		msg := fmt.Sprintf("the nats-server on %s exited with %v (try %d)\n%s", addr, p.cmd.ProcessState, try, tail(p.log, 20))
+		if try == 3 {
+			t.Fatal(msg)
+		}
+		t.Log(msg)
+	}
 }
 
 // waitLogLine waits until p's output holds line, failing when p exits first.
