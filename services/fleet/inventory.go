@@ -95,6 +95,9 @@ type Inventory struct {
 	stopped   bool           // under cmu: Run is ending, nothing more is started
 	fail      chan error
 	owners    *owners
+	// Node-first keys seen after the initial load (by the watch, or by the range of a partition taken
+	// over), for the re-keyer.
+	rekeyLive *rekeyQueue
 }
 
 // indexed is a placement in the index with the bucket revision of its image-first key (0: not known, the
@@ -179,7 +182,8 @@ func NewInventory(ctx context.Context, cfg InventoryConfig, b *bus.Bus) (*Invent
 // newInventory is an inventory with an empty index, not yet connected (NewInventory connects it).
 func newInventory(cfg InventoryConfig) *Inventory {
 	return &Inventory{cfg: cfg, index: map[string]map[string]indexed{}, refs: map[string]map[string]int{},
-		images: map[string]*imageTotals{}, nodes: map[string]*events.InventoryNode{}, fail: make(chan error, 1)}
+		images: map[string]*imageTotals{}, nodes: map[string]*events.InventoryNode{}, fail: make(chan error, 1),
+		rekeyLive: newRekeyQueue()}
 }
 
 func inventoryBucket(replicas int) bus.KVConfig {
@@ -212,7 +216,7 @@ func (s *Inventory) Run(ctx context.Context) error {
 	// every placement of the fleet); those written later by a replica of that release still running are
 	// queued by the watch (a few) and re-keyed as they come. Neither holds up the watch, events or queries.
 	var atStart atomic.Bool
-	live := newRekeyQueue()
+	live := s.rekeyLive
 	if s.owners != nil {
 		// Partitioned: the partitions are taken first, so the initial watch loads just theirs.
 		run("owners", func() error { return s.owners.run(ctx) })

@@ -160,10 +160,17 @@ func (s *Inventory) loadPartitions(ps []int, gens [events.InventoryPartitions]ui
 				return true
 			}
 			s.mu.Lock()
+			legacy := false
 			if s.gen[pp] == gens[pp] {
-				s.indexPlacement(e.Key, p, e.Revision)
+				_, legacy = s.indexPlacement(e.Key, p, e.Revision)
 			}
 			s.mu.Unlock()
+			if legacy {
+				// A node-first key written after this replica's start by a replica of the previous release:
+				// the watch passed it over (not this replica's partition then), and the owner that would
+				// have re-keyed it is gone.
+				s.rekeyLive.push(legacyEntry{key: e.Key, rev: e.Revision, p: p})
+			}
 			return true
 		})
 		if err == nil {

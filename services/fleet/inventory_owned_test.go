@@ -306,3 +306,62 @@ func TestInventoryPartitionedGatherWaitsForEveryPartition(t *testing.T) {
 		return rep.Total == 20
 	})
 }
+
+// TestInventoryPartitionedTakeoverRekeysNodeFirstKeys: a replica of the previous release, still running
+// during an upgrade, writes a node-first key into a partition whose owner then goes away. The replica that
+// takes the partition over finds the key in its read of the bucket and re-keys it (its watch had passed the
+// key over, as the partition was not its own), so the bucket does not keep the old layout until a restart.
+func TestInventoryPartitionedTakeoverRekeysNodeFirstKeys(t *testing.T) {
+	bustest.VerifyNoLeaks(t)
+	_, b := bustest.Start(t)
+	ctx := t.Context()
+	if err := fleet.EnsureBuckets(ctx, b, 1); err != nil {
+		t.Fatal(err)
+	}
+	kv, err := b.KVExisting(ctx, events.InventoryBucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	owners, err := b.KV(ctx, bus.KVConfig{Bucket: events.InventoryOwnersBucket, TTL: 10 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A node of the partitions 8-15, which a stopped replica holds until its leases expire.
+	node := ""
+	for i := 0; node == ""; i++ {
+		if n := fmt.Sprintf("old-%d.example", i); events.InventoryPartition(n) >= 8 {
+			node = n
+		}
+	}
+	lease := func() {
+		if _, err := owners.Put(ctx, events.InventoryMemberKey("gone"), []byte("gone")); err != nil {
+			t.Fatal(err)
+		}
+		for p := 8; p < events.InventoryPartitions; p++ {
+			if _, err := owners.Put(ctx, events.InventoryLeaseKey(p), []byte("gone")); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	lease()
+	r1, stop1 := runPartitioned(t, b, "r1")
+	defer stop1()
+	bustest.WaitWithin(t, "r1 owns its share", 30*time.Second, func() bool { return len(r1.Owned()) == 8 })
+	id := fmt.Sprintf("sha256:%064x", 7)
+	putPlacement(t, kv, events.InventoryNodeFirstKey(node, id),
+		events.Placement{Node: node, ID: id, RepoTags: []string{"img/7:1"}, Size: 700, Seq: 1})
+	lease() // renewed once after the write, so r1's watch has long seen the key when the leases expire
+	bustest.WaitWithin(t, "r1 takes the expired partitions", 40*time.Second, func() bool {
+		return len(r1.Owned()) == events.InventoryPartitions
+	})
+	bustest.WaitWithin(t, "the node-first key re-keyed", 30*time.Second, func() bool {
+		keys, nodeFirst := bucketLayout(t, kv)
+		return len(nodeFirst) == 0 && slices.Equal(keys, []string{events.InventoryKey(id, node)})
+	})
+	if got, want := wherePlacements(t, b, "img/7:1"), []string{node + "/700"}; !slices.Equal(got, want) {
+		t.Fatalf("where img/7:1 = %v, want %v", got, want)
+	}
+	if st := r1.Stats(); st.Rekeyed != 1 {
+		t.Fatalf("re-keyed %d, want 1", st.Rekeyed)
+	}
+}
