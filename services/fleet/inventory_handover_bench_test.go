@@ -21,6 +21,8 @@ import (
 //     between them (r1 gives up 8 partitions, r2 takes and loads them: its settle tick, then its watch);
 //   - stop-s: the second replica stopped, until r1 answers alone for all 16 (it takes them at its next
 //     renewal and reads them with a range over the bucket);
+//   - join-query-max-s: the longest of the queries asked one after another during the join (each must
+//     answer every node);
 //   - stop-query-s: how long a query asked right after the stop took (it waits inside the gather; it must
 //     succeed).
 //
@@ -87,11 +89,46 @@ func BenchmarkInventoryHandover(b *testing.B) {
 		stop1 := bustest.RunService(b, r1)
 		cold := until("one replica", func() bool { return whole(r1) })
 		r2 := newReplica("r2")
+		// Queries asked one after another for as long as the join lasts: the longest is what a client
+		// waits while partitions change hands (a gather waits inside for the parts to cover every
+		// partition again).
+		polling, polled := make(chan struct{}), make(chan struct{})
+		var slowest time.Duration
+		var pollErr error
+		go func() {
+			defer close(polled)
+			for {
+				select {
+				case <-polling:
+					return
+				default:
+				}
+				t0 := time.Now()
+				var rep events.InventoryReply
+				qctx, qcancel := context.WithTimeout(ctx, 30*time.Second)
+				err := client.Request(qctx, events.InventoryQuerySubject, events.InventoryQuery{What: events.InventoryNodes, Limit: 1}, &rep)
+				qcancel()
+				if err == nil && rep.Total != nodes {
+					err = fmt.Errorf("total %d, want %d", rep.Total, nodes)
+				}
+				if err != nil {
+					pollErr = err
+					return
+				}
+				slowest = max(slowest, time.Since(t0))
+				time.Sleep(10 * time.Millisecond)
+			}
+		}()
 		start = time.Now()
 		stop2 := bustest.RunService(b, r2)
 		join := until("a second replica joined", func() bool {
 			return len(r1.Owned()) == events.InventoryPartitions/2 && len(r2.Owned()) == events.InventoryPartitions/2 && whole(r1, r2)
 		})
+		close(polling)
+		<-polled
+		if pollErr != nil {
+			b.Fatalf("a query during the join: %v", pollErr)
+		}
 		start = time.Now()
 		stop2()
 		var rep events.InventoryReply
@@ -111,6 +148,7 @@ func BenchmarkInventoryHandover(b *testing.B) {
 		b.ReportMetric(join.Seconds(), "join-s")
 		b.ReportMetric(stopped.Seconds(), "stop-s")
 		b.ReportMetric(query.Seconds(), "stop-query-s")
+		b.ReportMetric(slowest.Seconds(), "join-query-max-s")
 		b.ReportMetric(join.Seconds()/cold.Seconds(), "join-x")
 		b.ReportMetric(stopped.Seconds()/cold.Seconds(), "stop-x")
 	}

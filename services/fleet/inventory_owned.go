@@ -493,10 +493,16 @@ func (s *Inventory) gatherAll(ctx context.Context, pq events.InventoryPartQuery)
 	}
 }
 
-// gatherOnce asks once and waits up to inventoryGatherRound for parts covering every partition.
+// gatherOnce asks once and waits up to inventoryGatherRound for parts covering every partition, or until
+// every live replica (by the member keys) has answered: then a partition still missing is being taken
+// over, and the next round asks again after a short pause instead of waiting out this one.
 func (s *Inventory) gatherOnce(ctx context.Context, data []byte) ([]events.InventoryPart, error) {
 	ctx, cancel := context.WithTimeout(ctx, inventoryGatherRound)
 	defer cancel()
+	live := 0
+	if s.owners != nil {
+		live = s.owners.replicas()
+	}
 	var (
 		parts   []events.InventoryPart
 		covered [events.InventoryPartitions]int
@@ -525,7 +531,7 @@ func (s *Inventory) gatherOnce(ctx context.Context, data []byte) ([]events.Inven
 				twice = append(twice, p)
 			}
 		}
-		return n < events.InventoryPartitions
+		return n < events.InventoryPartitions && (live == 0 || len(parts) < live)
 	})
 	if len(twice) > 0 {
 		return nil, fmt.Errorf("%w: partitions %v answered by two replicas (a handover is under way); ask again", events.ErrPartsMissing, twice)

@@ -19,7 +19,9 @@ import (
 // expires the keys of a replica that stops renewing them, so its partitions are free to take. Each replica
 // aims at its share, ceil(16 / live replicas): one below it takes free partitions (create: one wins), one
 // above it gives up its highest ones (delete), so a replica that joins gets partitions from the others
-// within a few renewals and one that leaves has its partitions taken within the TTL.
+// within a few renewals and one that leaves has its partitions taken within the TTL. A round also runs as
+// soon as the watch shows a lease given up or a replica joining or leaving (kickRound), so a handover does
+// not wait for the next renewal.
 const (
 	// ownersTTL is the owners bucket's TTL: how long a lease or member key lives unrenewed.
 	ownersTTL = 10 * time.Second
@@ -32,6 +34,8 @@ const (
 	ownersMargin = 3 * time.Second
 	// ownersOpTimeout bounds one request to the owners bucket.
 	ownersOpTimeout = time.Second
+	// ownersSettle is how long a round asked for by a lease given up waits for the others given up with it.
+	ownersSettle = 200 * time.Millisecond
 )
 
 // ownersBucket configures events.InventoryOwnersBucket.
@@ -68,6 +72,9 @@ type owners struct {
 
 	// first is closed after the first round: the partitions this replica starts with are taken.
 	first chan struct{}
+	// freed and members ask for a round before the next tick: freed when a lease was given up (free to
+	// take now), members when a replica came or went (the shares change).
+	freed, members chan struct{}
 
 	mu   sync.Mutex
 	seen map[string]seenKey // key -> value and when seen (live keys only)
@@ -76,7 +83,8 @@ type owners struct {
 
 func newOwners(kv *bus.KV, replica string, log *slog.Logger, change func(acquired, released []int)) *owners {
 	return &owners{kv: kv, replica: replica, log: log, now: time.Now, change: change,
-		seen: map[string]seenKey{}, held: map[int]lease{}, first: make(chan struct{})}
+		seen: map[string]seenKey{}, held: map[int]lease{}, first: make(chan struct{}),
+		freed: make(chan struct{}, 1), members: make(chan struct{}, 1)}
 }
 
 // watch keeps seen up to date until ctx ends; ready is closed once the bucket's keys are loaded.
@@ -89,9 +97,20 @@ func (o *owners) watch(ctx context.Context, ready chan<- struct{}) error {
 		}
 		o.mu.Lock()
 		defer o.mu.Unlock()
+		_, known := o.seen[e.Key]
+		member := strings.HasPrefix(e.Key, "r.")
 		if e.Deleted {
 			delete(o.seen, e.Key)
+			switch {
+			case known && member:
+				kick(o.members) // a replica gone: the shares grow
+			case known:
+				kick(o.freed) // a lease given up
+			}
 			return
+		}
+		if !known && member {
+			kick(o.members) // a replica joined: one above its share gives some up
 		}
 		at := o.now()
 		if !e.Created.IsZero() && e.Created.Before(at) {
@@ -128,6 +147,13 @@ func (o *owners) run(ctx context.Context) error {
 	case <-ready:
 	}
 	o.member(ctx)
+	firstDone := func() {
+		select {
+		case <-o.first:
+		default:
+			close(o.first)
+		}
+	}
 	t := time.NewTicker(ownersRenew)
 	defer t.Stop()
 	for {
@@ -143,12 +169,40 @@ func (o *owners) run(ctx context.Context) error {
 		case <-t.C:
 			o.member(ctx)
 			o.round(ctx)
+			firstDone()
+		case <-o.freed:
+			// A lease given up is taken at once, not up to a renewal later: by a replica that has just
+			// joined too (the replica giving it up saw it join, and it sees that replica's member key).
+			// The leases a replica gives up are deleted one after another: the round waits ownersSettle
+			// so it takes them together (one read of the bucket for all, not one per lease).
+			select {
+			case <-ctx.Done():
+				continue
+			case <-time.After(ownersSettle):
+			}
+			select {
+			case <-o.freed:
+			default:
+			}
+			o.round(ctx)
+			firstDone()
+		case <-o.members:
+			// The shares changed: a replica above its new share gives partitions up at once. Before its
+			// first round a replica waits for the tick, so replicas starting together see each other.
 			select {
 			case <-o.first:
+				o.round(ctx)
 			default:
-				close(o.first)
 			}
 		}
+	}
+}
+
+// kick asks the run loop for a round now; kicks while one is pending are one.
+func kick(c chan struct{}) {
+	select {
+	case c <- struct{}{}:
+	default:
 	}
 }
 
@@ -243,6 +297,12 @@ func (o *owners) round(ctx context.Context) {
 
 // share is ceil(partitions / live replicas), this one counted.
 func (o *owners) share() int {
+	live := o.replicas()
+	return (events.InventoryPartitions + live - 1) / live
+}
+
+// replicas is how many replicas are live by their member keys, this one counted.
+func (o *owners) replicas() int {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	live := 1
@@ -252,7 +312,7 @@ func (o *owners) share() int {
 			live++
 		}
 	}
-	return (events.InventoryPartitions + live - 1) / live
+	return live
 }
 
 // candidate is a partition to take: free, or leased in this replica's name (mine, at rev).
