@@ -35,6 +35,10 @@ func startBus(t testing.TB, bin string) (string, *bus.Bus) {
 				return nil
 			default:
 			}
+			// Ready first: a connection before it could reach another server that holds the port.
+			if raw, _ := os.ReadFile(p.log); !strings.Contains(string(raw), "nats-server ready") {
+				return fmt.Errorf("not ready yet; output ends %q", tail(p.log, 2))
+			}
 			ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
 			defer cancel()
 			var err error

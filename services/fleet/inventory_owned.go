@@ -480,6 +480,10 @@ func (s *Inventory) gatherAll(ctx context.Context, pq events.InventoryPartQuery)
 	if err != nil {
 		return nil, err
 	}
+	// A round asked every 250 ms: a pause growing to 1 s (fewer parts asked of a replica that is loading
+	// partitions) made the slowest query of a join 4.75 s instead of 2.25 s in 2 of 3 runs of
+	// BenchmarkInventoryHandover.
+	const pause = 250 * time.Millisecond
 	for {
 		parts, err := s.gatherOnce(ctx, data)
 		if err == nil || !errors.Is(err, events.ErrPartsMissing) {
@@ -488,7 +492,7 @@ func (s *Inventory) gatherAll(ctx context.Context, pq events.InventoryPartQuery)
 		select {
 		case <-ctx.Done():
 			return nil, err
-		case <-time.After(250 * time.Millisecond):
+		case <-time.After(pause):
 		}
 	}
 }

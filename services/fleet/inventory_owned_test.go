@@ -361,7 +361,8 @@ func TestInventoryPartitionedTakeoverRekeysNodeFirstKeys(t *testing.T) {
 	if got, want := wherePlacements(t, b, "img/7:1"), []string{node + "/700"}; !slices.Equal(got, want) {
 		t.Fatalf("where img/7:1 = %v, want %v", got, want)
 	}
-	if st := r1.Stats(); st.Rekeyed != 1 {
-		t.Fatalf("re-keyed %d, want 1", st.Rekeyed)
+	// At least once: a key queued twice (a range read again after an error) is re-keyed twice, harmlessly.
+	if st := r1.Stats(); st.Rekeyed < 1 {
+		t.Fatalf("re-keyed %d, want at least 1", st.Rekeyed)
 	}
 }

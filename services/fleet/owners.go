@@ -20,7 +20,7 @@ import (
 // aims at its share, ceil(16 / live replicas): one below it takes free partitions (create: one wins), one
 // above it gives up its highest ones (delete), so a replica that joins gets partitions from the others
 // within a few renewals and one that leaves has its partitions taken within the TTL. A round also runs as
-// soon as the watch shows a lease given up or a replica joining or leaving (kickRound), so a handover does
+// soon as the watch shows a lease given up or a replica joining or leaving (kick), so a handover does
 // not wait for the next renewal.
 const (
 	// ownersTTL is the owners bucket's TTL: how long a lease or member key lives unrenewed.
@@ -77,7 +77,7 @@ type owners struct {
 	freed, members chan struct{}
 
 	mu   sync.Mutex
-	seen map[string]seenKey // key -> value and when seen (live keys only)
+	seen map[string]seenKey // key -> value and when last written (deleted keys leave; expired ones stay, told by seenKey.live)
 	held map[int]lease
 }
 
@@ -90,8 +90,10 @@ func newOwners(kv *bus.KV, replica string, log *slog.Logger, change func(acquire
 // watch keeps seen up to date until ctx ends; ready is closed once the bucket's keys are loaded.
 func (o *owners) watch(ctx context.Context, ready chan<- struct{}) error {
 	var once sync.Once
+	loaded := false // the watch's initial values are done
 	return o.kv.Watch(ctx, ">", func(e bus.Entry, initialDone bool) {
 		if initialDone {
+			loaded = true
 			once.Do(func() { close(ready) })
 			return
 		}
@@ -113,9 +115,11 @@ func (o *owners) watch(ctx context.Context, ready chan<- struct{}) error {
 			kick(o.members) // a replica joined: one above its share gives some up
 		}
 		at := o.now()
-		if !e.Created.IsZero() && e.Created.Before(at) {
+		if !loaded && !e.Created.IsZero() && e.Created.Before(at) {
 			// A key read at start was written when it says, not now: a lease of a replica killed just before
-			// expires from its last renewal.
+			// expires from its last renewal. A write seen later is dated when seen, by this replica's own
+			// clock, so a clock ahead of the server's does not make every renewal look expired (and every
+			// other replica gone: shares, and gather rounds ending before their parts came).
 			at = e.Created
 		}
 		o.seen[e.Key] = seenKey{value: string(e.Value), rev: e.Revision, at: at}
