@@ -225,20 +225,7 @@ func TestInventoryPartitionedGatherWaitsForEveryPartition(t *testing.T) {
 	_, b := bustest.Start(t)
 	ctx := t.Context()
 	partitionedBacklog(t, b, 20, 2)
-	owners, err := b.KV(ctx, bus.KVConfig{Bucket: events.InventoryOwnersBucket, TTL: 10 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	renew := func() {
-		if _, err := owners.Put(ctx, events.InventoryMemberKey("gone"), []byte("gone")); err != nil {
-			t.Fatal(err)
-		}
-		for p := 8; p < events.InventoryPartitions; p++ {
-			if _, err := owners.Put(ctx, events.InventoryLeaseKey(p), []byte("gone")); err != nil {
-				t.Fatal(err)
-			}
-		}
-	}
+	renew := goneReplica(t, b)
 	renew()
 	rctx, stopRenewing := context.WithCancel(ctx)
 	renewed := make(chan struct{})
@@ -264,7 +251,7 @@ func TestInventoryPartitionedGatherWaitsForEveryPartition(t *testing.T) {
 		return rep, err
 	}
 	start := time.Now()
-	_, err = nodes()
+	_, err := nodes()
 	if !errors.Is(err, events.ErrPartsMissing) || !strings.Contains(err.Error(), "[8 9 10 11 12 13 14 15]") {
 		t.Fatalf("with partitions 8-15 held by a stopped replica: %v, want ErrPartsMissing naming them", err)
 	}
@@ -322,10 +309,6 @@ func TestInventoryPartitionedTakeoverRekeysNodeFirstKeys(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	owners, err := b.KV(ctx, bus.KVConfig{Bucket: events.InventoryOwnersBucket, TTL: 10 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
 	// A node of the partitions 8-15, which a stopped replica holds until its leases expire.
 	node := ""
 	for i := 0; node == ""; i++ {
@@ -333,16 +316,7 @@ func TestInventoryPartitionedTakeoverRekeysNodeFirstKeys(t *testing.T) {
 			node = n
 		}
 	}
-	lease := func() {
-		if _, err := owners.Put(ctx, events.InventoryMemberKey("gone"), []byte("gone")); err != nil {
-			t.Fatal(err)
-		}
-		for p := 8; p < events.InventoryPartitions; p++ {
-			if _, err := owners.Put(ctx, events.InventoryLeaseKey(p), []byte("gone")); err != nil {
-				t.Fatal(err)
-			}
-		}
-	}
+	lease := goneReplica(t, b)
 	lease()
 	r1, stop1 := runPartitioned(t, b, "r1")
 	defer stop1()
@@ -364,5 +338,26 @@ func TestInventoryPartitionedTakeoverRekeysNodeFirstKeys(t *testing.T) {
 	// At least once: a key queued twice (a range read again after an error) is re-keyed twice, harmlessly.
 	if st := r1.Stats(); st.Rekeyed < 1 {
 		t.Fatalf("re-keyed %d, want at least 1", st.Rekeyed)
+	}
+}
+
+// goneReplica returns what renews the keys of a replica named gone that holds partitions 8-15 (its member
+// key and their leases) without running: once the calls stop, its leases expire and the partitions are free.
+func goneReplica(t *testing.T, b *bus.Bus) func() {
+	t.Helper()
+	ctx := t.Context()
+	owners, err := b.KV(ctx, bus.KVConfig{Bucket: events.InventoryOwnersBucket, TTL: 10 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return func() {
+		if _, err := owners.Put(ctx, events.InventoryMemberKey("gone"), []byte("gone")); err != nil {
+			t.Fatal(err)
+		}
+		for p := 8; p < events.InventoryPartitions; p++ {
+			if _, err := owners.Put(ctx, events.InventoryLeaseKey(p), []byte("gone")); err != nil {
+				t.Fatal(err)
+			}
+		}
 	}
 }
