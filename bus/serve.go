@@ -26,18 +26,53 @@ func (b *Bus) Serve(ctx context.Context, subject, queue string, h Handler) error
 
 // ServeConcurrent is Serve with up to n handlers running at once.
 func (b *Bus) ServeConcurrent(ctx context.Context, subject, queue string, n int, h Handler) error {
+	l, err := b.Listen(ctx, subject, queue, n, h)
+	if err != nil {
+		return err
+	}
+	return l.Serve(ctx)
+}
+
+// Listener is a subscription that answers requests once Serve runs. Its interest is registered at the
+// server when Listen returns, so a worker that listens on every subject before it says ready is ready to
+// answer: a request sent after that finds a responder on this server (a cluster spreads the interest to its
+// other servers asynchronously, a route round trip later).
+type Listener struct {
+	b       *Bus
+	subject string
+	n       int
+	h       Handler
+	ch      chan *nats.Msg
+	sub     *nats.Subscription
+}
+
+// Listen subscribes to subject in queue group queue ("" for none) for up to n handlers at once, and flushes,
+// so the server holds the interest when it returns. Requests that arrive before Serve wait in the
+// subscription's buffer.
+func (b *Bus) Listen(ctx context.Context, subject, queue string, n int, h Handler) (*Listener, error) {
 	if n < 1 {
 		n = 1
 	}
 	ch := make(chan *nats.Msg, 256)
 	sub, err := b.nc.ChanQueueSubscribe(subject, queue, ch)
 	if err != nil {
-		return fmt.Errorf("subscribe %s: %w", subject, err)
+		return nil, fmt.Errorf("subscribe %s: %w", subject, err)
+	}
+	fctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if err := b.nc.FlushWithContext(fctx); err != nil {
+		_ = sub.Unsubscribe()
+		return nil, fmt.Errorf("subscribe %s: flush: %w", subject, err)
 	}
 	initServedMetrics(subject)
-	log := b.log.With("subject", subject)
+	return &Listener{b: b, subject: subject, n: n, h: h, ch: ch, sub: sub}, nil
+}
+
+// Serve answers requests until ctx ends, then unsubscribes; it returns nil.
+func (l *Listener) Serve(ctx context.Context) error {
+	log := l.b.log.With("subject", l.subject)
 	var wg sync.WaitGroup
-	for i := 0; i < n; i++ {
+	for i := 0; i < l.n; i++ {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -45,17 +80,20 @@ func (b *Bus) ServeConcurrent(ctx context.Context, subject, queue string, n int,
 				select {
 				case <-ctx.Done():
 					return
-				case m := <-ch:
-					b.answer(ctx, log, m, h)
+				case m := <-l.ch:
+					l.b.answer(ctx, log, m, l.h)
 				}
 			}
 		}()
 	}
 	<-ctx.Done()
-	_ = sub.Unsubscribe()
+	_ = l.sub.Unsubscribe()
 	wg.Wait()
 	return nil
 }
+
+// Close unsubscribes a listener that will not Serve (a worker whose start failed after Listen).
+func (l *Listener) Close() { _ = l.sub.Unsubscribe() }
 
 func (b *Bus) answer(ctx context.Context, log *slog.Logger, m *nats.Msg, h Handler) {
 	if m.Reply == "" {
