@@ -216,7 +216,7 @@ type InventoryQuery struct {
 	Image string `json:"image,omitempty"`
 	// Limit caps the answer (0: no cap).
 	Limit int `json:"limit,omitempty"`
-	// Continue is the previous answer's Continue: this answer starts after it (added in issue 15; a replica of
+	// Continue is the previous answer's Continue: this answer starts after it (an additive field: a replica of
 	// an earlier release refuses a query that sets it).
 	Continue string `json:"continue,omitempty"`
 }

@@ -7,7 +7,7 @@ import (
 	"strings"
 )
 
-// The fleet inventory's input, partitioned (issue 15). The server copies every image event of
+// The fleet inventory's input, partitioned. The server copies every image event of
 // EventsStream into InventoryStream as it is stored, rewriting only the copy's subject to carry the node's
 // partition in front: imagefleet.evt.<node>.image.<action> becomes
 // imagefleet.inv.<partition>.<node>.image.<action>. The events stream and its subjects are untouched

@@ -186,12 +186,13 @@ func (l *diskLab) waitIdle(t *testing.T) {
 	})
 }
 
-// TestGCOnARealDiskBetweenPeriods is issue 13's lab run: images of 10 MiB (about 20 MiB on the disk: content
-// plus snapshot) pulled one after another through the puller onto a 128 MiB tmpfs, with GC thresholds 60/40
-// and the 5-minute period out of reach (an hour here). Every pull succeeds: GC runs between periods, on the
-// pull.pulled event or before the pull; each pass removes no more images than needed to reach the low
-// threshold on the measured filesystem and reports no FreeDiskSpaceFailed; records drop the removed images;
-// every pulled image is listed by the images query within 2 s; and a dry run and the next pass agree.
+// TestGCOnARealDiskBetweenPeriods is GC between periods on a real disk, in the lab: images of 10 MiB (about
+// 20 MiB on the disk: content plus snapshot) pulled one after another through the puller onto a 128 MiB
+// tmpfs, with GC thresholds 60/40 and the 5-minute period out of reach (an hour here). Every pull succeeds:
+// GC runs between periods, on the pull.pulled event or before the pull; each pass removes no more images
+// than needed to reach the low threshold on the measured filesystem and reports no FreeDiskSpaceFailed;
+// records drop the removed images; every pulled image is listed by the images query within 2 s; and a dry
+// run and the next pass agree.
 func TestGCOnARealDiskBetweenPeriods(t *testing.T) {
 	const node = "disk-lab"
 	l := startDiskLab(t, node, "128m", 60, 40)

@@ -65,7 +65,7 @@ func gcLoadRecords(t *testing.T, b *bus.Bus, node string) map[string]events.Imag
 	return recs
 }
 
-// TestGCOnRealContainerd is the GC issue end to end: a private containerd on a small tmpfs, a loopback
+// TestGCOnRealContainerd is image GC end to end: a private containerd on a small tmpfs, a loopback
 // registry, real pulls of sized images, the busybox sandbox image protected by --pinned-images (containerd
 // 1.6 does not report it pinned), a real pod keeping one image in use, five images used one after another
 // (so their lastUsed differ), the image filesystem over the high threshold for real (statfs of the mountpoint
@@ -162,10 +162,10 @@ func TestGCOnRealContainerd(t *testing.T) {
 	mount := fss[0].Mountpoint
 	capacity, available, usage := gcUsage(t, mount)
 	// Thresholds from the real usage: high = the usage now (so GC runs), low such that about two of the five
-	// sized images must go. GC stops on the measured filesystem (issue 13), where an image takes about 1.4
-	// times its reported size (its random layer twice, compressed content and unpacked snapshot; the busybox
-	// layer is shared): twice the reported size is about 1.4 images on the disk, so the second image ends
-	// the pass well under the low threshold.
+	// sized images must go. GC stops on the measured filesystem (docs/gc.md, "Between periods, on a real
+	// disk"), where an image takes about 1.4 times its reported size (its random layer twice, compressed
+	// content and unpacked snapshot; the busybox layer is shared): twice the reported size is about 1.4
+	// images on the disk, so the second image ends the pass well under the low threshold.
 	size := sized["a"].Size
 	high := usage
 	low := 100 - int((available+size*2)*100/capacity)
