@@ -2,7 +2,9 @@ package puller
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"log/slog"
 	"time"
 
 	"github.com/imagefleet/imagefleet/bus"
@@ -31,6 +33,12 @@ func DecodePullRequest(data []byte) (events.PullRequest, error) {
 // and the terminal pull.pulled or pull.failed event, whose id derives from the request id. It returns nil
 // when the request is done (acked), a bus.Permanent error for a malformed request (dead letter), and any
 // other error to have it redelivered (the result could not be published, or the puller is stopping).
+//
+// A request that joins a runtime pull another request started returns nil as soon as it is recorded as
+// riding on that request's message, and waits for the pull without a token of its own (riders.go says what
+// becomes of it if the process dies). The message of a request that started a pull is acked only once the
+// pull has ended and every request riding on it has its result. A redelivered message first runs the
+// requests recorded as riding on it.
 func (s *Service) HandlePull(ctx context.Context, data []byte, d Delivery) error {
 	start := time.Now()
 	req, err := DecodePullRequest(data)
@@ -38,38 +46,6 @@ func (s *Service) HandlePull(ctx context.Context, data []byte, d Delivery) error
 		s.m.metrics.malformed.Inc()
 		return bus.Permanent(err)
 	}
-	var pod events.PodRef
-	if req.Pod != nil {
-		pod = *req.Pod
-	}
-	policy := req.Policy
-	if policy == "" {
-		policy = defaultPullPolicy(req.Image)
-	}
-	result := events.PullResult{RequestID: req.ID, Image: req.Image, Policy: policy, Pod: req.Pod, Deliveries: d.Count}
-	if !req.Enqueued.IsZero() {
-		result.QueueWait = events.Duration{Duration: max(start.Sub(req.Enqueued), 0)}
-	}
-	log := s.m.cfg.log.With("request_id", req.ID, "image_ref", req.Image, "pod_uid", pod.UID)
-
-	if why := s.dropReason(req, pod); why != "" {
-		s.m.metrics.cancelled.Inc()
-		result.Error, result.Cancelled = events.ErrKindImagePull, true
-		result.Message = fmt.Sprintf("pull of %q cancelled: %s", req.Image, why)
-		return s.publishResult(ctx, req, result, KubeEvent{Severity: events.Warning, Reason: ReasonFailed,
-			Message: fmt.Sprintf("Failed to pull image %q: %s", req.Image, why)}, start)
-	}
-
-	rctx, cancel := context.WithCancelCause(ctx)
-	defer cancel(nil)
-	s.mu.Lock()
-	s.inflight[req.ID] = &inflightReq{podUID: pod.UID, cancel: cancel}
-	s.mu.Unlock()
-	defer func() {
-		s.mu.Lock()
-		delete(s.inflight, req.ID)
-		s.mu.Unlock()
-	}()
 
 	// Tell the server the request is alive while it runs, so only a dead puller's requests are redelivered.
 	hbDone := make(chan struct{})
@@ -87,15 +63,98 @@ func (s *Service) HandlePull(ctx context.Context, data []byte, d Delivery) error
 				return
 			case <-t.C:
 				if err := d.InProgress(); err != nil {
-					log.Warn("pull progress signal failed", "err", err)
+					s.m.cfg.log.Warn("pull progress signal failed", "request_id", req.ID, "err", err)
 				}
 			}
 		}
 	}()
 	defer func() { close(hbDone); <-hbStopped }()
 
+	a := newAnchor(req.ID)
+	var adopted []rider
+	if d.Count > 1 && s.riders != nil {
+		if adopted, err = s.adopt(ctx, a); err != nil {
+			return err
+		}
+	}
+	for _, r := range adopted {
+		a.hold()
+		s.rides.Add(1)
+		go func() {
+			defer s.rides.Done()
+			defer a.release()
+			err := recovered(func() error {
+				_, err := s.handle(ctx, r.Request, r.Deliveries+1, time.Now(), a, false)
+				return err
+			})
+			s.settle(ctx, a, r.Request.ID, err)
+		}()
+	}
+	// A message that carries adopted requests keeps its token for the pulls they make.
+	parked, err := s.handle(ctx, req, d.Count, start, a, s.riders != nil && len(adopted) == 0)
+	if parked {
+		return nil
+	}
+	a.release()
+	select {
+	case <-a.idle:
+	case <-ctx.Done():
+		select {
+		case <-a.idle:
+		default:
+			// Stopping: hand the request back, with the requests riding on it still recorded.
+			return ctx.Err()
+		}
+	}
+	if ferr := s.failure(a); ferr != nil {
+		// Redelivered, the message runs again the requests riding on it that have no result.
+		return errors.Join(err, ferr)
+	}
+	s.clearRiders(ctx, a)
+	return err
+}
+
+// handle runs req to its published result. own is the anchor of the message req came with or rides on: the
+// runtime pull req starts holds it. With mayPark, a request that joins a pull of another message rides on
+// that message instead: handle returns parked as soon as it is recorded there, and the request runs on to
+// its result in the background. The error is the result's publishing's, or ctx's when the puller stops
+// (then nothing is published).
+func (s *Service) handle(ctx context.Context, req events.PullRequest, deliveries uint64, start time.Time, own *anchor, mayPark bool) (parked bool, err error) {
+	var pod events.PodRef
+	if req.Pod != nil {
+		pod = *req.Pod
+	}
+	policy := req.Policy
+	if policy == "" {
+		policy = defaultPullPolicy(req.Image)
+	}
+	result := events.PullResult{RequestID: req.ID, Image: req.Image, Policy: policy, Pod: req.Pod, Deliveries: deliveries}
+	if !req.Enqueued.IsZero() {
+		result.QueueWait = events.Duration{Duration: max(start.Sub(req.Enqueued), 0)}
+	}
+	log := s.m.cfg.log.With("request_id", req.ID, "image_ref", req.Image, "pod_uid", pod.UID)
+
+	if why := s.dropReason(req, pod); why != "" {
+		s.m.metrics.cancelled.Inc()
+		result.Error, result.Cancelled = events.ErrKindImagePull, true
+		result.Message = fmt.Sprintf("pull of %q cancelled: %s", req.Image, why)
+		return false, s.publishResult(ctx, req, result, KubeEvent{Severity: events.Warning, Reason: ReasonFailed,
+			Message: fmt.Sprintf("Failed to pull image %q: %s", req.Image, why)}, start)
+	}
+
+	rctx, cancel := context.WithCancelCause(ctx)
+	s.mu.Lock()
+	s.inflight[req.ID] = &inflightReq{podUID: pod.UID, cancel: cancel}
+	s.mu.Unlock()
+	done := func() {
+		cancel(nil)
+		s.mu.Lock()
+		delete(s.inflight, req.ID)
+		s.mu.Unlock()
+	}
+
 	mreq := Request{Image: req.Image, Policy: req.Policy, Pod: pod, Secrets: req.Secrets, Annotations: req.Annotations, AllowPrivate: req.AllowPrivate,
-		RuntimeHandler: req.RuntimeHandler}
+		RuntimeHandler: req.RuntimeHandler, anchor: own}
 	mreq.OnEvent = func(ev KubeEvent) {
 		if ev.Reason != ReasonPulling {
 			return
@@ -104,9 +163,85 @@ func (s *Service) HandlePull(ctx context.Context, data []byte, d Delivery) error
 			log.Warn("publish pulling event failed", "err", err)
 		}
 	}
-	out := s.m.EnsureImageExists(rctx, mreq)
+	if !mayPark {
+		defer done()
+		return false, s.finish(ctx, req, result, s.m.EnsureImageExists(rctx, mreq), start, log)
+	}
+
+	joins := make(chan *anchor, 1) // the manager calls joined at most once
+	mreq.joined = func(a *anchor) { joins <- a }
+	detached := false
+	defer func() {
+		if detached {
+			return
+		}
+		// A join the outcome came with holds the leader for nothing now.
+		select {
+		case leader := <-joins:
+			leader.release()
+		default:
+		}
+		done()
+	}()
+	// The outcome comes as a function so that a panic of EnsureImageExists is raised again where it is
+	// received: in the handler, which the bus turns into a dead letter as before.
+	outc := make(chan func() Outcome, 1)
+	s.rides.Add(1)
+	go func() {
+		defer s.rides.Done()
+		defer func() {
+			if r := recover(); r != nil {
+				outc <- func() Outcome { panic(r) }
+			}
+		}()
+		out := s.m.EnsureImageExists(rctx, mreq)
+		outc <- func() Outcome { return out }
+	}()
+	var out Outcome
+	got := false
+	select {
+	case o := <-outc:
+		out, got = o(), true
+	case leader := <-joins:
+		select {
+		case o := <-outc: // the pull is already over
+			leader.release()
+			out, got = o(), true
+		default:
+			if own.sole() && s.park(ctx, leader, req, deliveries) {
+				if ctx.Err() != nil {
+					// Stopping while it was recorded: the leader's message may already be handed back
+					// and read elsewhere, so this one is handed back too (the request may then run twice).
+					_ = recovered(func() error { (<-outc)(); return nil })
+					done()
+					s.settle(ctx, leader, req.ID, ctx.Err())
+					leader.release()
+					return false, ctx.Err()
+				}
+				detached = true
+				s.rides.Add(1)
+				go func() {
+					defer s.rides.Done()
+					defer leader.release()
+					err := recovered(func() error { return s.finish(ctx, req, result, (<-outc)(), start, log) })
+					done()
+					s.settle(ctx, leader, req.ID, err)
+				}()
+				return true, nil
+			}
+			leader.release()
+		}
+	}
+	if !got {
+		out = (<-outc)()
+	}
+	return false, s.finish(ctx, req, result, out, start, log)
+}
+
+// finish publishes the result of req's outcome. While the puller stops it publishes nothing and returns
+// ctx's error: the request is handed back rather than reported as a cancellation nobody asked for.
+func (s *Service) finish(ctx context.Context, req events.PullRequest, result events.PullResult, out Outcome, start time.Time, log *slog.Logger) error {
 	if ctx.Err() != nil {
-		// Stopping: hand the request back rather than report a cancellation nobody asked for.
 		return ctx.Err()
 	}
 	result.ImageRef, result.ImageSize, result.Pulled, result.Shared = out.ImageRef, out.ImageSize, out.Pulled, out.Shared
@@ -161,4 +296,15 @@ func (s *Service) publishEvent(ctx context.Context, action, id string, data even
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	return s.bus.Publish(ctx, ev)
+}
+
+// recovered runs f, turning a panic into an error: for the requests that run outside the bus's handler,
+// which would otherwise take the process down.
+func recovered(f func() error) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = fmt.Errorf("handler panic: %v", r)
+		}
+	}()
+	return f()
 }

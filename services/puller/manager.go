@@ -52,6 +52,14 @@ type Request struct {
 	OnEvent func(KubeEvent)
 	// AllowPrivate: a request without a pod may use the node keyring's credentials (events.PullRequest).
 	AllowPrivate bool
+
+	// anchor, when set, holds the work-queue message the request came with (or rides on) while a runtime
+	// pull the request starts runs (the Service's riders, riders.go).
+	anchor *anchor
+	// joined, when set, is called when the request joins a runtime pull another request started whose
+	// flight has an anchor, before the request waits for it, with that anchor held once more: the callee
+	// releases it. The Service gives the request's own token back there.
+	joined func(*anchor)
 }
 
 // Outcome is what EnsureImageExists returns: the kubelet's (imageRef, message, err) plus what it observed.
@@ -109,6 +117,8 @@ type flight struct {
 	res     pullResult
 	waiters int
 	cancel  context.CancelCauseFunc
+	// anchor is the leader's (nil: none), held until the flight has ended.
+	anchor *anchor
 }
 
 type pullResult struct {
@@ -369,14 +379,24 @@ func flightKey(image string, req Request, creds []Credential) string {
 // when every request waiting on it has gone (a pod deleted, kubernetes/kubernetes#88662).
 func (m *manager) pull(ctx context.Context, image string, req Request, creds []Credential) pullResult {
 	key := flightKey(image, req, creds)
+	var held *anchor // the leader's anchor, held for this request
 	m.mu.Lock()
 	f, joined := m.flights[key]
 	if joined && !m.cfg.disableSingleFlight {
 		f.waiters++
 		m.metrics.shared.Inc()
+		// Held under mu, while the flight is still in flights and so holds its anchor: the anchor cannot
+		// have gone idle (its message acked) before this request is counted on it.
+		if f.anchor != nil && req.joined != nil {
+			f.anchor.hold()
+			held = f.anchor
+		}
 	} else {
 		fctx, cancel := context.WithCancelCause(context.WithoutCancel(ctx))
-		f = &flight{done: make(chan struct{}), waiters: 1, cancel: cancel}
+		f = &flight{done: make(chan struct{}), waiters: 1, cancel: cancel, anchor: req.anchor}
+		if f.anchor != nil {
+			f.anchor.hold()
+		}
 		joined = false
 		if !m.cfg.disableSingleFlight {
 			m.flights[key] = f
@@ -385,6 +405,9 @@ func (m *manager) pull(ctx context.Context, image string, req Request, creds []C
 		go m.runFlight(fctx, key, f, image, req, creds)
 	}
 	m.mu.Unlock()
+	if held != nil {
+		req.joined(held)
+	}
 
 	select {
 	case <-f.done:
@@ -417,6 +440,11 @@ func (m *manager) runFlight(ctx context.Context, key string, f *flight, image st
 	f.res = res
 	m.mu.Unlock()
 	close(f.done)
+	// After the flight left flights: no request can join it any more, so none is counted on the anchor
+	// once it may go idle.
+	if f.anchor != nil {
+		f.anchor.release()
+	}
 }
 
 // runtimePull is the kubelet's puller: take a token (serial: the only one), pass the registry QPS limit,

@@ -313,6 +313,8 @@ func cloneRecord(r PulledRecord) PulledRecord {
 
 // kvRecords keeps records in events.PullRecordsBucket, pulled records (<node>.rec.<sha256 of imageRef>) and
 // pull intents (<node>.intent.<sha256 of image>): they survive restarts and are shared by the node's replicas.
+// It also keeps the riders records of the node's pull requests (<node>.riders.<sha256 of request id>,
+// riders.go), in the node's keys of the same bucket, which the node may write.
 type kvRecords struct {
 	kv   *bus.KV
 	node string
@@ -374,4 +376,42 @@ func (s *kvRecords) AddIntent(ctx context.Context, image string) error {
 
 func (s *kvRecords) DoneIntent(ctx context.Context, image string) error {
 	return s.kv.Delete(ctx, s.intentKey(image))
+}
+
+func (s *kvRecords) ridersKey(requestID string) string {
+	return events.NodeToken(s.node) + ".riders." + hashKey(requestID)
+}
+
+// ridersRecord is the stored form of a riders record.
+type ridersRecord struct {
+	Riders []rider `json:"riders"`
+}
+
+// Riders returns the requests recorded as riding on request requestID's message (none: nil).
+func (s *kvRecords) Riders(ctx context.Context, requestID string) ([]rider, error) {
+	v, _, err := s.kv.Get(ctx, s.ridersKey(requestID))
+	if errors.Is(err, bus.ErrKeyNotFound) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	var r ridersRecord
+	if err := json.Unmarshal(v, &r); err != nil {
+		return nil, fmt.Errorf("decode riders record: %w", err)
+	}
+	return r.Riders, nil
+}
+
+// PutRiders replaces the riders record of request requestID's message; none removes it.
+func (s *kvRecords) PutRiders(ctx context.Context, requestID string, riders []rider) error {
+	if len(riders) == 0 {
+		return s.kv.Delete(ctx, s.ridersKey(requestID))
+	}
+	v, err := json.Marshal(ridersRecord{Riders: riders})
+	if err != nil {
+		return err
+	}
+	_, err = s.kv.Put(ctx, s.ridersKey(requestID), v)
+	return err
 }

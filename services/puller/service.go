@@ -19,10 +19,18 @@ import (
 // consumer bounds the pulls in flight across all of them.
 //
 // Locks: mu guards inflight and deleted; the manager has its own (flights). They are never held together.
+// An anchor's mu is taken under the manager's (never the reverse); its wmu, around riders record writes,
+// with no other lock.
 type Service struct {
 	cfg Config
 	bus *bus.Bus
 	m   *manager
+	// riders keeps the requests riding on another request's message (riders.go); nil until Run opens
+	// the bucket: a request then keeps its own token when it joins a pull.
+	riders riderStore
+	// rides counts the goroutines of requests whose message was acked or that ride on another's: Run
+	// waits for them.
+	rides sync.WaitGroup
 
 	mu       sync.Mutex
 	inflight map[string]*inflightReq // by request id
@@ -99,7 +107,7 @@ func (s *Service) Run(ctx context.Context) error {
 		}
 		return err
 	}
-	s.m.backoff, s.m.records.store = bo, rs
+	s.m.backoff, s.m.records.store, s.riders = bo, rs, rs
 
 	// The first worker to fail stops the others; an error after the stop is the stop's, not reported.
 	g, ctx := errgroup.WithContext(ctx)
@@ -147,6 +155,8 @@ func (s *Service) Run(ctx context.Context) error {
 	})
 	<-ctx.Done()
 	err = g.Wait()
+	// The consumers have returned, so no handler adds a ride any more; the rides end with ctx.
+	s.rides.Wait()
 	s.m.wait()
 	return err
 }
