@@ -467,7 +467,7 @@ func nodeLine(nr events.RolloutNodeResult) string {
 }
 
 // rolloutOutput writes a rollout's result to stdout as it happens: each node's outcome when it arrives, the
-// totals at the end. With -o json it writes the document of DESIGN.md ({batches, succeeded, failed, dryRun,
+// totals at the end. With -o json it writes the document of docs/cli.md ({batches, succeeded, failed, dryRun,
 // nodes: [...]} and the rest of events.RolloutResult) incrementally: "nodes" first, element by element in
 // the order the nodes end, then the other fields; as text, one table row per node, then the totals.
 type rolloutOutput struct {

@@ -8,6 +8,6 @@
 // directory keyed by the wrapper module's go.sum and link flags (BinDir computes the same key). When they are
 // missing the test helpers FAIL, naming the command that builds them; they never skip.
 //
-// Every fact the flags and clean-up steps rest on (and the failures they avoid) is in
-// shared/notes/kube-lab.md.
+// Every fact the flags and clean-up steps rest on (and the failures they avoid) is in deploy/lab/README.md,
+// "The kube lab".
 package kubelab

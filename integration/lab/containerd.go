@@ -345,8 +345,8 @@ func (c *Containerd) cleanup() {
 	}
 }
 
-// configTemplate holds the settings shared/notes/runtime-lab.md found necessary; deploy/lab/containerd.toml.tmpl
-// is the operator's copy of it.
+// configTemplate holds the settings a private containerd needs on these machines (deploy/lab/README.md, "Why
+// the containerd settings"); deploy/lab/containerd.toml.tmpl is the operator's copy of it.
 var configTemplate = template.Must(template.New("config").Parse(`version = 2
 root = "{{.Dir}}/root"
 state = "{{.Dir}}/state"

@@ -7,6 +7,6 @@
 // needs root and the Debian packages containerd, runc and busybox-static; when they are missing the helpers
 // fail the test (they never skip), naming the missing part and the .ci/run step that installs it.
 //
-// Why each containerd setting is there is written in shared/notes/runtime-lab.md; the operator's lab in
-// deploy/lab uses the same settings from a shell template.
+// Why each containerd setting is there is written in deploy/lab/README.md ("Why the containerd settings");
+// the operator's lab in deploy/lab uses the same settings from a shell template.
 package lab

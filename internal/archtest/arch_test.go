@@ -89,9 +89,9 @@ func (v violation) String() string {
 
 func short(p string) string { return strings.TrimPrefix(p, module+"/") }
 
-// check applies the rules of DESIGN.md to pkgs. Import rules between parts use the transitive non-test
-// dependencies (a worker that reaches another through a helper package still breaks the rule); the NATS
-// rules use the direct imports, test files included.
+// check applies the rules of docs/architecture.md ("Dependency rules") to pkgs. Import rules between parts
+// use the transitive non-test dependencies (a worker that reaches another through a helper package still
+// breaks the rule); the NATS rules use the direct imports, test files included.
 func check(pkgs []pkg) []violation {
 	var out []violation
 	for _, p := range pkgs {
@@ -155,7 +155,8 @@ func list(t *testing.T) []pkg {
 	return pkgs
 }
 
-// TestDependencyRules checks the module's import graph against DESIGN.md's rules.
+// TestDependencyRules checks the module's import graph against the rules of docs/architecture.md,
+// "Dependency rules".
 func TestDependencyRules(t *testing.T) {
 	pkgs := list(t)
 	// The rules are only as good as the graph they read: the parts they name must be in it.

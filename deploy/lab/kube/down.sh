@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # down.sh removes the kube lab that up.sh started, in the order that leaves nothing behind
-# (shared/notes/kube-lab.md): the kubelet, the runtime's pods, the kubelet's mounts, cgroups and hard-coded
-# paths, kube-apiserver and etcd (labctl kube-down), then deploy/lab's containerd and registry. Safe to run twice.
+# (deploy/lab/README.md, "Clean-up"): the kubelet, the runtime's pods, the kubelet's mounts, cgroups and
+# hard-coded paths, kube-apiserver and etcd (labctl kube-down), then deploy/lab's containerd and registry.
+# Safe to run twice.
 set -euo pipefail
 KUBE_DIR=${KUBE_DIR:-/tmp/ifl-kube}
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
