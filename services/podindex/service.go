@@ -15,9 +15,6 @@ import (
 	"github.com/imagefleet/imagefleet/events"
 )
 
-// dlqConsumer is the pod index's name in dead letters (imagefleet.dlq.IMAGEFLEET_EVENTS.pod-index-<node>).
-const dlqConsumer = events.PodIndexQueue
-
 // Service is the pod index of one node.
 //
 // Input: the node's pod events, read in stream order from IMAGEFLEET_PODS (which the server fills from
@@ -101,40 +98,41 @@ func New(cfg Config, b *bus.Bus) (*Service, error) {
 func (s *Service) State() *State { return s.state }
 
 // Ready is closed once the snapshot is loaded, the index has applied the events its stream held when it
-// started, and the queries are answered.
+// started, and the queries are answered: their subscriptions are at the server before it closes, so a query
+// sent after it finds a responder.
 func (s *Service) Ready() <-chan struct{} { return s.ready }
 
-// Run answers the pods, refs and inuse queries (that it is catching up, until it has), loads the snapshot,
-// applies the node's pod events until ctx ends, then flushes a last snapshot. It returns nil after a clean
-// shutdown.
+// Run answers the pods, refs and inuse queries and the podapply command (that the index is catching up,
+// until it has), loads the snapshot, applies the node's pod events until ctx ends, then flushes a last
+// snapshot. It returns nil after a clean shutdown.
 func (s *Service) Run(ctx context.Context) error {
 	// The queries are served from the start, answering that the index is catching up: while it loads its
 	// snapshot, a GC pass asking for the images in use fails (and removes nothing) rather than finding no
-	// pod index (no responders), which it takes for "no pod index on this node".
+	// pod index (no responders), which it takes for "no pod index on this node". Every subscription is made
+	// here, before anything that can close Ready: made in the goroutines that serve them, one could reach
+	// the server after Ready (a goroutine that lost its CPU for a few milliseconds), and the first queries
+	// found no responders.
+	listeners, err := s.listen(ctx)
+	if err != nil {
+		if ctx.Err() != nil {
+			return nil // stopped while it subscribed: a clean shutdown
+		}
+		return err
+	}
 	var wg sync.WaitGroup
 	defer wg.Wait() // after stop (deferred calls run last first)
 	rctx, stop := context.WithCancel(ctx)
 	defer stop()
-	errs := make(chan error, 5)
-	serve := func(what string, h bus.Handler) {
+	errs := make(chan error, len(listeners)+1)
+	for _, l := range listeners {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if err := s.bus.ServeConcurrent(rctx, events.QuerySubject(s.cfg.Node, what), dlqConsumer, 4, h); err != nil {
+			if err := l.Serve(rctx); err != nil {
 				errs <- err
 			}
 		}()
 	}
-	serve(events.QryPods, s.handlePods)
-	serve(events.QryRefs, s.handleRefs)
-	serve(events.QryInUse, s.handleInUse)
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		if err := s.bus.ServeConcurrent(rctx, events.CommandSubject(s.cfg.Node, events.VerbPodApply), events.PodIndexQueue, 4, s.handleApply); err != nil {
-			errs <- err
-		}
-	}()
 
 	store, err := OpenStore(ctx, s.bus, s.cfg.Node)
 	if err != nil {
@@ -169,4 +167,30 @@ func (s *Service) Run(ctx context.Context) error {
 		s.log.Warn("final pod index flush failed", "err", ferr)
 	}
 	return err
+}
+
+// listen subscribes to the pods, refs and inuse queries and the podapply command; on an error it closes
+// those it made.
+func (s *Service) listen(ctx context.Context) ([]*bus.Listener, error) {
+	subjects := []struct {
+		subject string
+		h       bus.Handler
+	}{
+		{events.QuerySubject(s.cfg.Node, events.QryPods), s.handlePods},
+		{events.QuerySubject(s.cfg.Node, events.QryRefs), s.handleRefs},
+		{events.QuerySubject(s.cfg.Node, events.QryInUse), s.handleInUse},
+		{events.CommandSubject(s.cfg.Node, events.VerbPodApply), s.handleApply},
+	}
+	out := make([]*bus.Listener, 0, len(subjects))
+	for _, sub := range subjects {
+		l, err := s.bus.Listen(ctx, sub.subject, events.PodIndexQueue, 4, sub.h)
+		if err != nil {
+			for _, l := range out {
+				l.Close()
+			}
+			return nil, err
+		}
+		out = append(out, l)
+	}
+	return out, nil
 }
