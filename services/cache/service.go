@@ -40,6 +40,9 @@ type Service struct {
 	mu        sync.RWMutex
 	images    []events.Image
 	refreshed time.Time
+
+	ready     chan struct{}
+	readyOnce sync.Once
 }
 
 // New validates cfg and builds the cache.
@@ -56,8 +59,12 @@ func New(cfg Config, rt runtime, b *bus.Bus) (*Service, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	return &Service{cfg: cfg, rt: rt, bus: b}, nil
+	return &Service{cfg: cfg, rt: rt, bus: b, ready: make(chan struct{})}, nil
 }
+
+// Ready is closed once the list has been refreshed (or the first refresh failed, logged) and the images
+// query and the pull and removal events are subscribed at the server: a query sent after it is answered.
+func (s *Service) Ready() <-chan struct{} { return s.ready }
 
 // Run refreshes at start, every Period, and at once when a pull finishes or GC removes an image on the node
 // (pull.pulled, image.removed: the list reflects them within a second; the Period stays as the floor), and
@@ -67,34 +74,61 @@ func (s *Service) Run(ctx context.Context) error {
 	if err := s.Refresh(ctx); err != nil {
 		log.Warn("failed to update image list", "err", err)
 	}
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	errc := make(chan error, 1)
-	go func() {
-		errc <- s.bus.ServeConcurrent(ctx, events.QuerySubject(s.cfg.Node, events.QryImages), events.CacheQueue, 4, s.handleImages)
-	}()
-	wake := make(chan struct{}, 1)
-	poke := func(string, map[string][]string, []byte) {
-		select {
-		case wake <- struct{}{}:
-		default:
-		}
+	// Every subscription is made here, before Ready: made in the goroutines that use them, one could reach
+	// the server after Ready, and a query sent at once found no responders.
+	l, err := s.bus.Listen(ctx, events.QuerySubject(s.cfg.Node, events.QryImages), events.CacheQueue, 4, s.handleImages)
+	if err != nil {
+		return stopped(ctx, err)
 	}
-	subErr := make(chan error, 2)
-	var wg sync.WaitGroup
-	defer wg.Wait()
+	var subs []*bus.Subscription
 	for _, subject := range []string{
 		events.EventSubject(s.cfg.Node, events.EntityPull, events.ActionPulled),
 		events.EventSubject(s.cfg.Node, events.EntityImage, events.ActionRemoved),
 	} {
+		sub, err := s.bus.SubscribeSync(ctx, subject)
+		if err != nil {
+			l.Close()
+			for _, sub := range subs {
+				sub.Close()
+			}
+			return stopped(ctx, err)
+		}
+		subs = append(subs, sub)
+	}
+	var wg sync.WaitGroup
+	defer wg.Wait() // after cancel (deferred calls run last first)
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	errc := make(chan error, 1)
+	go func() { errc <- l.Serve(ctx) }()
+	wake := make(chan struct{}, 1)
+	for _, sub := range subs {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if err := s.bus.Subscribe(ctx, subject, poke); err != nil && ctx.Err() == nil {
-				subErr <- err
+			defer sub.Close()
+			for {
+				_, _, err := sub.Next(ctx)
+				if ctx.Err() != nil {
+					return
+				}
+				if err != nil {
+					// Events dropped (a slow consumer) or the connection closed: refresh anyway, without
+					// spinning on a subscription that fails at once.
+					select {
+					case <-ctx.Done():
+						return
+					case <-time.After(time.Second):
+					}
+				}
+				select {
+				case wake <- struct{}{}:
+				default:
+				}
 			}
 		}()
 	}
+	s.readyOnce.Do(func() { close(s.ready) })
 	tick := time.NewTicker(s.cfg.Period)
 	defer tick.Stop()
 	for {
@@ -102,10 +136,6 @@ func (s *Service) Run(ctx context.Context) error {
 		case <-ctx.Done():
 			return <-errc
 		case err := <-errc:
-			return err
-		case err := <-subErr:
-			cancel()
-			<-errc
 			return err
 		case <-tick.C:
 		case <-wake:
@@ -161,4 +191,12 @@ func (s *Service) handleImages(_ context.Context, data []byte) (any, error) {
 	}
 	imgs, at := s.Images(q.Limit)
 	return events.ImagesReply{Node: s.cfg.Node, Refreshed: at, Images: imgs}, nil
+}
+
+// stopped is nil when ctx ended (a shutdown while Run subscribed is a clean one), else err.
+func stopped(ctx context.Context, err error) error {
+	if ctx.Err() != nil {
+		return nil
+	}
+	return err
 }

@@ -57,6 +57,9 @@ type Service struct {
 	// lease serialises passes across the node's executor replicas (lease.go); leaseMetrics counts its outcomes.
 	lease        *leaser
 	leaseMetrics *leaseMetrics
+
+	ready     chan struct{}
+	readyOnce sync.Once
 }
 
 // New validates cfg (see Config.Validate for the messages) and builds the executor.
@@ -92,7 +95,7 @@ func New(cfg Config, deps Deps) (*Service, error) {
 	pinned, _ := newRefMatcher(cfg.PinnedImages, true) // validated above
 	log := cfg.Logger.With("worker", events.GCQueue, "node", cfg.Node)
 	s := &Service{cfg: cfg, bus: deps.Bus, log: log, beganGC: deps.Now(), checkNow: make(chan struct{}, 1), metrics: m,
-		lease: newLeaser(deps.Bus, cfg.Node, cfg.LeaseTTL, log), leaseMetrics: lm}
+		lease: newLeaser(deps.Bus, cfg.Node, cfg.LeaseTTL, log), leaseMetrics: lm, ready: make(chan struct{})}
 	s.c = &collector{
 		node: cfg.Node, capacity: cfg.CapacityBytes, pinned: pinned, parallelism: cfg.RemovalParallelism,
 		rt: deps.Runtime, records: deps.Records, bus: deps.Bus, inUseTimeout: cfg.InUseTimeout,
@@ -105,6 +108,11 @@ func New(cfg Config, deps Deps) (*Service, error) {
 	}
 	return s, nil
 }
+
+// Ready is closed once the gc command and (unless the policy disables the loop) the node's pull.pulled
+// events are subscribed at the server: a command sent after it is answered, a pull finished after it is
+// checked.
+func (s *Service) Ready() <-chan struct{} { return s.ready }
 
 // Run serves imagefleet.cmd.<node>.gc (queue group gc-executor) and runs the periodic GC every Period,
 // with beganGC captured once here as the kubelet's StartGarbageCollection does. Unlike the kubelet (whose
@@ -122,15 +130,28 @@ func (s *Service) Run(ctx context.Context) error {
 	s.beganGC = s.c.now()
 	s.mu.Unlock()
 
+	// Every subscription is made here, before Ready: made in the goroutines that use them, one could reach
+	// the server after Ready, and a command sent at once found no responders.
+	l, err := s.bus.Listen(ctx, events.CommandSubject(s.cfg.Node, events.VerbGC), events.GCQueue, 1, s.handleGC)
+	if err != nil {
+		return stopped(ctx, err)
+	}
+	var pulled *bus.Subscription
+	if !s.cfg.Policy.disabled() {
+		if pulled, err = s.bus.SubscribeSync(ctx, events.EventSubject(s.cfg.Node, events.EntityPull, events.ActionPulled)); err != nil {
+			l.Close()
+			return stopped(ctx, err)
+		}
+	}
 	ctx, cancel := context.WithCancel(ctx)
 	var wg sync.WaitGroup
 	defer wg.Wait()
 	defer cancel()
-	serveErr := make(chan error, 2)
+	serveErr := make(chan error, 1)
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		serveErr <- s.bus.Serve(ctx, events.CommandSubject(s.cfg.Node, events.VerbGC), events.GCQueue, s.handleGC)
+		serveErr <- l.Serve(ctx)
 	}()
 	wait := func() error {
 		select {
@@ -144,20 +165,33 @@ func (s *Service) Run(ctx context.Context) error {
 			return nil
 		}
 	}
-	if s.cfg.Policy.disabled() {
+	if pulled == nil {
 		s.log.Info("ImageGCHighThresholdPercent is set 100 and ImageMaximumGCAge is 0, Disable image GC")
+		s.readyOnce.Do(func() { close(s.ready) })
 		return wait()
 	}
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		err := s.bus.Subscribe(ctx, events.EventSubject(s.cfg.Node, events.EntityPull, events.ActionPulled), func(string, map[string][]string, []byte) {
+		defer pulled.Close()
+		for {
+			_, _, err := pulled.Next(ctx)
+			if ctx.Err() != nil {
+				return
+			}
+			if err != nil {
+				// Events dropped (a slow consumer) or the connection closed: check anyway, without spinning
+				// on a subscription that fails at once.
+				select {
+				case <-ctx.Done():
+					return
+				case <-time.After(time.Second):
+				}
+			}
 			s.CheckSoon()
-		})
-		if err != nil && ctx.Err() == nil {
-			serveErr <- err
 		}
 	}()
+	s.readyOnce.Do(func() { close(s.ready) })
 	tick := time.NewTicker(s.cfg.Period)
 	defer tick.Stop()
 	check := time.NewTicker(s.cfg.CheckPeriod)
@@ -413,4 +447,12 @@ func (s *Service) policyFor(req events.GCRequest) (Policy, error) {
 		return Policy{}, fmt.Errorf("%w: %w", events.ErrMalformed, err)
 	}
 	return p, nil
+}
+
+// stopped is nil when ctx ended (a shutdown while Run subscribed is a clean one), else err.
+func stopped(ctx context.Context, err error) error {
+	if ctx.Err() != nil {
+		return nil
+	}
+	return err
 }
