@@ -11,6 +11,7 @@ import (
 	"runtime/debug"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -37,6 +38,28 @@ import (
 // runnable is a worker: Run blocks until ctx ends and returns nil after a clean shutdown.
 type runnable interface {
 	Run(ctx context.Context) error
+}
+
+// readier is a worker that says when it can answer its first request: Ready closes once its subscriptions
+// are at the server (and for the pod index, once it has caught up with its events). A worker without Ready
+// counts as ready as soon as it runs: the agent cannot tell more.
+type readier interface {
+	Ready() <-chan struct{}
+}
+
+// readySignals are w's Ready channel, or those of each worker of a group.
+func readySignals(w runnable) []<-chan struct{} {
+	switch w := w.(type) {
+	case group:
+		var out []<-chan struct{}
+		for _, m := range w {
+			out = append(out, readySignals(m)...)
+		}
+		return out
+	case readier:
+		return []<-chan struct{}{w.Ready()}
+	}
+	return nil
 }
 
 // agentConfig is the agent's whole configuration: its own settings, then each worker's Config, which the
@@ -98,6 +121,8 @@ type agentEnv struct {
 	Workers []string
 	// Changed reports whether a flag was given on the command line.
 	Changed func(flag string) bool
+	// NotReady is nil once every worker of the agent can answer its first request, else why not (/healthz).
+	NotReady func() error
 }
 
 // workerDef is one row of agentWorkers.
@@ -527,8 +552,18 @@ func runAgent(ctx context.Context, cl *cli, cmd *cobra.Command, c agentConfig) e
 	if err != nil {
 		return err
 	}
-	log.Info("agent started", "workers", strings.Join(agent.names(), ","))
-	return agent.Run(ctx)
+	// The line says ready only once every worker is: an operator (or a script) that acts on it finds each
+	// query and command answered.
+	start := time.Now()
+	errc := make(chan error, 1)
+	go func() { errc <- agent.Run(ctx) }()
+	select {
+	case <-agent.Ready():
+		log.Info("agent ready", "workers", strings.Join(agent.names(), ","), "after", time.Since(start).Round(time.Millisecond))
+	case err := <-errc:
+		return err
+	}
+	return <-errc
 }
 
 // needsCRI reports whether one of defs talks to the container runtime.
@@ -549,11 +584,12 @@ type agentDeps struct {
 // buildAgent builds the workers defs names (in their order) of the node c.Node: the one path from a
 // configuration to a running node agent, for `imagefleet agent` and every node of `imagefleet hollow`.
 func buildAgent(ctx context.Context, c *agentConfig, defs []workerDef, d agentDeps) (*agentRun, error) {
-	env := &agentEnv{Node: c.Node, Bus: d.Bus, CRI: d.CRI, DataDir: c.DataDir, Log: d.Log, Changed: d.Changed}
+	a := &agentRun{defs: defs, workers: make([]runnable, len(defs)), ready: make(chan struct{})}
+	env := &agentEnv{Node: c.Node, Bus: d.Bus, CRI: d.CRI, DataDir: c.DataDir, Log: d.Log, Changed: d.Changed,
+		NotReady: a.notReady}
 	for _, w := range defs {
 		env.Workers = append(env.Workers, w.Name)
 	}
-	a := &agentRun{defs: defs, workers: make([]runnable, len(defs))}
 	for i, w := range defs {
 		var err error
 		if a.workers[i], err = w.Build(ctx, c, env); err != nil {
@@ -602,6 +638,39 @@ var wrapWorker func(node, worker string, w runnable) runnable
 type agentRun struct {
 	defs    []workerDef
 	workers []runnable
+	// ready is closed once every worker's Ready has closed (Run).
+	ready     chan struct{}
+	readyOnce sync.Once
+}
+
+// Ready is closed once every worker can answer its first request.
+func (a *agentRun) Ready() <-chan struct{} { return a.ready }
+
+// notReady is nil once every worker is ready, else an error naming those that are not yet.
+func (a *agentRun) notReady() error {
+	if closed(a.ready) {
+		return nil
+	}
+	var names []string
+	for i, w := range a.workers {
+		if slices.ContainsFunc(readySignals(w), func(c <-chan struct{}) bool { return !closed(c) }) {
+			names = append(names, a.defs[i].Name)
+		}
+	}
+	if len(names) == 0 {
+		return errors.New("agent starting")
+	}
+	return fmt.Errorf("agent starting: not ready yet: %s", strings.Join(names, ", "))
+}
+
+// closed reports whether c is closed.
+func closed(c <-chan struct{}) bool {
+	select {
+	case <-c:
+		return true
+	default:
+		return false
+	}
 }
 
 func (a *agentRun) names() []string {
@@ -612,7 +681,8 @@ func (a *agentRun) names() []string {
 	return out
 }
 
-// Run runs every worker until ctx ends or one fails (which stops the others).
+// Run runs every worker until ctx ends or one fails (which stops the others), and closes Ready once every
+// worker is ready.
 func (a *agentRun) Run(ctx context.Context) error {
 	g, gctx := errgroup.WithContext(ctx)
 	for i, w := range a.workers {
@@ -623,6 +693,19 @@ func (a *agentRun) Run(ctx context.Context) error {
 			return nil
 		})
 	}
+	g.Go(func() error {
+		for _, w := range a.workers {
+			for _, c := range readySignals(w) {
+				select {
+				case <-c:
+				case <-gctx.Done():
+					return nil
+				}
+			}
+		}
+		a.readyOnce.Do(func() { close(a.ready) })
+		return nil
+	})
 	return g.Wait()
 }
 

@@ -22,11 +22,13 @@ func buildMetrics(_ context.Context, c *agentConfig, env *agentEnv) (runnable, e
 	if c.MetricsAddr == "" {
 		return idle{}, nil
 	}
-	return newMetricsServer(c.MetricsAddr, env.Bus, env.Node, prometheus.DefaultRegisterer, prometheus.DefaultGatherer)
+	return newMetricsServer(c.MetricsAddr, env.Bus, env.Node, env.NotReady, prometheus.DefaultRegisterer, prometheus.DefaultGatherer)
 }
 
 // metricsServer serves the default gatherer: the kubelet metrics the workers register, the bus's pipeline
-// metrics, and the node's pull queue (read from its pull consumer at each scrape).
+// metrics, and the node's pull queue (read from its pull consumer at each scrape); and /healthz, the agent's
+// readiness: 503 with the reason until every worker can answer its first request, while NATS is
+// disconnected, and while a worker's own health check fails.
 type metricsServer struct {
 	ln  net.Listener
 	srv *http.Server
@@ -34,7 +36,8 @@ type metricsServer struct {
 	col prometheus.Collector
 }
 
-func newMetricsServer(addr string, b *bus.Bus, node string, reg prometheus.Registerer, g prometheus.Gatherer) (*metricsServer, error) {
+// notReady (nil: always ready) is nil once the agent's workers are ready, else why not.
+func newMetricsServer(addr string, b *bus.Bus, node string, notReady func() error, reg prometheus.Registerer, g prometheus.Gatherer) (*metricsServer, error) {
 	col := puller.NewQueueCollector(b, []string{node})
 	if err := reg.Register(col); err != nil {
 		return nil, fmt.Errorf("register pull queue metrics: %w", err)
@@ -50,6 +53,12 @@ func newMetricsServer(addr string, b *bus.Bus, node string, reg prometheus.Regis
 		if !b.Connected() {
 			http.Error(w, "nats disconnected", http.StatusServiceUnavailable)
 			return
+		}
+		if notReady != nil {
+			if err := notReady(); err != nil {
+				http.Error(w, err.Error(), http.StatusServiceUnavailable)
+				return
+			}
 		}
 		if err := checkHealth(); err != nil {
 			http.Error(w, err.Error(), http.StatusServiceUnavailable)
