@@ -25,6 +25,7 @@ import (
 	"github.com/imagefleet/imagefleet/internal/kubeletcfg"
 	"github.com/imagefleet/imagefleet/services/cache"
 	"github.com/imagefleet/imagefleet/services/cri"
+	"github.com/imagefleet/imagefleet/services/cri/socket"
 	"github.com/imagefleet/imagefleet/services/detector"
 	"github.com/imagefleet/imagefleet/services/fleet"
 	"github.com/imagefleet/imagefleet/services/gc"
@@ -69,6 +70,7 @@ func readySignals(w runnable) []<-chan struct{} {
 type agentConfig struct {
 	Node         string
 	CRIEndpoint  string
+	HostRoot     string
 	EmbeddedNATS string
 	NATSConfig   string
 	DataDir      string
@@ -406,7 +408,8 @@ func (r group) Run(ctx context.Context) error {
 // flags binds the agent's own flags and every worker's.
 func (c *agentConfig) flags(fs *pflag.FlagSet) {
 	fs.StringVar(&c.Node, "node", "", "node name (default: the host name)")
-	fs.StringVar(&c.CRIEndpoint, "cri", "unix:///run/containerd/containerd.sock", "CRI endpoint of the container runtime")
+	fs.StringVar(&c.CRIEndpoint, "cri", "", "CRI endpoint of the container runtime (unix:///path); empty: find the runtime's socket among the known paths (containerd, k3s, RKE2, k0s, MicroK8s, CRI-O, cri-dockerd; docs/kubernetes.md)")
+	fs.StringVar(&c.HostRoot, "host-root", "", "where the host's / is mounted in the agent's pod (such as /host): the CRI socket is searched under it when --cri is empty")
 	fs.StringVar(&c.EmbeddedNATS, "embedded-nats", "127.0.0.1:4222", "listen address of the embedded nats-server (used unless --nats is given)")
 	fs.StringVar(&c.NATSConfig, "nats-config", "", "nats-server config file for the embedded server")
 	fs.StringVar(&c.DataDir, "data-dir", defaultDataDir(), "state directory (embedded NATS store, journal)")
@@ -512,6 +515,21 @@ func runAgent(ctx context.Context, cl *cli, cmd *cobra.Command, c agentConfig) e
 		return err
 	}
 	log := slog.Default().With("node", c.Node)
+	// The runtime socket is found before NATS starts, so an agent that has none exits within the discovery's
+	// bound (a few seconds) naming every path it tried, instead of hanging on a socket nobody serves.
+	endpoint := c.CRIEndpoint
+	if needsCRI(defs) && endpoint == "" {
+		found, err := socket.Discover(ctx, socket.Options{Root: c.HostRoot})
+		if err != nil {
+			return fmt.Errorf("find the CRI socket (--cri names one): %w", err)
+		}
+		for _, a := range found.Skipped {
+			log.Warn("cri socket passed over", "path", a.Path, "runtime", a.Candidate.Runtime, "err", a.Err)
+		}
+		log.Info("cri socket found", "endpoint", found.Endpoint, "runtime", found.Candidate.Runtime,
+			"runtime_name", found.RuntimeName, "runtime_version", found.RuntimeVersion)
+		endpoint = found.Endpoint
+	}
 
 	url := cl.natsURL
 	if !cmd.Flags().Changed("nats") && !cmd.Root().PersistentFlags().Changed("nats") {
@@ -543,7 +561,7 @@ func runAgent(ctx context.Context, cl *cli, cmd *cobra.Command, c agentConfig) e
 	}
 	var rt *cri.Client
 	if needsCRI(defs) {
-		if rt, err = cri.Dial(cri.Config{Endpoint: c.CRIEndpoint, Timeout: c.CRITimeout}); err != nil {
+		if rt, err = cri.Dial(cri.Config{Endpoint: endpoint, Timeout: c.CRITimeout}); err != nil {
 			return err
 		}
 		defer func() { _ = rt.Close() }()
