@@ -298,7 +298,7 @@ func (c *Cluster) startEtcd(ctx context.Context) error {
 		"--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
 		"--initial-cluster", "lab=" + peer, "--listen-metrics-urls", "",
 		"--log-level", "warn",
-		// Throwaway test data: no fsync (kube-lab.md).
+		// Throwaway test data: no fsync (deploy/lab/README.md).
 		"--unsafe-no-fsync",
 	}}
 	if err := c.etcd.start(); err != nil {
@@ -404,7 +404,7 @@ func freePorts(n int) ([]int, error) {
 	return ports, nil
 }
 
-// Stop stops everything in the clean-up order that leaves nothing behind (kube-lab.md): the kubelet, the
+// Stop stops everything in the clean-up order that leaves nothing behind (deploy/lab/README.md): the kubelet, the
 // runtime's pods, the kubelet's mounts, its cgroups, its /var/log/containers links and device-plugin socket,
 // then kube-apiserver and etcd, and removes the directory. It returns what could not be removed.
 func (c *Cluster) Stop() error {

@@ -231,7 +231,7 @@ func nodeReady(conds []corev1.NodeCondition) bool {
 	return false
 }
 
-// cleanKubelet removes what a stopped kubelet leaves outside its processes, in the notes' order: the
+// cleanKubelet removes what a stopped kubelet leaves outside its processes, in the order deploy/lab/README.md gives: the
 // runtime's pods (through CRI, so nothing holds the volumes), every mount under the kubelet's root (deepest
 // first, lazily if busy), the empty kubepods cgroups, the /var/log/containers links into the lab, and the
 // device-plugin socket (a path the kubelet hard-codes).

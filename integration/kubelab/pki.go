@@ -16,7 +16,7 @@ import (
 	"time"
 )
 
-// pki is the lab's certificate authority and the files made from it (the notes' openssl commands, done with
+// pki is the lab's certificate authority and the files made from it (deploy/lab/README.md's openssl commands, done with
 // crypto/x509 so neither the tests nor the lab need openssl). EC P-256 throughout: the apiserver accepts an
 // EC service-account signing key (ES256).
 type pki struct {

@@ -70,7 +70,7 @@ func (p *proc) running() bool {
 }
 
 // stop sends SIGTERM and waits up to grace, then SIGKILL. The apiserver can take a minute to exit while a
-// kubelet keeps its watches open (kube-lab.md), so callers choose the grace.
+// kubelet keeps its watches open (deploy/lab/README.md), so callers choose the grace.
 func (p *proc) stop(grace time.Duration) {
 	if p.exited == nil {
 		return

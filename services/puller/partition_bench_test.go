@@ -26,7 +26,7 @@ import (
 //
 // Not here: 10,000 R3 consumers on the in-process cluster. On this project's 2-core machine that run made
 // about 4,350 in 9.5 minutes, at 3.6 GB of memory, with consumers reporting no quorum and routes timing out
-// (docs/benchmarks.md, Issue 15): three servers in one process on two cores cannot carry 30,000 consumer
+// (docs/runs/2026-11-pull-consumers.md): three servers in one process on two cores cannot carry 30,000 consumer
 // Raft groups; a real cluster has a machine per server.
 func BenchmarkPullConsumers(b *testing.B) {
 	for _, c := range []struct{ servers, n int }{{1, 1200}, {1, 10000}, {3, 1200}} {

@@ -14,7 +14,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 tools=$here/tools
 cache=${IMAGEFLEET_KUBE_CACHE:-/var/cache/imagefleet/kube}
 
-# The version ldflags only change the link step; without them /version says v0.0.0-master (kube-lab.md).
+# The version ldflags only change the link step; without them /version says v0.0.0-master (deploy/lab/README.md).
 ldflags=$(<"$tools/ldflags")
 goversion=$(go env GOVERSION)
 # The key: keep in step with kubelab.Key (integration/kubelab/bin.go).
