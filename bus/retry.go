@@ -3,6 +3,7 @@ package bus
 import (
 	"context"
 	"errors"
+	"math/rand/v2"
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
@@ -39,7 +40,7 @@ func unavailable(err error) bool {
 }
 
 // retryTransient runs op until it succeeds, fails for good, or ctx ends: a transient failure (IsTransient,
-// not a permissions violation) is retried with exponential backoff (cenkalti, 250 ms to 5 s) and logged, so
+// not a permissions violation) is retried on RetryWait's schedule (up to maxRetryWait apart) and logged, so
 // a worker starting while a cluster elects its leaders waits for it instead of exiting.
 func (b *Bus) retryTransient(ctx context.Context, what string, op func(attempt context.Context) error) error {
 	return b.retryTransientFor(ctx, what, 0, op)
@@ -53,14 +54,64 @@ const AttemptTimeout = 5 * time.Second
 // leaders within seconds; past this the caller hears of the failure.
 const kvRetryFor = 20 * time.Second
 
+// ElectionWindow is how long after losing a server a cluster takes to have every stream, bucket and its
+// JetStream API led again: nats-server's raft elects a new leader when a follower has not heard from the
+// old one for its election timeout (drawn from 4-9 s), and the vote takes milliseconds.
+const ElectionWindow = 10 * time.Second
+
+// Retry waits (RetryWait): electionRetryWait (jittered) within the ElectionWindow, then growing from
+// afterElectionRetryWait; maxRetryWait is the longest wait of the bus's own retries (retryTransientFor).
+const (
+	electionRetryWait      = 250 * time.Millisecond
+	afterElectionRetryWait = 500 * time.Millisecond
+	maxRetryWait           = 5 * time.Second
+)
+
+// RetryWait is the wait before the next attempt of a call that has failed transiently (IsTransient) for
+// failingFor, prev being the wait before the attempt that just failed (0 after the first attempt).
+//
+// Within the ElectionWindow it is 200-300 ms. A call fails there because a leader is being elected, and its
+// attempts fail at once (no responders: the stream has no leader) or after the ack of the one attempt sent
+// to the lost leader timed out; attempts this close cost little, and the call uses the new leader within a
+// fraction of a second of its election. A wait doubling from 250 ms (to 2 s in the detector, 5 s here) left
+// the call idle for seconds after it: a detector answered its detect command 10.4 s after the loss, its
+// bucket's leader elected 8.7 s after it.
+//
+// Past the window the cluster lost more than a leader (its quorum, or every server): each wait is drawn
+// between the last one and twice it (at least 250-500 ms, at most ceiling/2-ceiling), so the calls back off
+// and the nodes of a fleet do not all come back at once.
+func RetryWait(failingFor, prev, ceiling time.Duration) time.Duration {
+	if failingFor < ElectionWindow {
+		return electionRetryWait*4/5 + rand.N(electionRetryWait*2/5)
+	}
+	d := min(max(2*prev, afterElectionRetryWait), ceiling)
+	return d/2 + rand.N(d/2+1)
+}
+
+// retryBackOff is RetryWait as a cenkalti BackOff: it stops when the next attempt would start past
+// maxElapsed (0: never).
+type retryBackOff struct {
+	start      time.Time
+	prev       time.Duration
+	maxElapsed time.Duration
+}
+
+func (r *retryBackOff) Reset() { r.start, r.prev = time.Now(), 0 }
+
+func (r *retryBackOff) NextBackOff() time.Duration {
+	elapsed := time.Since(r.start)
+	r.prev = RetryWait(elapsed, r.prev, maxRetryWait)
+	if r.maxElapsed > 0 && elapsed+r.prev > r.maxElapsed {
+		return backoff.Stop
+	}
+	return r.prev
+}
+
 // retryTransientFor is retryTransient giving up after maxElapsed (0: only when ctx ends).
 // op gets a context for the attempt (ctx bounded by AttemptTimeout); what must outlive the attempt (a
 // watcher, a consumer's iterator) is made with ctx instead.
 func (b *Bus) retryTransientFor(ctx context.Context, what string, maxElapsed time.Duration, op func(attempt context.Context) error) error {
-	bo := backoff.NewExponentialBackOff()
-	bo.InitialInterval = 250 * time.Millisecond
-	bo.MaxInterval = 5 * time.Second
-	bo.MaxElapsedTime = maxElapsed
+	bo := &retryBackOff{maxElapsed: maxElapsed}
 	attempt := 0
 	return backoff.Retry(func() error {
 		actx, cancel := context.WithTimeout(ctx, AttemptTimeout)
@@ -75,7 +126,10 @@ func (b *Bus) retryTransientFor(ctx context.Context, what string, maxElapsed tim
 			return nil
 		}
 		attempt++
-		b.log.Warn("NATS not ready; retrying", "what", what, "attempt", attempt, "err", err)
+		// Attempts 200-300 ms apart during an election: the 1st, 2nd, 4th, 8th... failures say as much.
+		if attempt&(attempt-1) == 0 {
+			b.log.Warn("NATS not ready; retrying", "what", what, "attempt", attempt, "err", err)
+		}
 		return err
 	}, backoff.WithContext(bo, ctx))
 }

@@ -1,9 +1,14 @@
 package bus
 
 import (
+	"context"
 	"fmt"
+	"log/slog"
 	"testing"
+	"testing/synctest"
+	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
@@ -25,4 +30,64 @@ func TestIsTransientDuplicateInProcess(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestRetryWait: 200-300 ms apart while a cluster may be electing leaders, then growing from 500 ms to the
+// ceiling, spread.
+func TestRetryWait(t *testing.T) {
+	for _, tc := range []struct {
+		name             string
+		failingFor, prev time.Duration
+		lo, hi           time.Duration
+	}{
+		{"first retry", 0, 0, 200 * time.Millisecond, 300 * time.Millisecond},
+		{"late in the election window", ElectionWindow - time.Millisecond, 250 * time.Millisecond, 200 * time.Millisecond, 300 * time.Millisecond},
+		{"past the window", ElectionWindow, 250 * time.Millisecond, 250 * time.Millisecond, 500 * time.Millisecond},
+		{"growing", 15 * time.Second, time.Second, time.Second, 2 * time.Second},
+		{"at the ceiling", time.Minute, 4 * time.Second, maxRetryWait / 2, maxRetryWait},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			seen := map[time.Duration]bool{}
+			for range 1000 {
+				d := RetryWait(tc.failingFor, tc.prev, maxRetryWait)
+				if d < tc.lo || d > tc.hi {
+					t.Fatalf("RetryWait(%v, %v) = %v, want in [%v, %v]", tc.failingFor, tc.prev, d, tc.lo, tc.hi)
+				}
+				seen[d] = true
+			}
+			if len(seen) < 100 {
+				t.Errorf("RetryWait(%v, %v): %d distinct waits in 1000, want them spread", tc.failingFor, tc.prev, len(seen))
+			}
+		})
+	}
+}
+
+// TestRetryTransientUsesANewLeaderAtOnce: a call failing while its stream has no leader (no responders, each
+// attempt half a second of nats.go's own retries, 250 ms apart) succeeds within half a second of the leader's
+// election, wherever in the election window (4-9 s after the loss) it comes. Before, the waits grew to
+// seconds (250 ms by 1.5 to 5 s): a call went on failing up to 3.6 s with a leader there.
+func TestRetryTransientUsesANewLeaderAtOnce(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		b := &Bus{nc: &nats.Conn{}, log: slog.New(slog.DiscardHandler)}
+		for elected := 4 * time.Second; elected <= 9*time.Second; elected += 250 * time.Millisecond {
+			start := time.Now()
+			err := b.retryTransientFor(t.Context(), "kv put", kvRetryFor, func(context.Context) error {
+				for try := 0; ; try++ {
+					if time.Since(start) >= elected {
+						return nil
+					}
+					if try == 2 {
+						return fmt.Errorf("kv put: %w", jetstream.ErrNoStreamResponse)
+					}
+					time.Sleep(250 * time.Millisecond)
+				}
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if late := time.Since(start) - elected; late > 500*time.Millisecond {
+				t.Errorf("leader elected %v after the loss: the call succeeded %v after it, want within 500ms", elected, late)
+			}
+		}
+	})
 }
