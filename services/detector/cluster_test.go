@@ -2,12 +2,15 @@ package detector_test
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"log/slog"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -39,6 +42,7 @@ func TestMain(m *testing.M) {
 // natsProc is a nats-server of the cluster, in a child process.
 type natsProc struct {
 	name, url string
+	monitor   string // the HTTP monitoring endpoint (its /jsz names the JetStream meta leader)
 	cmd       *exec.Cmd
 }
 
@@ -47,9 +51,9 @@ type natsProc struct {
 func cluster(t *testing.T) []*natsProc {
 	t.Helper()
 	dir := t.TempDir()
-	var client, routes []int
+	var client, routes, monitor []int
 	for range 3 {
-		client, routes = append(client, testport.Free(t)), append(routes, testport.Free(t))
+		client, routes, monitor = append(client, testport.Free(t)), append(routes, testport.Free(t)), append(monitor, testport.Free(t))
 	}
 	var rs []string
 	for _, p := range routes {
@@ -60,9 +64,10 @@ func cluster(t *testing.T) []*natsProc {
 		name := fmt.Sprintf("d-%d", i+1)
 		conf := fmt.Sprintf(`server_name: %s
 listen: 127.0.0.1:%d
+http: 127.0.0.1:%d
 jetstream { store_dir: %q }
 cluster { name: d, listen: 127.0.0.1:%d, routes: [%s], connect_retries: 120 }
-`, name, client[i], filepath.Join(dir, "store-"+name), routes[i], strings.Join(rs, ", "))
+`, name, client[i], monitor[i], filepath.Join(dir, "store-"+name), routes[i], strings.Join(rs, ", "))
 		p := filepath.Join(dir, name+".conf")
 		if err := os.WriteFile(p, []byte(conf), 0o600); err != nil {
 			t.Fatal(err)
@@ -73,108 +78,245 @@ cluster { name: d, listen: 127.0.0.1:%d, routes: [%s], connect_retries: 120 }
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
-		procs = append(procs, &natsProc{name: name, url: fmt.Sprintf("nats://127.0.0.1:%d", client[i]), cmd: cmd})
+		procs = append(procs, &natsProc{name: name, url: fmt.Sprintf("nats://127.0.0.1:%d", client[i]),
+			monitor: fmt.Sprintf("http://127.0.0.1:%d", monitor[i]), cmd: cmd})
 	}
 	return procs
 }
 
-// TestDetectorAnswersAcrossAServerLoss: the detector answers detect commands again soon after a server of
-// its cluster is lost. The records bucket's leader is killed, the detector's own server stays up, and a
-// detection runs at once, writing records into the leaderless bucket: that write's asynchronous publishes
-// are never acked, and nats.go fails them only when the connection itself is lost. Before the detector put
-// deadlines on its NATS calls it waited for those acks forever under its lock, and every detect command after
-// it waited for the lock (CI's fleet test: node-1's detector silent for two minutes after nats-1 was killed).
-func TestDetectorAnswersAcrossAServerLoss(t *testing.T) {
-	srvs := cluster(t)
-	var urls []string
-	for _, s := range srvs {
-		urls = append(urls, s.url)
-	}
-	admin, err := bus.Connect(t.Context(), strings.Join(urls, ","), bus.Options{Name: "admin", Replicas: 3})
+// metaLeader is the JetStream meta leader as srv's monitoring endpoint names it ("" for none yet).
+func metaLeader(ctx context.Context, srv *natsProc) (string, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, srv.monitor+"/jsz", nil)
 	if err != nil {
-		t.Fatal(err)
+		return "", err
 	}
-	defer admin.Close()
-	bustest.Eventually(t, "R3 streams on the cluster", time.Minute, func() error {
-		ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
-		defer cancel()
-		return admin.EnsureStreams(ctx, bus.StreamsConfig{Replicas: 3})
-	})
-	var recordsLeader string
-	bustest.Eventually(t, "the records bucket with a leader", time.Minute, func() error {
-		ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
-		defer cancel()
-		if _, err := admin.KV(ctx, bus.KVConfig{Bucket: events.RecordsBucket, Description: events.RecordsBucketDescription, Replicas: 3}); err != nil {
-			return err
-		}
-		st, err := admin.Stream(ctx, "KV_"+events.RecordsBucket)
-		if err == nil && st.Leader == "" {
-			err = fmt.Errorf("no leader yet")
-		}
-		recordsLeader = st.Leader
-		return err
-	})
-	// The detector connects to a server that does not lead the records bucket; that leader is the one lost.
-	var victim, own *natsProc
-	for _, s := range srvs {
-		switch {
-		case victim == nil && recordsLeader == s.name:
-			victim = s
-		case own == nil:
-			own = s
-		}
-	}
-	if victim == nil {
-		t.Fatalf("records leader %q is none of the servers", recordsLeader)
-	}
-	b, err := bus.Connect(t.Context(), own.url, bus.Options{Name: "detector", Replicas: 3})
+	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
-		t.Fatal(err)
+		return "", err
 	}
-	defer b.Close()
-	rt := critest.NewRuntime()
-	// A running container keeps sha256:a in use: every detection writes its record (its last use), and the
-	// detector detects every 20 ms, so a write is in flight when the server is killed.
-	running := []cri.Container{{ID: "c1", ImageID: "sha256:a", State: cri.ContainerRunning}}
-	set(rt, []cri.Image{{ID: "sha256:a", Size: 1}}, running, nil)
-	svc, err := detector.New(detector.Config{Node: node, Period: 20 * time.Millisecond, Logger: slog.New(slog.DiscardHandler)}, rt, b)
-	if err != nil {
-		t.Fatal(err)
+	defer resp.Body.Close()
+	var jsz struct {
+		Meta struct {
+			Leader string `json:"leader"`
+		} `json:"meta_cluster"`
 	}
-	defer bustest.RunService(t, svc)()
-	waitServing(t, b)
-	var rep events.DetectReply
-	ask := func(ctx context.Context) error {
-		var r events.DetectReply
-		err := b.Request(ctx, events.CommandSubject(node, events.VerbDetect), events.DetectRequest{}, &r)
-		if err == nil {
-			rep = r
-		}
-		return err
+	if err := json.NewDecoder(resp.Body).Decode(&jsz); err != nil {
+		return "", fmt.Errorf("decode /jsz: %w", err)
 	}
-	if err := ask(t.Context()); err != nil {
-		t.Fatal(err)
-	}
+	return jsz.Meta.Leader, nil
+}
 
-	// The loss, and at once a detection with records to write (as a pull.pulled event would start it).
-	set(rt, []cri.Image{{ID: "sha256:a", Size: 1}, {ID: "sha256:b", Size: 2}}, running, nil)
-	if err := victim.cmd.Process.Kill(); err != nil {
-		t.Fatal(err)
+// The detector's answer after a server loss: it needs its records bucket led (a detect command's reply
+// says its records are written). nats-server's raft elects the bucket's new leader 4-9 s after the old one
+// went silent; the detector's share is what comes after that election, or after the ack of a write sent to
+// the old leader just before the loss, which never comes, has timed out (bus.AttemptTimeout: acks took longer
+// than that under load, 10,000 agents starting at once, so the attempt is not cut shorter for this case).
+const (
+	// answerWithin bounds the time from the loss to a detect command's answer.
+	answerWithin = 10 * time.Second
+	// answerAfterElection bounds the detector's share: its next attempt of the write (200-300 ms apart while
+	// a cluster elects leaders), one events publish that finds the events stream without a leader (half a
+	// second of nats.go's no-responders retries), and the detect commands that queued up meanwhile, each a
+	// few milliseconds once the bucket takes writes.
+	answerAfterElection = 1500 * time.Millisecond
+	// splitVote: a longer election is two followers campaigning at once, each voting for itself with the
+	// third server gone: neither wins, and both wait out another election timeout (4-9 s) before trying
+	// again (twice in about 60 losses of the bucket's leader here, elected after 13.5 and 13.9 s; the first
+	// one's raft debug log shows the split vote). No client can write the bucket meanwhile: the detector then
+	// answers within answerAfterElection of the election instead.
+	splitVote = 9 * time.Second
+)
+
+// TestDetectorAnswersWithin10sOfAServerLoss: after a server of a three-server cluster dies (SIGKILL, as CI's
+// fleet test kills nats-1), the detector answers detect commands within 10 s of the loss, and within
+// answerAfterElection of its records bucket having a leader again (or of a lost ack's timeout).
+//
+// Three losses: the server the detector is connected to, leading its records bucket; the records bucket's
+// leader, the detector elsewhere; the JetStream meta leader, the detector elsewhere. In the first two the
+// detector detects every 20 ms and writes its records each time, so a write is in flight at the loss; in the
+// third it is idle. A client on a surviving server asks for a detection at once and again whenever an ask has
+// gone unanswered for 2 s, as an operator's retries would: the asks queue up at the detector meanwhile.
+//
+// Before, an answer came up to 2.2 s after the bucket's election (10.4 s after the loss once): the records
+// write was retried 2 s apart by then, and each queued detect command, answered one after the other, made
+// its own attempt to publish its events while the events stream had no leader (half a second each).
+func TestDetectorAnswersWithin10sOfAServerLoss(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		// victim picks the server to kill from the leaders of the records bucket and of the meta group.
+		victim func(records, meta string) string
+		// onVictim: the detector is connected to the victim (otherwise to another server).
+		onVictim bool
+		period   time.Duration
+	}{
+		{"its own server leading its bucket, during a write", func(records, _ string) string { return records }, true, 20 * time.Millisecond},
+		{"its bucket's leader, during a write", func(records, _ string) string { return records }, false, 20 * time.Millisecond},
+		{"the meta leader, idle", func(_, meta string) string { return meta }, false, time.Hour},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			srvs := cluster(t)
+			var urls []string
+			for _, s := range srvs {
+				urls = append(urls, s.url)
+			}
+			quiet := slog.New(slog.DiscardHandler)
+			admin, err := bus.Connect(t.Context(), strings.Join(urls, ","), bus.Options{Name: "admin", Replicas: 3, Logger: quiet})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer admin.Close()
+			bustest.Eventually(t, "R3 streams on the cluster", time.Minute, func() error {
+				ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
+				defer cancel()
+				return admin.EnsureStreams(ctx, bus.StreamsConfig{Replicas: 3})
+			})
+			var recordsLeader, meta string
+			bustest.Eventually(t, "the records bucket and the meta group with a leader", time.Minute, func() error {
+				ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
+				defer cancel()
+				if _, err := admin.KV(ctx, bus.KVConfig{Bucket: events.RecordsBucket, Description: events.RecordsBucketDescription, Replicas: 3}); err != nil {
+					return err
+				}
+				st, err := admin.Stream(ctx, "KV_"+events.RecordsBucket)
+				if err != nil {
+					return err
+				}
+				if meta, err = metaLeader(ctx, srvs[0]); err != nil {
+					return err
+				}
+				if recordsLeader = st.Leader; recordsLeader == "" || meta == "" {
+					return fmt.Errorf("leaders: records %q, meta %q", recordsLeader, meta)
+				}
+				return nil
+			})
+			var victim, own, asker *natsProc
+			for _, s := range srvs {
+				if s.name == tc.victim(recordsLeader, meta) {
+					victim = s
+				}
+			}
+			if victim == nil {
+				t.Fatalf("leaders records %q, meta %q: none of the servers", recordsLeader, meta)
+			}
+			for _, s := range srvs {
+				switch {
+				case tc.onVictim && s == victim, !tc.onVictim && s != victim && own == nil:
+					own = s
+				case s != victim:
+					asker = s
+				}
+			}
+			t.Logf("killing %s (records leader %s, meta leader %s); the detector on %s, the asks from %s",
+				victim.name, recordsLeader, meta, own.name, asker.name)
+
+			b, err := bus.Connect(t.Context(), own.url, bus.Options{Name: "detector", Replicas: 3, Logger: quiet})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer b.Close()
+			q, err := bus.Connect(t.Context(), asker.url, bus.Options{Name: "asker", Logger: quiet})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer q.Close()
+			rt := critest.NewRuntime()
+			// A running container keeps sha256:a in use: every detection writes its record (its last use).
+			running := []cri.Container{{ID: "c1", ImageID: "sha256:a", State: cri.ContainerRunning}}
+			set(rt, []cri.Image{{ID: "sha256:a", Size: 1}}, running, nil)
+			svc, err := detector.New(detector.Config{Node: node, Period: tc.period, Logger: quiet}, rt, b)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer bustest.RunService(t, svc)()
+			var rep events.DetectReply
+			ask := func(timeout time.Duration) error {
+				ctx, cancel := context.WithTimeout(t.Context(), timeout)
+				defer cancel()
+				var r events.DetectReply
+				err := q.Request(ctx, events.CommandSubject(node, events.VerbDetect), events.DetectRequest{}, &r)
+				if err == nil {
+					rep = r
+				}
+				return err
+			}
+			bustest.Eventually(t, "a detect command answered before the loss", 10*time.Second, func() error { return ask(time.Second) })
+
+			// The loss, and at once a detection with a record to add (as a pull.pulled event would start it).
+			set(rt, []cri.Image{{ID: "sha256:a", Size: 1}, {ID: "sha256:b", Size: 2}}, running, nil)
+			if err := victim.cmd.Process.Kill(); err != nil {
+				t.Fatal(err)
+			}
+			lost := time.Now()
+			elected := watchLeader(t, q, "KV_"+events.RecordsBucket, victim.name, lost)
+			bustest.Eventually(t, "a detect command answered after the loss", time.Minute, func() error { return ask(2 * time.Second) })
+			answered := time.Since(lost)
+			if rep.Records != 2 {
+				t.Errorf("detect after the loss: %+v, want 2 records (sha256:a and sha256:b)", rep)
+			}
+
+			e := elected()
+			t.Logf("detect answered %v after the loss; the records bucket had a leader again %v after it",
+				answered.Round(time.Millisecond), e.Round(time.Millisecond))
+			if from := max(e, bus.AttemptTimeout); e > 0 && answered > from+answerAfterElection {
+				t.Errorf("detect answered %v after the records bucket's new leader (or a lost ack's timeout), want within %v",
+					(answered - from).Round(time.Millisecond), answerAfterElection)
+			}
+			switch {
+			case answered <= answerWithin:
+			case e > splitVote:
+				t.Logf("the cluster took %v to elect the records bucket's leader (a split vote): no answer could come within %v",
+					e.Round(time.Millisecond), answerWithin)
+			default:
+				t.Errorf("detect answered %v after the loss, want within %v", answered.Round(time.Millisecond), answerWithin)
+			}
+		})
 	}
+}
+
+// watchLeader polls, through b, the leader of stream until it is a server other than lost; elected waits
+// for it and tells how long after since it came (0: the stream kept its leader, lost did not lead it).
+func watchLeader(t *testing.T, b *bus.Bus, stream, lost string, since time.Time) (elected func() time.Duration) {
+	t.Helper()
+	var (
+		mu  sync.Mutex
+		got time.Duration
+		led = make(chan struct{})
+	)
+	ctx, cancel := context.WithCancel(t.Context())
+	t.Cleanup(cancel)
 	go func() {
-		ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
-		defer cancel()
-		var r events.DetectReply
-		_ = b.Request(ctx, events.CommandSubject(node, events.VerbDetect), events.DetectRequest{}, &r)
+		defer close(led)
+		for first := true; ctx.Err() == nil; first = false {
+			actx, acancel := context.WithTimeout(ctx, 250*time.Millisecond)
+			st, err := b.Stream(actx, stream)
+			acancel()
+			if err == nil && st.Leader != "" && st.Leader != lost {
+				mu.Lock()
+				if !first {
+					got = time.Since(since)
+				}
+				mu.Unlock()
+				return
+			}
+			timer := time.NewTimer(20 * time.Millisecond)
+			select {
+			case <-ctx.Done():
+			case <-timer.C:
+			}
+			timer.Stop()
+		}
 	}()
-	lost := time.Now()
-	bustest.Eventually(t, "a detect command answered after the server loss", 2*time.Minute, func() error {
-		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
-		defer cancel()
-		return ask(ctx)
-	})
-	t.Logf("detect answered %v after the loss", time.Since(lost).Round(time.Millisecond))
-	if rep.Records != 2 {
-		t.Fatalf("detect after the loss: %+v, want 2 records (sha256:a and sha256:b)", rep)
+	return func() time.Duration {
+		t.Helper()
+		timer := time.NewTimer(time.Minute)
+		defer timer.Stop()
+		select {
+		case <-led:
+		case <-timer.C:
+			t.Fatalf("stream %s has no leader but %s a minute after %v", stream, lost, since.Format(time.TimeOnly))
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		return got
 	}
 }

@@ -116,6 +116,69 @@ func TestUnpublishedEventsRetriedBeforeTheNextDetection(t *testing.T) {
 	}
 }
 
+// TestDetectCommandsDoNotWaitForAnEventsOutage: while image events wait for Run's retry, detect commands
+// answer as soon as their records are written: their events join the queue without a publish attempt of
+// their own. Before, each made one, and a publish to an events stream without a leader takes half a second
+// (nats.go's own no-responders retries) or, its ack lost with the old leader, bus.AttemptTimeout: after a
+// server loss, the detect commands an operator's retries had queued up were answered one after the other,
+// each half a second late, and a fresh one seconds after the records bucket had its leader back.
+func TestDetectCommandsDoNotWaitForAnEventsOutage(t *testing.T) {
+	bustest.VerifyNoLeaks(t)
+	_, b := bustest.Start(t)
+	rt := critest.NewRuntime()
+	set(rt, []cri.Image{{ID: "sha256:a", Size: 1}}, nil, nil)
+	var logs bustest.SyncBuffer
+	logger := slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	svc, err := detector.New(detector.Config{Node: node, Period: time.Hour, Logger: logger}, rt, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer bustest.RunService(t, svc)()
+	waitServing(t, b)
+	bustest.WaitFor(t, "the start detection's event", func() bool {
+		evs, _ := storedImageEvents(t, b)
+		return slices.Equal(evs, []string{"imagefleet.image.detected.v1 sha256:a"})
+	})
+
+	if err := b.DeleteStream(t.Context(), events.EventsStream); err != nil {
+		t.Fatal(err)
+	}
+	// Each detection finds a new image and the last one's gone: two events each (one the first time).
+	const commands = 10
+	var want []string
+	start := time.Now()
+	for i := range commands {
+		id := fmt.Sprintf("sha256:n%02d", i)
+		set(rt, []cri.Image{{ID: "sha256:a", Size: 1}, {ID: id, Size: 1}}, nil, nil)
+		rep := detect(t, b, time.Now())
+		want = append(want, "imagefleet.image.detected.v1 "+id)
+		if i > 0 {
+			want = append(want, fmt.Sprintf("imagefleet.image.vanished.v1 sha256:n%02d", i-1))
+		}
+		if rep.Added != 1 || rep.Removed != min(i, 1) || rep.Unpublished != len(want) {
+			t.Fatalf("detect %d while the events stream is gone = %+v, want 1 added, %d removed, %d unpublished",
+				i, rep, min(i, 1), len(want))
+		}
+	}
+	took := time.Since(start)
+	t.Logf("%d detect commands took %v while the events stream was gone", commands, took.Round(time.Millisecond))
+	// The first detection tries (and fails); the others leave their events to the retry.
+	if n := strings.Count(logs.String(), "image events not published; retrying"); n != 1 {
+		t.Errorf("%d detections tried to publish their events while earlier ones waited for the retry, want 1 (the first)", n)
+	}
+
+	if err := b.EnsureStreams(t.Context(), bus.StreamsConfig{}); err != nil {
+		t.Fatal(err)
+	}
+	// Every event once, in detection order, from the retry (2-4 s after the last failed one at most here).
+	bustest.Eventually(t, "the queued events in the stream", 15*time.Second, func() error {
+		if evs, _ := storedImageEvents(t, b); !slices.Equal(evs, want) {
+			return fmt.Errorf("stream holds %v", evs)
+		}
+		return nil
+	})
+}
+
 // TestFailedDetectionRetriedBeforeTheNextPeriod: a detection that failed (the runtime did not list) is tried
 // again within seconds, not a period later (here an hour): the node's records and image events follow as
 // soon as the runtime answers. Before, they waited for the next period.

@@ -90,27 +90,36 @@ const (
 	// leaders within seconds; past this the detection fails and the next one tries again. (An events
 	// publish gets one attempt under the lock; Run retries it: see retryWait.)
 	retryFor = 30 * time.Second
+	// maxCallWait is the longest wait between two attempts of a records call (past bus.ElectionWindow).
+	maxCallWait = 2 * time.Second
 	// detectTimeout bounds a detect command (the CLI waits 30 s by default): a reply after it is not read.
 	detectTimeout = 30 * time.Second
 )
 
-// call runs op (a records write: safe to repeat) with a deadline per attempt,
-// again after a transient failure (a timeout, no responders, no leader yet) until retryFor has passed.
+// call runs op (a records write: safe to repeat) with a deadline per attempt, again after a transient
+// failure (a timeout, no responders, no leader yet) until retryFor has passed, on bus.RetryWait's schedule
+// (capped at maxCallWait): every 200-300 ms while the bucket may be electing a new leader, so the write, and
+// the detect command waiting for it, goes through within a fraction of a second of the election.
 func call(ctx context.Context, n int, op func(context.Context) error) error {
-	start, wait := time.Now(), 250*time.Millisecond
-	for {
+	var wait time.Duration
+	for start := time.Now(); ; {
 		actx, cancel := context.WithTimeout(ctx, attemptTimeout+time.Duration(n)*time.Millisecond)
 		err := op(actx)
 		cancel()
-		if err == nil || ctx.Err() != nil || !bus.IsTransient(err) || time.Since(start)+wait > retryFor {
+		if err == nil || ctx.Err() != nil || !bus.IsTransient(err) {
 			return err
 		}
+		wait = bus.RetryWait(time.Since(start), wait, maxCallWait)
+		if time.Since(start)+wait > retryFor {
+			return err
+		}
+		timer := time.NewTimer(wait)
 		select {
 		case <-ctx.Done():
+			timer.Stop()
 			return err
-		case <-time.After(wait):
+		case <-timer.C:
 		}
-		wait = min(2*wait, 2*time.Second)
 	}
 }
 
@@ -156,7 +165,8 @@ func (s *Service) settle(stored map[string]events.ImageRecord) {
 	}
 	s.cfg.Logger.Info("records write in doubt had landed; publishing its events", "node", s.cfg.Node,
 		"detected", len(landed.Added), "vanished", len(landed.Removed))
-	// Published by this detection's flush, or by Run's retry if the detection fails before it.
+	// Published by this detection's flush (unless earlier events wait for Run's retry: then with them), or by
+	// Run's retry if the detection fails before it.
 	s.askRetry()
 }
 
@@ -364,7 +374,8 @@ func (s *Service) Open(ctx context.Context) error {
 
 // Detect runs one detection with detectTime for new records, writes the changes to the store, publishes
 // image.detected and image.vanished events (those NATS does not take now wait for Run's retry, counted in
-// the reply's Unpublished), and returns a summary.
+// the reply's Unpublished; while events wait for it, the detection's own wait with them), and returns a
+// summary.
 func (s *Service) Detect(ctx context.Context, detectTime time.Time) (events.DetectReply, error) {
 	return s.detect(ctx, detectTime, false)
 }
@@ -377,6 +388,9 @@ func (s *Service) detect(ctx context.Context, detectTime time.Time, withRecords 
 		return events.DetectReply{}, err
 	}
 	defer s.unlock()
+	// Events of an earlier detection wait for Run's retry: NATS did not take them, and would most likely
+	// not take this detection's either.
+	retrying := len(s.unpublished) > 0
 	if err := s.load(ctx); err != nil {
 		return events.DetectReply{}, err
 	}
@@ -415,9 +429,16 @@ func (s *Service) detect(ctx context.Context, detectTime time.Time, withRecords 
 	}
 	// The records are written: the detection has succeeded whether or not NATS takes its events now (a GC
 	// pass waiting for this reply needs the records, not the events). Events it does not take wait for Run's
-	// retry, and the reply says how many.
-	if err := s.flush(ctx); err != nil && ctx.Err() == nil {
-		s.cfg.Logger.Warn("image events not published; retrying", "node", s.cfg.Node, "events", len(s.unpublished), "err", err)
+	// retry, and the reply says how many. While earlier events wait for that retry, this detection's join
+	// them without an attempt of its own: each attempt would hold this reply, and every detection after it,
+	// for as long as a failing publish takes (half a second of no-responders retries while the events stream
+	// elects a leader, attemptTimeout for an ack lost with the old one), and the detect commands that queued
+	// up meanwhile (an operator's or a GC pass's retries) would each add it again: a fresh command
+	// answered seconds after the records bucket had its leader back.
+	if !retrying {
+		if err := s.flush(ctx); err != nil && ctx.Err() == nil {
+			s.cfg.Logger.Warn("image events not published; retrying", "node", s.cfg.Node, "events", len(s.unpublished), "err", err)
+		}
 	}
 	rep := events.DetectReply{Node: s.cfg.Node, Time: detectTime, Records: s.records.Len(), InUse: len(ch.InUse),
 		Added: len(ch.Added), Removed: len(ch.Removed), Unpublished: len(s.unpublished)}
