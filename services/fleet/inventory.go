@@ -202,7 +202,9 @@ func (s *Inventory) Run(ctx context.Context) error {
 	// The first part to fail stops the others; an error after the stop is the stop's, not reported.
 	g, ctx := errgroup.WithContext(ctx)
 	s.runCtx = ctx
-	loaded := make(chan struct{})
+	// indexed: the index holds the bucket's initial contents. loaded: and the replica listens for queries
+	// (ready); events are applied and partitions consumed from then on.
+	indexed, loaded := make(chan struct{}), make(chan struct{})
 	run := func(name string, f func() error) {
 		g.Go(func() error {
 			if err := f(); err != nil && ctx.Err() == nil {
@@ -247,16 +249,7 @@ func (s *Inventory) Run(ctx context.Context) error {
 				// A node-first key is indexed under its image-first key at once: the index is whole now,
 				// whether or not the re-keying is done.
 				loadedAll = true
-				once.Do(func() {
-					s.mu.Lock()
-					s.ready = true
-					ready := s.initialLoaded()
-					s.mu.Unlock()
-					for _, p := range ready {
-						s.startConsumer(p)
-					}
-					close(loaded)
-				})
+				once.Do(func() { close(indexed) })
 				return
 			}
 			p, ok := s.indexEntry(e)
@@ -270,10 +263,8 @@ func (s *Inventory) Run(ctx context.Context) error {
 		})
 	})
 	run("rekey", func() error {
-		select {
-		case <-ctx.Done():
+		if !waitLoaded(ctx, indexed) {
 			return nil
-		case <-loaded:
 		}
 		if atStart.Load() {
 			if err := s.rekeyAll(ctx); err != nil && ctx.Err() == nil {
@@ -311,29 +302,60 @@ func (s *Inventory) Run(ctx context.Context) error {
 		})
 	}
 	run("query", func() error {
-		// Queries are served only once the index is loaded, so a starting replica never answers from half
-		// an inventory while another replica could answer from all of it.
-		select {
-		case <-ctx.Done():
+		// Queries are listened for only once the index is loaded, so a starting replica never answers from
+		// half an inventory while another replica could answer from all of it. The replica says it is ready
+		// (Ready, Owned, events applied) only once the server holds its subscriptions, so a query sent on
+		// that word finds a responder instead of being refused with no responders.
+		if !waitLoaded(ctx, indexed) {
 			return nil
-		case <-loaded:
 		}
-		return s.b.ServeConcurrent(ctx, events.InventoryQuerySubject, events.InventoryQueue, 4, s.Query)
+		ls, err := s.listen(ctx)
+		if err != nil {
+			return err
+		}
+		s.mu.Lock()
+		s.ready = true
+		ready := s.initialLoaded()
+		s.mu.Unlock()
+		for _, p := range ready {
+			s.startConsumer(p)
+		}
+		close(loaded)
+		var wg sync.WaitGroup
+		for _, l := range ls {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				_ = l.Serve(ctx) // nil once ctx ends
+			}()
+		}
+		wg.Wait()
+		return nil
 	})
-	if s.owners != nil {
-		run("parts", func() error {
-			if !waitLoaded(ctx, loaded) {
-				return nil
-			}
-			return s.b.ServeConcurrent(ctx, events.InventoryPartsSubject, "", 4, s.Part)
-		})
-	}
 	err := g.Wait() // ends ctx, so the partition consumers and range loads end too
 	s.cmu.Lock()
 	s.stopped = true
 	s.cmu.Unlock()
 	s.cwg.Wait()
 	return err
+}
+
+// listen subscribes to every subject this replica answers: queries, in their queue group, and (partitioned)
+// parts, which every replica answers. A listener is registered at the server when it is returned.
+func (s *Inventory) listen(ctx context.Context) ([]*bus.Listener, error) {
+	q, err := s.b.Listen(ctx, events.InventoryQuerySubject, events.InventoryQueue, 4, s.Query)
+	if err != nil {
+		return nil, err
+	}
+	if s.owners == nil {
+		return []*bus.Listener{q}, nil
+	}
+	parts, err := s.b.Listen(ctx, events.InventoryPartsSubject, "", 4, s.Part)
+	if err != nil {
+		q.Close()
+		return nil, err
+	}
+	return []*bus.Listener{q, parts}, nil
 }
 
 // inventoryBackoff is the redelivery backoff of an event whose apply failed.
@@ -395,7 +417,9 @@ func MigrateInventoryStream(ctx context.Context, b *bus.Bus, replicas int) error
 	return EnsureInventoryStream(ctx, b, replicas)
 }
 
-// Ready reports whether the index has loaded the bucket's initial contents.
+// Ready reports whether the replica answers queries: its index holds the bucket's initial contents and the
+// server holds its subscriptions (queries; partitioned, parts too), so a query sent through the same server
+// from now on finds a responder (a cluster's other servers learn of the interest a route round trip later).
 func (s *Inventory) Ready() bool {
 	s.mu.RLock()
 	defer s.mu.RUnlock()

@@ -122,7 +122,7 @@ func (s *Inventory) dropPartitions(ps []int) {
 	}
 }
 
-// initialLoaded marks the partitions the initial watch loaded ready and starts consuming them (s.mu held).
+// initialLoaded marks the partitions the initial watch loaded ready and returns them, to consume (s.mu held).
 func (s *Inventory) initialLoaded() []int {
 	var ready []int
 	for p := range events.InventoryPartitions {
@@ -253,10 +253,15 @@ func (s *Inventory) stopConsumer(p int) {
 	}
 }
 
-// Owned returns the partitions this replica answers for (partitioned; nil otherwise).
+// Owned returns the partitions this replica answers for (partitioned; nil otherwise): none until it is
+// Ready, since a partition taken over while the initial load runs is ready before the replica listens for
+// parts.
 func (s *Inventory) Owned() []int {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
+	if !s.ready {
+		return nil
+	}
 	var out []int
 	for p, st := range s.own {
 		if st == partReady {
