@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"sort"
 	"strings"
+	"sync"
 	"time"
 
 	"golang.org/x/sync/errgroup"
@@ -55,9 +56,12 @@ func nodeStatus(n events.NodeInfo, alive bool, now time.Time, lostAfter time.Dur
 
 // Registry reads (and, for the heartbeat worker, writes) the node registry.
 type Registry struct {
-	alive, seen *bus.KV
-	clock       func() time.Time
-	lostAfter   time.Duration
+	b         *bus.Bus
+	clock     func() time.Time
+	lostAfter time.Duration
+
+	mu          sync.Mutex
+	alive, seen *bus.KV // nil while the bucket does not exist; looked for again at each read
 }
 
 // RegistryOptions tune a Registry reader.
@@ -68,20 +72,39 @@ type RegistryOptions struct {
 	Clock func() time.Time
 }
 
-// OpenRegistry opens the registry buckets for reading; missing buckets read as an empty registry.
+// OpenRegistry opens the registry buckets for reading; missing buckets read as an empty registry until
+// they are created.
 func OpenRegistry(ctx context.Context, b *bus.Bus, o RegistryOptions) (*Registry, error) {
-	r := &Registry{clock: o.Clock, lostAfter: o.LostAfter}
+	r := &Registry{b: b, clock: o.Clock, lostAfter: o.LostAfter}
 	if r.clock == nil {
 		r.clock = time.Now
 	}
-	var err error
-	if r.alive, err = b.KVExisting(ctx, events.NodesBucket); err != nil && !errors.Is(err, bus.ErrBucketNotFound) {
-		return nil, fmt.Errorf("open node registry: %w", err)
-	}
-	if r.seen, err = b.KVExisting(ctx, events.NodesSeenBucket); err != nil && !errors.Is(err, bus.ErrBucketNotFound) {
-		return nil, fmt.Errorf("open node registry: %w", err)
+	if _, _, err := r.buckets(ctx); err != nil {
+		return nil, err
 	}
 	return r, nil
+}
+
+// buckets returns the TTL and last-seen buckets, nil for one that does not exist, looking again for one
+// that did not exist before: the first heartbeat creates them one after the other, so a registry opened
+// between the two (or before either) would otherwise never read the bucket created later.
+func (r *Registry) buckets(ctx context.Context) (alive, seen *bus.KV, err error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, bk := range []struct {
+		kv   **bus.KV
+		name string
+	}{{&r.alive, events.NodesBucket}, {&r.seen, events.NodesSeenBucket}} {
+		if *bk.kv != nil {
+			continue
+		}
+		kv, err := r.b.KVExisting(ctx, bk.name)
+		if err != nil && !errors.Is(err, bus.ErrBucketNotFound) {
+			return nil, nil, fmt.Errorf("open node registry: %w", err)
+		}
+		*bk.kv = kv
+	}
+	return r.alive, r.seen, nil
 }
 
 // Nodes lists every node that ever heartbeated, with its state, sorted by name.
@@ -121,7 +144,8 @@ type aliveRecord struct {
 // records into a map (node -> heartbeat time), the last-seen bucket's full records one at a time through the
 // page and the selector, so memory is that map and one page. Label selectors cannot be applied by key (node
 // tokens carry no labels): each record's labels are decoded and matched as it streams by; a record is decoded
-// whole only when it can be on the page (by name, from its key, before anything is decoded).
+// whole only when it can be on the page (by name, from its key, before anything is decoded). A node found
+// in the TTL bucket and not in the last-seen one's stream has its full record read on its own afterwards.
 //
 // A node's heartbeat time is the later of the two buckets': an agent of this release writes its full record
 // only when it changed or every FullEvery-th period, and a thin one every period; an agent of the previous
@@ -131,11 +155,15 @@ func (r *Registry) List(ctx context.Context, q NodeQuery) (NodePage, error) {
 	if q.Limit < 0 {
 		return page, fmt.Errorf("limit %d must not be negative", q.Limit)
 	}
+	aliveKV, seenKV, err := r.buckets(ctx)
+	if err != nil {
+		return page, err
+	}
 	g, gctx := errgroup.WithContext(ctx)
 	alive := map[string]aliveRecord{}
-	if r.alive != nil {
+	if aliveKV != nil {
 		g.Go(func() error {
-			err := r.alive.Range(gctx, ">", func(e bus.Entry) bool {
+			err := aliveKV.Range(gctx, ">", func(e bus.Entry) bool {
 				var n events.NodeInfo
 				if err := json.Unmarshal(e.Value, &n); err != nil {
 					return true // a foreign or damaged value is not a node
@@ -158,22 +186,24 @@ func (r *Registry) List(ctx context.Context, q NodeQuery) (NodePage, error) {
 	}
 	pg := pager{limit: q.Limit, after: q.Continue}
 	seenNodes := map[string]bool{}
-	if r.seen != nil {
+	addSeen := func(node string, raw []byte) {
+		seenNodes[node] = true
+		if q.Selector != nil && !q.Selector.Empty() {
+			var l struct {
+				Labels map[string]string `json:"labels"`
+			}
+			if json.Unmarshal(raw, &l) != nil || !q.Selector.Matches(labels.Set(l.Labels)) {
+				return
+			}
+		}
+		if pg.wants(node) {
+			pg.add(pageItem{node: node, raw: raw}) // decoded once on the page
+		}
+	}
+	if seenKV != nil {
 		g.Go(func() error {
-			err := r.seen.Range(gctx, ">", func(e bus.Entry) bool {
-				node := events.NodeFromToken(e.Key)
-				seenNodes[node] = true
-				if q.Selector != nil && !q.Selector.Empty() {
-					var l struct {
-						Labels map[string]string `json:"labels"`
-					}
-					if json.Unmarshal(e.Value, &l) != nil || !q.Selector.Matches(labels.Set(l.Labels)) {
-						return true
-					}
-				}
-				if pg.wants(node) {
-					pg.add(pageItem{node: node, raw: e.Value}) // decoded once on the page
-				}
+			err := seenKV.Range(gctx, ">", func(e bus.Entry) bool {
+				addSeen(events.NodeFromToken(e.Key), e.Value)
 				return true
 			})
 			if err != nil {
@@ -185,9 +215,27 @@ func (r *Registry) List(ctx context.Context, q NodeQuery) (NodePage, error) {
 	if err := g.Wait(); err != nil {
 		return page, err
 	}
+	// A node writes its full record before its thin one (Heartbeat.beat), but the two buckets stream at
+	// once: a node whose first heartbeat came meanwhile can be in the TTL bucket's stream and not in the
+	// last-seen one's, which may have gone by first. Its full record, read now that its thin one was seen,
+	// is there (unless the node was forgotten while it runs), so a new node is neither listed without its
+	// labels, runtime and workers nor left out by a selector.
+	var thin []string
+	for node, a := range alive {
+		if !seenNodes[node] && a.full == nil {
+			thin = append(thin, node)
+		}
+	}
+	late, err := r.fullRecords(ctx, thin)
+	if err != nil {
+		return page, err
+	}
+	for node, raw := range late {
+		addSeen(node, raw)
+	}
 	page.Total = len(seenNodes)
-	// A node only in the TTL bucket (its full record not written yet, or forgotten while it still runs):
-	// shown with what the TTL bucket holds.
+	// A node only in the TTL bucket (forgotten while it still runs, until its next full record; or a
+	// previous-release agent's full record): shown with what the TTL bucket holds.
 	for node, a := range alive {
 		if seenNodes[node] {
 			continue
@@ -219,6 +267,40 @@ func (r *Registry) List(ctx context.Context, q NodeQuery) (NodePage, error) {
 	}
 	page.Continue = cont
 	return page, nil
+}
+
+// fullRecords reads the last-seen records of nodes, leaving out those it has none of.
+func (r *Registry) fullRecords(ctx context.Context, nodes []string) (map[string][]byte, error) {
+	if len(nodes) == 0 {
+		return nil, nil
+	}
+	_, seen, err := r.buckets(ctx) // a registry opened before the bucket was created looks for it again
+	if err != nil || seen == nil {
+		return nil, err
+	}
+	var mu sync.Mutex
+	out := make(map[string][]byte, len(nodes))
+	g, gctx := errgroup.WithContext(ctx)
+	g.SetLimit(16)
+	for _, node := range nodes {
+		g.Go(func() error {
+			raw, _, err := seen.Get(gctx, events.NodeToken(node))
+			switch {
+			case errors.Is(err, bus.ErrKeyNotFound):
+				return nil
+			case err != nil:
+				return fmt.Errorf("list nodes: %w", err)
+			}
+			mu.Lock()
+			out[node] = raw
+			mu.Unlock()
+			return nil
+		})
+	}
+	if err := g.Wait(); err != nil {
+		return nil, err
+	}
+	return out, nil
 }
 
 // mergeAlive brings a node's last-seen record up to its latest heartbeat.
@@ -310,14 +392,18 @@ func (p *pager) result() ([]pageItem, string) {
 
 // Forget removes a node from the registry (a decommissioned node is no longer shown as lost).
 func (r *Registry) Forget(ctx context.Context, node string) error {
-	if r.seen == nil {
+	aliveKV, seenKV, err := r.buckets(ctx)
+	if err != nil {
+		return err
+	}
+	if seenKV == nil {
 		return nil
 	}
-	if err := r.seen.Delete(ctx, events.NodeToken(node)); err != nil {
+	if err := seenKV.Delete(ctx, events.NodeToken(node)); err != nil {
 		return fmt.Errorf("forget node %s: %w", node, err)
 	}
-	if r.alive != nil {
-		if err := r.alive.Delete(ctx, events.NodeToken(node)); err != nil {
+	if aliveKV != nil {
+		if err := aliveKV.Delete(ctx, events.NodeToken(node)); err != nil {
 			return fmt.Errorf("forget node %s: %w", node, err)
 		}
 	}

@@ -55,6 +55,11 @@ func TestHeartbeatRegistryAndLostDetection(t *testing.T) {
 	clock := func() time.Time { return now }
 	rt := critest.NewRuntime()
 	statfs := func(string) (int64, int64, error) { return 100 << 30, 60 << 30, nil }
+	// The registry is opened before the first heartbeat creates its buckets: it reads them once they exist.
+	reg, err := fleet.OpenRegistry(t.Context(), b, fleet.RegistryOptions{Clock: clock})
+	if err != nil {
+		t.Fatal(err)
+	}
 	var stops []func()
 	for _, n := range []struct{ name, zone string }{{"node-a.example", "a"}, {"node-b", "b"}} {
 		hb, err := fleet.NewHeartbeat(fleet.HeartbeatConfig{Node: n.name, Labels: map[string]string{"zone": n.zone},
@@ -64,17 +69,16 @@ func TestHeartbeatRegistryAndLostDetection(t *testing.T) {
 		}
 		stops = append(stops, bustest.RunService(t, hb))
 	}
-	var reg *fleet.Registry
-	bustest.WaitFor(t, "both nodes registered", func() bool {
+	// A node is listed from its full record, written first, and reads Lost until its heartbeat key follows:
+	// the wait is for both Ready, and what a Ready node shows (its full record: labels, runtime, usage) is
+	// checked on that same listing.
+	var nodes []events.NodeStatus
+	bustest.WaitFor(t, "both nodes Ready", func() bool {
 		var err error
-		if reg, err = fleet.OpenRegistry(t.Context(), b, fleet.RegistryOptions{Clock: clock}); err != nil {
-			return false
-		}
-		nodes, err := reg.Nodes(t.Context())
-		return err == nil && len(nodes) == 2
+		nodes, err = reg.Nodes(t.Context())
+		return err == nil && len(nodes) == 2 && nodes[0].State == events.NodeReady && nodes[1].State == events.NodeReady
 	})
-	nodes, _ := reg.Nodes(t.Context())
-	if nodes[0].Node != "node-a.example" || nodes[0].State != events.NodeReady || nodes[0].Labels["zone"] != "a" ||
+	if nodes[0].Node != "node-a.example" || nodes[0].Labels["zone"] != "a" ||
 		nodes[0].RuntimeName != "fake" || nodes[0].ImageFs.CapacityBytes != 100<<30 || nodes[0].ImageFs.Mountpoint != "/fake/images" {
 		t.Fatalf("node a: %+v", nodes[0])
 	}
@@ -90,7 +94,7 @@ func TestHeartbeatRegistryAndLostDetection(t *testing.T) {
 	// Time passes without heartbeats: a reader 31 s later shows both nodes as lost, not gone.
 	later := func() time.Time { return now.Add(31 * time.Second) }
 	reg, _ = fleet.OpenRegistry(t.Context(), b, fleet.RegistryOptions{Clock: later})
-	nodes, err := reg.Nodes(t.Context())
+	nodes, err = reg.Nodes(t.Context())
 	if err != nil || len(nodes) != 2 {
 		t.Fatalf("nodes after silence: %v %+v", err, nodes)
 	}
@@ -286,6 +290,65 @@ func TestRegistryListsEachNodeOnceWhileRecordsAreRewritten(t *testing.T) {
 					}
 				}
 				t.Fatalf("round %d, limit %d: listed %d nodes, %d of them distinct; want %d once each (missing %v)", round, limit, len(names), len(uniq), n, missing)
+			}
+		}
+	}
+}
+
+// TestRegistryListsNewNodesWithTheirRecords: nodes send their first heartbeat while the registry lists; a
+// node listed Ready (its heartbeat key found) is listed with its full record, which it wrote first, however
+// the two buckets' streams interleave with its writes.
+func TestRegistryListsNewNodesWithTheirRecords(t *testing.T) {
+	_, b := bustest.Start(t)
+	if err := fleet.EnsureBuckets(t.Context(), b, 1); err != nil {
+		t.Fatal(err)
+	}
+	reg, err := fleet.OpenRegistry(t.Context(), b, fleet.RegistryOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 80
+	rt := critest.NewRuntime()
+	statfs := func(string) (int64, int64, error) { return 100 << 30, 60 << 30, nil }
+	beats := make([]*fleet.Heartbeat, n)
+	for i := range n {
+		node := fmt.Sprintf("node-%03d", i)
+		if beats[i], err = fleet.NewHeartbeat(fleet.HeartbeatConfig{Node: node, Labels: map[string]string{"node": node},
+			Statfs: statfs}, rt, b); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan struct{})
+	go func() { // each node's first heartbeat, one after another, while the registry lists
+		defer close(done)
+		for _, hb := range beats {
+			if _, err := hb.Beat(ctx); err != nil {
+				if ctx.Err() == nil {
+					t.Errorf("beat: %v", err)
+				}
+				return
+			}
+		}
+	}()
+	defer func() { cancel(); <-done }()
+	for listing := 0; ; listing++ {
+		select {
+		case <-done:
+			if nodes, err := reg.Nodes(t.Context()); err != nil || len(nodes) != n {
+				t.Fatalf("after every first heartbeat: %d nodes, %v; want %d", len(nodes), err, n)
+			}
+			t.Logf("%d listings while the nodes registered", listing)
+			return
+		default:
+		}
+		nodes, err := reg.Nodes(t.Context())
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, nd := range nodes {
+			if nd.State == events.NodeReady && nd.Labels["node"] != nd.Node {
+				t.Fatalf("listing %d: %s is Ready without its full record: %+v", listing, nd.Node, nd)
 			}
 		}
 	}
