@@ -202,6 +202,41 @@ func (o *owners) run(ctx context.Context) error {
 	}
 }
 
+// errNotOurs: a partition's lease names another replica, or is gone.
+var errNotOurs = errors.New("the lease is not this replica's")
+
+// reclaim renews partition p's lease on its current revision when the lease still names this replica. A
+// renewal that timed out (a server slow under load) may have been stored all the same: the lease's
+// revision moved past the one held, and the next renewal conflicts with this replica's own write. Only this
+// replica writes its name, so the lease is still its own; dropped and taken back, the partition went
+// unanswered and was read again from the whole bucket. It returns errNotOurs when the lease names another
+// replica or is gone (expired), and then only; another error leaves the lease held, on the revision read.
+func (o *owners) reclaim(ctx context.Context, p int) (rev uint64, sent time.Time, err error) {
+	key := events.InventoryLeaseKey(p)
+	gctx, cancel := context.WithTimeout(ctx, ownersOpTimeout)
+	v, cur, err := o.kv.Get(gctx, key)
+	cancel()
+	switch {
+	case errors.Is(err, bus.ErrKeyNotFound):
+		return 0, time.Time{}, errNotOurs
+	case err != nil:
+		return 0, time.Time{}, err
+	case string(v) != o.replica:
+		return 0, time.Time{}, errNotOurs
+	}
+	o.mu.Lock()
+	o.held[p] = lease{rev: cur, sent: o.held[p].sent} // renewed on cur from here, whatever the update says
+	o.mu.Unlock()
+	sent = o.now()
+	uctx, cancel := context.WithTimeout(ctx, ownersOpTimeout)
+	defer cancel()
+	rev, err = o.kv.Update(uctx, key, []byte(o.replica), cur)
+	if errors.Is(err, bus.ErrConflict) {
+		return 0, time.Time{}, errNotOurs
+	}
+	return rev, sent, err
+}
+
 // kick asks the run loop for a round now; kicks while one is pending are one.
 func kick(c chan struct{}) {
 	select {
@@ -241,9 +276,20 @@ func (o *owners) round(ctx context.Context) {
 			o.held[p] = lease{rev: rev, sent: sent}
 			o.mu.Unlock()
 		case errors.Is(err, bus.ErrConflict):
-			// Expired and maybe taken: not ours any more.
-			o.log.Warn("inventory: partition lease lost", "partition", p)
-			lost = append(lost, p)
+			switch rev, sent, err := o.reclaim(ctx, p); {
+			case err == nil:
+				o.mu.Lock()
+				o.held[p] = lease{rev: rev, sent: sent}
+				o.mu.Unlock()
+			case errors.Is(err, errNotOurs):
+				// Expired and maybe taken: not ours any more.
+				o.log.Warn("inventory: partition lease lost", "partition", p)
+				lost = append(lost, p)
+			default:
+				if ctx.Err() == nil {
+					o.log.Warn("inventory: partition lease not renewed", "partition", p, "err", err)
+				}
+			}
 		default:
 			if ctx.Err() == nil {
 				o.log.Warn("inventory: partition lease not renewed", "partition", p, "err", err)

@@ -54,3 +54,43 @@ func TestOwnersCountReplicasWithAClockAhead(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestOwnersKeepALeaseWhoseRenewalWasStoredUnanswered: a renewal that timed out under load can have been
+// stored all the same, so the lease's revision is past the one the replica holds and its next renewal
+// conflicts with its own write. The lease still names the replica: it keeps it, instead of releasing the
+// partition and taking it back (unanswered meanwhile, and read again from the whole bucket). A lease that
+// names another replica is lost, as before.
+func TestOwnersKeepALeaseWhoseRenewalWasStoredUnanswered(t *testing.T) {
+	_, b := bustest.Start(t)
+	ctx := t.Context()
+	kv, err := b.KV(ctx, ownersBucket(1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var released []int
+	o := newOwners(kv, "me", slog.Default(), func(_, rel []int) { released = append(released, rel...) })
+	o.round(ctx) // alone: it takes all 16
+	if got := len(o.heldSorted()); got != events.InventoryPartitions {
+		t.Fatalf("held %d partitions after the first round, want %d", got, events.InventoryPartitions)
+	}
+	// Partition 0's renewal stored, its answer never heard: the lease names "me" at a revision not held.
+	if _, err := kv.Put(ctx, events.InventoryLeaseKey(0), []byte("me")); err != nil {
+		t.Fatal(err)
+	}
+	o.round(ctx)
+	if len(released) != 0 || !o.valid(0) {
+		t.Fatalf("released %v, partition 0 valid %v: want the lease kept", released, o.valid(0))
+	}
+	o.round(ctx) // renewed on the revision reclaimed: no conflict
+	if len(released) != 0 || !o.valid(0) {
+		t.Fatalf("next round: released %v, partition 0 valid %v: want the lease kept", released, o.valid(0))
+	}
+	// Partition 1's lease taken by another replica: lost.
+	if _, err := kv.Put(ctx, events.InventoryLeaseKey(1), []byte("other")); err != nil {
+		t.Fatal(err)
+	}
+	o.round(ctx)
+	if len(released) != 1 || released[0] != 1 || o.valid(1) {
+		t.Fatalf("released %v, partition 1 valid %v: want partition 1 lost", released, o.valid(1))
+	}
+}
