@@ -202,8 +202,10 @@ func (h *Heartbeat) adapt(alive *bus.KV, rev uint64, at time.Time) {
 }
 
 // stretchedPeriod is the next period of a node beating every cur whose bucket took rate heartbeats per
-// second: cur x sqrt(rate / maxRate), kept between base and limit, in whole seconds when base is, and cur
-// itself unless that moves it by a tenth or more (a period's rate is noisy by a few writes).
+// second: cur x sqrt(rate / maxRate) in whole seconds when base is, cur itself when that is within a tenth
+// of cur (a period's rate is noisy by a few writes), then kept between base and limit. The tenth is taken
+// before the bounds: taken after them, a period that came within a tenth below the limit stayed there (1.97
+// s of a 2 s limit, at three times maxRate) however far the rate was over maxRate.
 //
 // Every node applying the full correction, cur x rate / maxRate, would bring the fleet to maxRate at once
 // if the rate were current; it is a period old, so the nodes overshot together (10,000 hollow agents
@@ -214,11 +216,10 @@ func stretchedPeriod(cur, base, limit time.Duration, rate, maxRate float64) time
 	if base >= time.Second {
 		want = want.Round(time.Second)
 	}
-	want = min(max(want, base), max(limit, base))
 	if d := want - cur; d < cur/10 && -d < cur/10 {
-		return cur
+		want = cur
 	}
-	return want
+	return min(max(want, base), max(limit, base))
 }
 
 func (h *Heartbeat) buckets(ctx context.Context) (alive, seen *bus.KV, err error) {
