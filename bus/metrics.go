@@ -9,8 +9,8 @@ import (
 
 // Pipeline metrics. They are registered on prometheus.DefaultRegisterer when the package is loaded, beside
 // the kubelet metrics the workers register; the agent's metrics endpoint serves the default gatherer.
-// Labels are bounded: entity and action are the event type's, consumer is a durable name, subject is the
-// subject a worker serves (one per worker and node, not one per request).
+// Labels are bounded: entity and action are the event type's, consumer is a durable name, reason one of
+// lostReasons, subject is the subject a worker serves (one per worker and node, not one per request).
 var (
 	eventsPublished = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "imagefleet_bus_events_published_total",
@@ -40,6 +40,13 @@ var (
 		Name: "imagefleet_bus_dead_letters_total",
 		Help: "Messages stored in the dead-letter stream.",
 	}, []string{"consumer"})
+	pullsLost = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "imagefleet_bus_pulls_lost_total",
+		Help: "Pull requests of a durable consumer found lost and sent again, by how: no_heartbeat (the server's " +
+			"heartbeats on it stopped for 2 s), no_responders (no server took it), leader_changed (a new consumer " +
+			"leader dropped it), consumer_deleted (the consumer was deleted: made anew), refused (another status " +
+			"ended it), watchdog (the stall watchdog found none waiting, messages stuck, or no answer: made anew).",
+	}, []string{"consumer", "reason"})
 	requestsServed = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "imagefleet_bus_requests_served_total",
 		Help: "Requests answered, by served subject.",
@@ -56,7 +63,7 @@ var (
 
 func init() {
 	prometheus.MustRegister(eventsPublished, msgsConsumed, msgsAcked, msgsNaked, msgsTerminated, handlerErrors,
-		deadLetters, requestsServed, requestErrors, natsReconnects)
+		deadLetters, pullsLost, requestsServed, requestErrors, natsReconnects)
 	for _, t := range publishedTypes {
 		eventsPublished.WithLabelValues(t[0], t[1])
 	}
@@ -81,6 +88,9 @@ var publishedTypes = [][2]string{
 func initConsumerMetrics(consumer string) {
 	for _, cv := range []*prometheus.CounterVec{msgsConsumed, msgsAcked, msgsNaked, msgsTerminated, handlerErrors, deadLetters} {
 		cv.WithLabelValues(consumer)
+	}
+	for _, reason := range lostReasons {
+		pullsLost.WithLabelValues(consumer, reason)
 	}
 }
 
@@ -113,6 +123,11 @@ func countHandled(consumer, outcome string, err error) {
 	case "term":
 		msgsTerminated.WithLabelValues(consumer).Inc()
 	}
+}
+
+// countLostPull counts a pull request of consumer found lost, by the lost* reason.
+func countLostPull(consumer, reason string) {
+	pullsLost.WithLabelValues(consumer, reason).Inc()
 }
 
 // countServed counts one answered request on subject.

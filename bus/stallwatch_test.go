@@ -4,11 +4,14 @@ import (
 	"errors"
 	"testing"
 	"time"
+
+	"github.com/nats-io/nats.go"
 )
 
 // TestStallWatchBacksOff: an idle consumer is looked at 15 s after its last delivery, then at periods that
-// double up to maxStallCheckPeriod; a delivery starts over; a hint makes a look due at once; a failed look
-// backs off and only a second one in a row makes the consumer anew, whose restart keeps the period.
+// double up to maxStallCheckPeriod; a delivery starts over; a hint makes a look due at once, but hints in a
+// row no more often than every StallAfter/3; a failed look backs off and only a second one in a row makes the
+// consumer anew, which keeps the period.
 func TestStallWatchBacksOff(t *testing.T) {
 	const stallAfter = 15 * time.Second
 	t0 := time.Unix(1_000_000, 0)
@@ -47,55 +50,51 @@ func TestStallWatchBacksOff(t *testing.T) {
 			t.Fatalf("after a delivery, looks at %v", got)
 		}
 	})
-	t.Run("early look after a replicated start", func(t *testing.T) {
-		w := newWatch()
-		w.started()
-		now := t0.Add(5 * time.Second)
-		if !w.due(now, t0, t0, false) {
-			t.Fatal("no early look 5 s after the start")
-		}
-		if v := w.checked(now, nil, stallSuspect); v != stallNoWaiting {
-			t.Fatalf("early look finding no pull request: %v, want stallNoWaiting (pull anew at once)", v)
-		}
-		// Pulled anew: a second early look needs a delivery first.
-		restarted := now
-		w.started()
-		if w.due(t0.Add(10*time.Second), t0, restarted, false) {
-			t.Fatal("a second early look without a delivery between")
-		}
-		delivered := t0.Add(12 * time.Second)
-		w.due(delivered, delivered, delivered, false)
-		w.started()
-		now = t0.Add(14 * time.Second)
-		if !w.due(now, delivered, delivered, false) {
-			t.Fatal("no early look after a delivery and a restart")
-		}
-		next := w.next
-		if v := w.checked(now, nil, stallOK); v != stallOK || !w.next.Equal(next) {
-			t.Fatalf("an early look finding a pull request: %v, next look moved from %v to %v", v, next, w.next)
-		}
-		if got := looks(w, 15*time.Second, time.Minute, delivered, nil, stallOK); !equalDurations(got, []time.Duration{27 * time.Second, 42 * time.Second}) {
-			t.Fatalf("schedule after the early look: looks at %v", got)
-		}
-	})
-	t.Run("no early look without a start", func(t *testing.T) {
-		w := newWatch()
-		if got := looks(w, 0, 20*time.Second, t0, nil, stallSuspect); !equalDurations(got, []time.Duration{15 * time.Second, 20 * time.Second}) {
-			t.Fatalf("looks at %v", got)
-		}
-	})
 	t.Run("hint", func(t *testing.T) {
 		w := newWatch()
-		looks(w, 0, 10*time.Minute, t0, nil, stallOK) // next look at 13 m
+		looks(w, 0, 10*time.Minute, t0, nil, stallOK) // looked at 8 m, next look at 13 m
 		now := t0.Add(10*time.Minute + 10*time.Second)
 		if !w.due(now, t0, w.lastActive, true) {
-			t.Fatal("a hint did not make a look due")
+			t.Fatal("a hint did not make a look due at once")
 		}
 		if v := w.checked(now, nil, stallOK); v != stallOK {
 			t.Fatalf("verdict %v", v)
 		}
-		if !w.next.Equal(now.Add(stallAfter)) {
-			t.Fatalf("after a hint, next look at %v, want %v", w.next.Sub(t0), now.Add(stallAfter).Sub(t0))
+		// A hint a second (every pull request sent anew lost too): a look at most every StallAfter/3.
+		var at []time.Duration
+		for d := 10*time.Minute + 11*time.Second; d <= 10*time.Minute+30*time.Second; d += time.Second {
+			now := t0.Add(d)
+			if w.due(now, t0, w.lastActive, true) {
+				at = append(at, d)
+				w.checked(now, nil, stallOK)
+			}
+		}
+		want := []time.Duration{10*time.Minute + 15*time.Second, 10*time.Minute + 20*time.Second,
+			10*time.Minute + 25*time.Second, 10*time.Minute + 30*time.Second}
+		if !equalDurations(at, want) {
+			t.Fatalf("looks under a hint a second at %v, want %v", at, want)
+		}
+		// A delivery drops a hinted look not yet made: the pull works.
+		w.due(t0.Add(10*time.Minute+31*time.Second), t0, w.lastActive, true)
+		delivered := t0.Add(10*time.Minute + 32*time.Second)
+		if w.due(delivered, delivered, delivered, false) {
+			t.Fatal("a look due right after a delivery")
+		}
+	})
+	t.Run("hinted looks find the consumer gone", func(t *testing.T) {
+		w := newWatch()
+		// The loop pulls anew after each loss (which is not a restart of the consumer), hinting each time.
+		gone := errors.New("consumer not found")
+		var verdicts []stallVerdict
+		var at []time.Duration
+		for d := time.Second; d <= 20*time.Second; d += time.Second {
+			now := t0.Add(d)
+			if w.due(now, t0, t0, true) {
+				at, verdicts = append(at, d), append(verdicts, w.checked(now, gone, 0))
+			}
+		}
+		if len(verdicts) < 2 || verdicts[0] != stallOK || verdicts[1] != stallNoAnswer || at[1] != 6*time.Second {
+			t.Fatalf("hinted looks at a consumer that is gone at %v: %v, want stallOK then, 5 s later, stallNoAnswer (make it anew)", at, verdicts)
 		}
 	})
 	t.Run("no pull request twice in a row", func(t *testing.T) {
@@ -147,4 +146,35 @@ func equalDurations(a, b []time.Duration) bool {
 		}
 	}
 	return true
+}
+
+// TestDeliveryReadsItsAckSubject: a delivered message's count and stream sequence are read from its reply
+// subject in both of nats-server's forms (v2, with the domain and account hash, behind a feature flag), and a
+// reply that is no ack subject is refused rather than read wrong.
+func TestDeliveryReadsItsAckSubject(t *testing.T) {
+	for _, tc := range []struct {
+		name, reply    string
+		delivered, seq uint64
+		wantErr        bool
+	}{
+		{"v1", "$JS.ACK.EVENTS.removals-n1.3.1207.40.1764250000000000000.5", 3, 1207, false},
+		{"v2", "$JS.ACK._.ACCHASH.EVENTS.removals-n1.2.88.9.1764250000000000000.0", 2, 88, false},
+		{"v2 with a token more", "$JS.ACK.hub.ACCHASH.EVENTS.removals-n1.1.7.7.1764250000000000000.0.x1y2", 1, 7, false},
+		{"not an ack subject", "_INBOX.abc.def", 0, 0, true},
+		{"ten tokens", "$JS.ACK.a.b.EVENTS.c.1.2.3.4", 0, 0, true},
+		{"not a number", "$JS.ACK.EVENTS.c.x.2.3.4.5", 0, 0, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			d, err := newDelivery(nil, &nats.Msg{Reply: tc.reply})
+			if tc.wantErr {
+				if err == nil {
+					t.Fatalf("%q read as delivered %d, seq %d; want an error", tc.reply, d.numDelivered, d.streamSeq)
+				}
+				return
+			}
+			if err != nil || d.numDelivered != tc.delivered || d.streamSeq != tc.seq {
+				t.Fatalf("%q: delivered %v, seq %v, %v; want %d, %d", tc.reply, d.numDelivered, d.streamSeq, err, tc.delivered, tc.seq)
+			}
+		})
+	}
 }
