@@ -361,3 +361,62 @@ func TestConsumeKeepsWhatComesWhileEveryHandlerIsBusy(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestConsumeBusyHandlerIsNoStall: a consumer with one handler that runs longer than StallAfter while messages
+// wait is not taken for stalled: it asks for nothing while its handler runs (the removals handler waits up to
+// its 30 s grace for the GC's event), and the watchdog made it anew for that at its first look ("consumer
+// stalled: messages wait but none was delivered"), an API request and a warning each time.
+func TestConsumeBusyHandlerIsNoStall(t *testing.T) {
+	srv, b := bustest.Start(t)
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	if err := b.EnsureStream(ctx, bus.StreamConfig{Name: "T", Subjects: []string{"t.>"}}); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 3 {
+		raw, _ := json.Marshal(i)
+		if _, err := b.PublishCommand(ctx, "t.x", "", json.RawMessage(raw), nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// A plain subscriber on the consumer's info subject sees the watchdog's looks.
+	spy, err := nats.Connect(srv.ClientURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer spy.Close()
+	var looks atomic.Int64
+	if _, err := spy.Subscribe("$JS.API.CONSUMER.INFO.T.busy-one", func(*nats.Msg) { looks.Add(1) }); err != nil {
+		t.Fatal(err)
+	}
+	if err := spy.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	before := lostPulls(t, "busy-one", "watchdog")
+	var handled atomic.Int64
+	release := make(chan struct{})
+	done := make(chan error, 1)
+	go func() {
+		done <- b.Consume(ctx, bus.ConsumerConfig{Stream: "T", Durable: "busy-one", Concurrency: 1, MaxAckPending: 256,
+			StallAfter: 300 * time.Millisecond}, func(ctx context.Context, m *bus.Msg) error {
+			if handled.Add(1) == 1 {
+				<-release
+			}
+			return nil
+		})
+	}()
+	bustest.WaitWithin(t, "the first message handled", 10*time.Second, func() bool { return handled.Load() == 1 })
+	// Looks StallAfter, then 2x and 4x StallAfter (jittered) after the delivery, the handler busy throughout.
+	bustest.WaitWithin(t, "three looks of the watchdog at the busy consumer", 20*time.Second, func() bool {
+		return looks.Load() >= 3
+	})
+	if n := lostPulls(t, "busy-one", "watchdog") - before; n > 0 {
+		t.Fatalf("the watchdog made the consumer anew %v times while its one handler was busy", n)
+	}
+	close(release)
+	bustest.WaitWithin(t, "the messages waiting handled", 10*time.Second, func() bool { return handled.Load() == 3 })
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+}

@@ -15,16 +15,18 @@ const (
 	stallOK        stallVerdict = iota // nothing wrong
 	stallSuspect                       // no pull request of ours at the server once: look again soon
 	stallNoWaiting                     // no pull request of ours twice in a row, with room: pull anew
-	stallStuck                         // messages wait, a pull request waits, none delivered: pull anew
+	stallStuck                         // messages wait, a pull request of ours waits, none delivered: pull anew
 	stallNoAnswer                      // the info request failed twice in a row: make the consumer anew
 )
 
-// judgeStall reads one consumer info: room says this process has a free handler.
+// judgeStall reads one consumer info: room says this process has a free handler. Messages waiting while no
+// pull request of ours does are no stall when every handler is busy: a consumer with one handler asks for
+// nothing while it runs (the removals handler waits up to its 30 s grace), and was made anew for it.
 func judgeStall(pending uint64, ackPending, maxAckPending, waiting int, room bool) stallVerdict {
 	switch {
 	case waiting == 0 && room:
 		return stallSuspect
-	case pending == 0 || ackPending >= maxAckPending:
+	case waiting == 0 || pending == 0 || ackPending >= maxAckPending:
 		return stallOK
 	default:
 		return stallStuck

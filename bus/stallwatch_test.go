@@ -136,6 +136,31 @@ func TestStallWatchBacksOff(t *testing.T) {
 	})
 }
 
+// TestJudgeStall: what one look at a consumer's info says.
+func TestJudgeStall(t *testing.T) {
+	for _, tc := range []struct {
+		name                            string
+		pending                         uint64
+		ackPending, maxAckPending, wait int
+		room                            bool
+		want                            stallVerdict
+	}{
+		{"idle, a request waiting", 0, 0, 256, 1, true, stallOK},
+		{"no request of ours, a handler free", 0, 0, 256, 0, true, stallSuspect},
+		{"messages wait, a request waits, none delivered", 5, 0, 256, 1, true, stallStuck},
+		{"messages wait behind the ack limit", 5, 256, 256, 1, true, stallOK},
+		// One handler, busy longer than StallAfter: it asks for nothing meanwhile.
+		{"messages wait, every handler busy, no request", 5, 1, 256, 0, false, stallOK},
+		{"messages wait, every handler busy, a request waits", 5, 4, 16, 1, false, stallStuck},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := judgeStall(tc.pending, tc.ackPending, tc.maxAckPending, tc.wait, tc.room); got != tc.want {
+				t.Fatalf("judgeStall = %v, want %v", got, tc.want)
+			}
+		})
+	}
+}
+
 func equalDurations(a, b []time.Duration) bool {
 	if len(a) != len(b) {
 		return false
