@@ -296,3 +296,24 @@ func (s *Subscription) NextMsg(ctx context.Context) (subject string, header map[
 
 // Close unsubscribes.
 func (s *Subscription) Close() { _ = s.sub.Unsubscribe() }
+
+// Notify calls fn once for each message until ctx ends, for a worker that only needs to know that something
+// happened (refresh, check now). After an error (messages dropped as a slow consumer, the connection closed)
+// it waits a second and calls fn anyway: a message may have been lost, and a subscription that fails at once
+// is not spun on.
+func (s *Subscription) Notify(ctx context.Context, fn func()) {
+	for {
+		_, err := s.sub.NextMsgWithContext(ctx)
+		if ctx.Err() != nil {
+			return
+		}
+		if err != nil {
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(time.Second):
+			}
+		}
+		fn()
+	}
+}

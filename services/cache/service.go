@@ -107,25 +107,12 @@ func (s *Service) Run(ctx context.Context) error {
 		go func() {
 			defer wg.Done()
 			defer sub.Close()
-			for {
-				_, _, err := sub.Next(ctx)
-				if ctx.Err() != nil {
-					return
-				}
-				if err != nil {
-					// Events dropped (a slow consumer) or the connection closed: refresh anyway, without
-					// spinning on a subscription that fails at once.
-					select {
-					case <-ctx.Done():
-						return
-					case <-time.After(time.Second):
-					}
-				}
+			sub.Notify(ctx, func() {
 				select {
 				case wake <- struct{}{}:
 				default:
 				}
-			}
+			})
 		}()
 	}
 	s.readyOnce.Do(func() { close(s.ready) })

@@ -174,22 +174,7 @@ func (s *Service) Run(ctx context.Context) error {
 	go func() {
 		defer wg.Done()
 		defer pulled.Close()
-		for {
-			_, _, err := pulled.Next(ctx)
-			if ctx.Err() != nil {
-				return
-			}
-			if err != nil {
-				// Events dropped (a slow consumer) or the connection closed: check anyway, without spinning
-				// on a subscription that fails at once.
-				select {
-				case <-ctx.Done():
-					return
-				case <-time.After(time.Second):
-				}
-			}
-			s.CheckSoon()
-		}
+		pulled.Notify(ctx, s.CheckSoon)
 	}()
 	s.readyOnce.Do(func() { close(s.ready) })
 	tick := time.NewTicker(s.cfg.Period)
