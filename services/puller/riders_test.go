@@ -73,17 +73,9 @@ func checkJoinedResults(t *testing.T, sub *bus.Subscription, ids []string, taken
 	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
 	defer cancel()
 	for len(results) < len(ids) {
-		_, data, err := sub.Next(ctx)
+		ev, r, err := nextPullEvent(t, ctx, sub)
 		if err != nil {
 			t.Fatalf("waiting for results: %v (have %d of %d)", err, len(results), len(ids))
-		}
-		ev, err := events.DecodeEvent(data)
-		if err != nil {
-			t.Fatal(err)
-		}
-		var r events.PullResult
-		if err := ev.DecodeData(&r); err != nil {
-			t.Fatal(err)
 		}
 		seen[r.RequestID] = append(seen[r.RequestID], ev)
 		if ev.Type != events.TypeName(events.EntityPull, events.ActionPulling) {

@@ -47,6 +47,24 @@ func subscribePull(t *testing.T, b *bus.Bus) *bus.Subscription {
 	return sub
 }
 
+// nextPullEvent reads the next pull event from sub and decodes its result; err is the wait's (ctx ended).
+func nextPullEvent(t *testing.T, ctx context.Context, sub *bus.Subscription) (events.Event, events.PullResult, error) {
+	t.Helper()
+	subj, data, err := sub.Next(ctx)
+	if err != nil {
+		return events.Event{}, events.PullResult{}, err
+	}
+	ev, err := events.DecodeEvent(data)
+	if err != nil {
+		t.Fatalf("event on %s: %v", subj, err)
+	}
+	var r events.PullResult
+	if err := ev.DecodeData(&r); err != nil {
+		t.Fatal(err)
+	}
+	return ev, r, nil
+}
+
 // nextResult waits for the terminal event of request id, returning the events seen for it on the way.
 func nextResult(t *testing.T, sub *bus.Subscription, id string, timeout time.Duration) (events.Event, events.PullResult, []events.Event) {
 	t.Helper()
@@ -54,17 +72,9 @@ func nextResult(t *testing.T, sub *bus.Subscription, id string, timeout time.Dur
 	defer cancel()
 	var seen []events.Event
 	for {
-		subj, data, err := sub.Next(ctx)
+		ev, r, err := nextPullEvent(t, ctx, sub)
 		if err != nil {
 			t.Fatalf("waiting for the result of %s: %v (seen %d events)", id, err, len(seen))
-		}
-		ev, err := events.DecodeEvent(data)
-		if err != nil {
-			t.Fatalf("event on %s: %v", subj, err)
-		}
-		var r events.PullResult
-		if err := ev.DecodeData(&r); err != nil {
-			t.Fatal(err)
 		}
 		if r.RequestID != id {
 			continue
@@ -87,17 +97,9 @@ func collectResults(t *testing.T, sub *bus.Subscription, ids []string, timeout t
 	}
 	out := map[string]events.PullResult{}
 	for len(out) < len(want) {
-		_, data, err := sub.Next(ctx)
+		ev, r, err := nextPullEvent(t, ctx, sub)
 		if err != nil {
 			t.Fatalf("waiting for results: %v (have %d of %d)", err, len(out), len(want))
-		}
-		ev, err := events.DecodeEvent(data)
-		if err != nil {
-			t.Fatal(err)
-		}
-		var r events.PullResult
-		if err := ev.DecodeData(&r); err != nil {
-			t.Fatal(err)
 		}
 		if want[r.RequestID] && ev.Type != events.TypeName(events.EntityPull, events.ActionPulling) {
 			if _, dup := out[r.RequestID]; dup {
