@@ -45,22 +45,7 @@ func storedImageEvents(t *testing.T, b *bus.Bus) (evs, ids []string) {
 // they waited for that detection, and a detect command during the refusal waited ~30 s for its events and
 // then failed although its records were written.
 func TestUnpublishedEventsRetriedBeforeTheNextDetection(t *testing.T) {
-	bustest.VerifyNoLeaks(t)
-	_, b := bustest.Start(t)
-	rt := critest.NewRuntime()
-	set(rt, []cri.Image{{ID: "sha256:a", Size: 1}}, nil, nil)
-	var logs bustest.SyncBuffer
-	logger := slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
-	svc, err := detector.New(detector.Config{Node: node, Period: time.Hour, Logger: logger}, rt, b)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer bustest.RunService(t, svc)()
-	waitServing(t, b)
-	bustest.WaitFor(t, "the start detection's event", func() bool {
-		evs, _ := storedImageEvents(t, b)
-		return slices.Equal(evs, []string{"imagefleet.image.detected.v1 sha256:a"})
-	})
+	b, rt, logs := startDetectorWithOneImage(t)
 
 	// The events stream goes away (the records bucket stays): every publish of the node's events fails
 	// (no responders) until it is back. Two detections meanwhile: their events queue, oldest first.
@@ -123,22 +108,7 @@ func TestUnpublishedEventsRetriedBeforeTheNextDetection(t *testing.T) {
 // server loss, the detect commands an operator's retries had queued up were answered one after the other,
 // each half a second late, and a fresh one seconds after the records bucket had its leader back.
 func TestDetectCommandsDoNotWaitForAnEventsOutage(t *testing.T) {
-	bustest.VerifyNoLeaks(t)
-	_, b := bustest.Start(t)
-	rt := critest.NewRuntime()
-	set(rt, []cri.Image{{ID: "sha256:a", Size: 1}}, nil, nil)
-	var logs bustest.SyncBuffer
-	logger := slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
-	svc, err := detector.New(detector.Config{Node: node, Period: time.Hour, Logger: logger}, rt, b)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer bustest.RunService(t, svc)()
-	waitServing(t, b)
-	bustest.WaitFor(t, "the start detection's event", func() bool {
-		evs, _ := storedImageEvents(t, b)
-		return slices.Equal(evs, []string{"imagefleet.image.detected.v1 sha256:a"})
-	})
+	b, rt, logs := startDetectorWithOneImage(t)
 
 	if err := b.DeleteStream(t.Context(), events.EventsStream); err != nil {
 		t.Fatal(err)
@@ -277,4 +247,27 @@ func TestRecordsWriteInDoubtPublishesItsEvents(t *testing.T) {
 	if recs := load(t, b); len(recs) != 2 || recs["sha256:b"].ID == "" || recs["sha256:c"].ID == "" {
 		t.Fatalf("records = %+v", recs)
 	}
+}
+
+// startDetectorWithOneImage runs a detector (Period an hour: only commands detect) over a runtime holding
+// sha256:a, logging at debug level, and waits for its start detection's event in the events stream.
+func startDetectorWithOneImage(t *testing.T) (*bus.Bus, *critest.Runtime, *bustest.SyncBuffer) {
+	t.Helper()
+	bustest.VerifyNoLeaks(t)
+	_, b := bustest.Start(t)
+	rt := critest.NewRuntime()
+	set(rt, []cri.Image{{ID: "sha256:a", Size: 1}}, nil, nil)
+	logs := &bustest.SyncBuffer{}
+	logger := slog.New(slog.NewTextHandler(logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	svc, err := detector.New(detector.Config{Node: node, Period: time.Hour, Logger: logger}, rt, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(bustest.RunService(t, svc))
+	waitServing(t, b)
+	bustest.WaitFor(t, "the start detection's event", func() bool {
+		evs, _ := storedImageEvents(t, b)
+		return slices.Equal(evs, []string{"imagefleet.image.detected.v1 sha256:a"})
+	})
+	return b, rt, logs
 }
