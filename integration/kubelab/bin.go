@@ -11,7 +11,7 @@ import (
 )
 
 // Binaries are the programs the lab runs, as deploy/lab/kube/build.sh names them.
-var Binaries = []string{"kube-apiserver", "kubelet", "etcd"}
+var Binaries = []string{"kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "etcd"}
 
 // DefaultCache is where build.sh keeps its builds unless IMAGEFLEET_KUBE_CACHE says otherwise.
 const DefaultCache = "/var/cache/imagefleet/kube"
@@ -54,7 +54,7 @@ func Key(toolsDir, goVersion string) (string, error) {
 	return hex.EncodeToString(h.Sum(nil))[:16], nil
 }
 
-// BinDir is the directory holding kube-apiserver, kubelet and etcd: $IMAGEFLEET_KUBE_BIN when set, else
+// BinDir is the directory holding the Binaries: $IMAGEFLEET_KUBE_BIN when set, else
 // build.sh's directory for this checkout's key. It returns an error naming the fix when a binary is missing.
 func BinDir() (string, error) {
 	dir := os.Getenv("IMAGEFLEET_KUBE_BIN")
