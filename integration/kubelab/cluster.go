@@ -35,7 +35,7 @@ type Options struct {
 	// Dir holds everything of the cluster (PKI, etcd data, logs, kubeconfigs, the kubelet's root). Default: a
 	// new /tmp/ifl-k-XXXX. Keep it short: the kubelet's Pods API socket lives under it (108-byte limit).
 	Dir string
-	// BinDir holds kube-apiserver, kubelet and etcd. Default: BinDir().
+	// BinDir holds the binaries (Binaries). Default: BinDir().
 	BinDir string
 	// Nodes are the node identities (system:node:NAME in group system:nodes) given a static token. Default
 	// {"node-1"}. With a kubelet, the kubelet registers Nodes[0].
@@ -51,6 +51,12 @@ type Options struct {
 	// KubeletConfig is appended to the kubelet's KubeletConfiguration YAML (top-level fields not already set,
 	// such as imageGCHighThresholdPercent: 90).
 	KubeletConfig string
+	// Controllers starts kube-controller-manager and kube-scheduler beside the apiserver, so DaemonSets,
+	// Deployments and StatefulSets become pods, pods without a nodeName are scheduled, and each namespace gets
+	// its default ServiceAccount and kube-root-ca.crt ConfigMap. Default false: tests that place pods
+	// themselves start faster without, and the pod GC controller would delete their pods bound to a node
+	// that does not exist (Nodes other than the kubelet's).
+	Controllers bool
 	// Log receives one line per step. Default: discarded.
 	Log io.Writer
 	// Detach starts the processes in their own sessions so they outlive the caller (labctl kube-up); Down
@@ -58,7 +64,7 @@ type Options struct {
 	Detach bool
 }
 
-// Cluster is a running lab: etcd, kube-apiserver and perhaps a kubelet.
+// Cluster is a running lab: etcd, kube-apiserver and perhaps the controllers and a kubelet.
 type Cluster struct {
 	opts   Options
 	dir    string
@@ -70,9 +76,10 @@ type Cluster struct {
 	KubeletPort, KubeletHealthzPort       int
 	NodeIP                                string
 
-	etcd, apiserver, kubelet *proc
-	stopped                  bool
-	lock                     *os.File // kubeletLock, held while this cluster's kubelet runs
+	etcd, apiserver, kubelet     *proc
+	controllerManager, scheduler *proc // with Options.Controllers
+	stopped                      bool
+	lock                         *os.File // kubeletLock, held while this cluster's kubelet runs
 }
 
 // state is what a detached lab records in DIR/state.json for Down.
@@ -88,9 +95,10 @@ func (c *Cluster) logf(format string, args ...any) {
 	}
 }
 
-// Start starts etcd and kube-apiserver (and a kubelet when opts.CRIEndpoint is set) and waits until each
-// is ready: etcd's /health, the apiserver's /readyz, the kubelet's Node registered and its Pods API socket
-// there. On error everything started is stopped again.
+// Start starts etcd and kube-apiserver (then kube-controller-manager and kube-scheduler with
+// opts.Controllers, and a kubelet when opts.CRIEndpoint is set) and waits until each is ready: etcd's
+// /health, the apiserver's /readyz, the controller-manager's first ServiceAccount and ConfigMap, the
+// kubelet's Node registered and its Pods API socket there. On error everything started is stopped again.
 func Start(ctx context.Context, opts Options) (c *Cluster, err error) {
 	if len(opts.Nodes) == 0 {
 		opts.Nodes = []string{"node-1"}
@@ -149,11 +157,22 @@ func Start(ctx context.Context, opts Options) (c *Cluster, err error) {
 		}
 	}
 	c.logf("control plane ready in %s: https://127.0.0.1:%d", time.Since(t0).Round(time.Millisecond), c.APIServerPort)
+	if opts.Controllers {
+		if err := c.startControllers(); err != nil {
+			return c, err
+		}
+	}
 	if opts.CRIEndpoint != "" {
 		if err := c.startKubelet(ctx); err != nil {
 			return c, err
 		}
 		c.logf("kubelet ready (node %s) after %s", opts.Nodes[0], time.Since(t0).Round(time.Millisecond))
+	}
+	if opts.Controllers {
+		if err := c.waitControllers(ctx); err != nil {
+			return c, err
+		}
+		c.logf("controller-manager and scheduler ready after %s", time.Since(t0).Round(time.Millisecond))
 	}
 	st := state{CRIEndpoint: opts.CRIEndpoint, APIServer: c.Server()}
 	if opts.CRIEndpoint != "" {
@@ -404,8 +423,8 @@ func freePorts(n int) ([]int, error) {
 	return ports, nil
 }
 
-// Stop stops everything in the clean-up order that leaves nothing behind (deploy/lab/README.md): the kubelet, the
-// runtime's pods, the kubelet's mounts, its cgroups, its /var/log/containers links and device-plugin socket,
+// Stop stops everything in the clean-up order that leaves nothing behind (deploy/lab/README.md): the
+// scheduler and controller-manager (nothing then recreates the pods removed next), the kubelet, the runtime's pods, the kubelet's mounts, its cgroups, its /var/log/containers links and device-plugin socket,
 // then kube-apiserver and etcd, and removes the directory. It returns what could not be removed.
 func (c *Cluster) Stop() error {
 	if c.stopped {
@@ -413,6 +432,7 @@ func (c *Cluster) Stop() error {
 	}
 	c.stopped = true
 	var errs []error
+	c.stopControllers()
 	if c.kubelet != nil {
 		c.kubelet.stop(10 * time.Second)
 		errs = append(errs, cleanKubelet(c.opts.CRIEndpoint, c.KubeletRoot(), c.dir)...)
@@ -448,6 +468,8 @@ func Down(dir string) error {
 		}
 	}
 	var errs []error
+	errs = append(errs, stopPIDFile(dir, "kube-scheduler", "kube-scheduler", 5*time.Second))
+	errs = append(errs, stopPIDFile(dir, "kube-controller-manager", "kube-controller-manager", 5*time.Second))
 	errs = append(errs, stopPIDFile(dir, "kubelet", "kubelet", 10*time.Second))
 	if st.KubeletRoot != "" {
 		errs = append(errs, cleanKubelet(st.CRIEndpoint, st.KubeletRoot, dir)...)
