@@ -93,8 +93,9 @@ const (
 var leaseOutcomes = []string{leaseAcquired, leaseSkipped, leaseShared, leaseWaited, leaseTimeout, leaseUnavailable, leaseLost}
 
 type leaseMetrics struct {
-	total *prometheus.CounterVec   // trigger, outcome
-	wait  *prometheus.HistogramVec // trigger
+	total   *prometheus.CounterVec   // trigger, outcome
+	wait    *prometheus.HistogramVec // trigger
+	waiting *prometheus.GaugeVec     // trigger
 }
 
 func newLeaseMetrics(reg prometheus.Registerer) (*leaseMetrics, error) {
@@ -115,10 +116,16 @@ func newLeaseMetrics(reg prometheus.Registerer) (*leaseMetrics, error) {
 			total.WithLabelValues(tr, o)
 		}
 	}
+	waiting, err := promreg.RegisterOrReuse(reg, prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: "imagefleet", Subsystem: "gc",
+		Name: "lease_waiting", Help: "Manual or pull-triggered GC requests now waiting for another replica's pass."}, []string{"trigger"}))
+	if err != nil {
+		return nil, err
+	}
 	for _, tr := range []string{events.GCTriggerPull, events.GCTriggerManual} {
 		wait.WithLabelValues(tr)
+		waiting.WithLabelValues(tr)
 	}
-	return &leaseMetrics{total: total, wait: wait}, nil
+	return &leaseMetrics{total: total, wait: wait, waiting: waiting}, nil
 }
 
 // leaser takes and keeps one node's lease.

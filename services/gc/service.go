@@ -323,6 +323,9 @@ func (s *Service) leasedPass(ctx context.Context, req events.GCRequest, trigger 
 			began = time.Now()
 			s.log.Info("image GC request waits for another executor replica's pass",
 				"trigger", trigger, "holder", held.Holder, "holder_trigger", held.Trigger, "since", held.Started)
+			waiting := s.leaseMetrics.waiting.WithLabelValues(trigger)
+			waiting.Inc()
+			defer waiting.Dec()
 		}
 		done, err := s.lease.wait(ctx, *held, began.Add(s.cfg.LeaseWait), began)
 		s.leaseMetrics.wait.WithLabelValues(trigger).Observe(time.Since(began).Seconds())
