@@ -3,9 +3,14 @@ package bus
 import (
 	"context"
 	"crypto/tls"
+	"encoding/base64"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
+	"os"
+	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -26,8 +31,14 @@ type Options struct {
 	// InboxPrefix is the prefix of reply subjects (default _INBOX.<nkey public key> with NKeyFile, else
 	// _INBOX): per-user inboxes let a server config keep users from reading each other's replies.
 	InboxPrefix string
-	// User and Password, for user/password auth.
-	User, Password string
+	// User and Password, for user/password auth. PasswordFile, when set instead of Password, is read at each
+	// connect and reconnect (a mounted Secret that changes is followed).
+	User, Password, PasswordFile string
+	// TokenFile holds a token sent as the connect token (a Kubernetes ServiceAccount token for the auth
+	// callout, docs/security.md). It is read again at each connect and reconnect, since the kubelet rotates
+	// projected tokens in place; a connection refused there keeps trying (the next token may be good). With
+	// a Kubernetes token and no InboxPrefix, the inbox is TokenInbox's, the one the callout allows.
+	TokenFile string
 	// TLS: CA file, client certificate and key.
 	TLSCA, TLSCert, TLSKey string
 	// ConnectTimeout bounds the first connection, retried with exponential backoff (default 30s).
@@ -119,6 +130,11 @@ func Connect(ctx context.Context, url string, o Options) (*Bus, error) {
 			b.log.Warn("nats async error", "subject", subject, "err", err)
 		}),
 	}
+	authOpts, err := secretFileOptions(&o, b.log)
+	if err != nil {
+		return nil, err
+	}
+	opts = append(opts, authOpts...)
 	if o.CredsFile != "" {
 		opts = append(opts, nats.UserCredentials(o.CredsFile))
 	}
@@ -134,7 +150,7 @@ func Connect(ctx context.Context, url string, o Options) (*Bus, error) {
 	} else if prefix != "" {
 		opts = append(opts, nats.CustomInboxPrefix(prefix))
 	}
-	if o.User != "" {
+	if o.User != "" && o.PasswordFile == "" {
 		opts = append(opts, nats.UserInfo(o.User, o.Password))
 	}
 	if o.TLSCA != "" {
@@ -152,7 +168,7 @@ func Connect(ctx context.Context, url string, o Options) (*Bus, error) {
 	bo.MaxInterval = 2 * time.Second
 	bo.MaxElapsedTime = o.ConnectTimeout
 	var nc *nats.Conn
-	err := backoff.Retry(func() error {
+	err = backoff.Retry(func() error {
 		var err error
 		nc, err = nats.Connect(url, opts...)
 		if err != nil && isAuthError(err) {
@@ -161,7 +177,7 @@ func Connect(ctx context.Context, url string, o Options) (*Bus, error) {
 		return err
 	}, backoff.WithContext(bo, ctx))
 	if err != nil {
-		return nil, &dialError{url: redact(url), err: err}
+		return nil, &dialError{url: redact(url), err: err, hint: authHint(o, err)}
 	}
 	b.nc = nc
 	ackTimeout := o.PublishAckTimeout
@@ -189,11 +205,17 @@ func Connect(ctx context.Context, url string, o Options) (*Bus, error) {
 
 // dialError is Connect finding no server to connect to within its ConnectTimeout, or refused by them.
 type dialError struct {
-	url string
-	err error
+	url  string
+	err  error
+	hint string // what a refusal of these credentials may mean ("" for none)
 }
 
-func (e *dialError) Error() string { return fmt.Sprintf("connect to nats %s: %v", e.url, e.err) }
+func (e *dialError) Error() string {
+	if e.hint != "" {
+		return fmt.Sprintf("connect to nats %s: %v (%s)", e.url, e.err, e.hint)
+	}
+	return fmt.Sprintf("connect to nats %s: %v", e.url, e.err)
+}
 func (e *dialError) Unwrap() error { return e.err }
 
 // IsUnreachable reports whether err is Connect's finding no server that would take the connection within
@@ -268,4 +290,174 @@ type Stats struct {
 func (b *Bus) Stats() Stats {
 	s := b.nc.Stats()
 	return Stats{InMsgs: s.InMsgs, OutMsgs: s.OutMsgs, InBytes: s.InBytes, OutBytes: s.OutBytes}
+}
+
+// secretFileOptions are the options of o's token and password files, read at every connect. It checks the
+// files once now, so a missing or empty one is an error at start rather than a refusal later, and gives a
+// Kubernetes token's client the inbox the callout allows it (TokenInbox).
+func secretFileOptions(o *Options, log *slog.Logger) ([]nats.Option, error) {
+	var opts []nats.Option
+	if o.TokenFile != "" {
+		switch {
+		case o.NKeyFile != "" || o.CredsFile != "":
+			return nil, errors.New("connect to nats: a token file and an nkey or credentials file are two identities: give one")
+		case o.User != "":
+			return nil, errors.New("connect to nats: a token file and a user are two identities: give one")
+		}
+		tok, err := readSecretFile("token", o.TokenFile)
+		if err != nil {
+			return nil, err
+		}
+		if o.InboxPrefix == "" {
+			o.InboxPrefix = TokenInbox(tok)
+		}
+		path := o.TokenFile
+		// The server holds a token's connect until its auth callout answers, or refuses it after its auth
+		// timeout (2 s, 3 s with TLS) when no callout does: wait past that, to hear the refusal and not a
+		// timeout of our own.
+		opts = append(opts, nats.Timeout(tokenConnectTimeout), nats.TokenHandler(func() string {
+			tok, err := readSecretFile("token", path)
+			if err != nil {
+				// Sent empty, the connect is refused and tried again: the kubelet may be writing the next one.
+				log.Warn("nats token unreadable", "err", err)
+			}
+			return tok
+		}))
+	}
+	if o.PasswordFile != "" {
+		if o.User == "" || o.Password != "" {
+			return nil, errors.New("connect to nats: a password file needs a user and no password")
+		}
+		if _, err := readSecretFile("password", o.PasswordFile); err != nil {
+			return nil, err
+		}
+		user, path := o.User, o.PasswordFile
+		opts = append(opts, nats.UserInfoHandler(func() (string, string) {
+			pw, err := readSecretFile("password", path)
+			if err != nil {
+				log.Warn("nats password unreadable", "err", err)
+			}
+			return user, pw
+		}))
+	}
+	if o.TokenFile != "" || o.PasswordFile != "" {
+		// nats.go closes a connection for good when a reconnect is refused twice with the same error; a file
+		// that changes (a rotated token) or a callout that comes back makes a later try succeed.
+		opts = append(opts, nats.IgnoreAuthErrorAbort())
+	}
+	return opts, nil
+}
+
+// tokenConnectTimeout is the dial and handshake timeout of a client with a token (nats.go's default: 2 s).
+const tokenConnectTimeout = 5 * time.Second
+
+// readSecretFile reads a token or password file, trimmed of surrounding white space; never in an error.
+func readSecretFile(what, path string) (string, error) {
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		return "", fmt.Errorf("read nats %s file: %w", what, err)
+	}
+	s := strings.TrimSpace(string(raw))
+	wipe(raw)
+	if s == "" {
+		return "", fmt.Errorf("read nats %s file %s: empty", what, path)
+	}
+	return s, nil
+}
+
+// authHint says what a refused connect with o's credentials may mean, for the error ("" when it was not
+// refused or the credentials say nothing more).
+func authHint(o Options, err error) string {
+	if !isAuthError(err) {
+		return ""
+	}
+	switch {
+	case o.TokenFile != "":
+		return "the server refused the token in " + o.TokenFile + ": its auth callout logs why; a server whose callout is " +
+			"not running refuses every token the same way"
+	case o.PasswordFile != "":
+		return "the server refused user " + o.User + " with the password in " + o.PasswordFile
+	}
+	return ""
+}
+
+// TokenInbox is the inbox prefix of a client authenticated with a Kubernetes ServiceAccount token:
+// _INBOX.<pod uid> for a token bound to a pod (stable while the kubelet rotates the pod's tokens), else
+// _INBOX.<token id> (the jti claim). The auth callout allows that inbox only (it reads the same claims once the
+// API server has verified the token), so clients of one ServiceAccount cannot read each other's replies. ""
+// when token is not such a JWT (the client then uses the default _INBOX).
+func TokenInbox(token string) string {
+	parts := strings.Split(token, ".")
+	if len(parts) != 3 {
+		return ""
+	}
+	payload, err := base64.RawURLEncoding.DecodeString(strings.TrimRight(parts[1], "="))
+	if err != nil {
+		return ""
+	}
+	var claims struct {
+		JTI  string `json:"jti"`
+		Kube struct {
+			Pod struct {
+				UID string `json:"uid"`
+			} `json:"pod"`
+		} `json:"kubernetes.io"`
+	}
+	if json.Unmarshal(payload, &claims) != nil {
+		return ""
+	}
+	id := claims.Kube.Pod.UID
+	if id == "" {
+		id = claims.JTI
+	}
+	if id == "" || strings.IndexFunc(id, func(r rune) bool {
+		return !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '-' || r == '_')
+	}) >= 0 {
+		return ""
+	}
+	return InboxRoot + "." + id
+}
+
+// Respond answers requests on subject, shared in queue group queue, with what fn returns sent as it is (no
+// events.Reply envelope: for protocols that define their own answer, such as nats-server's auth callout),
+// up to n at once, until ctx ends; then it unsubscribes and returns nil. A nil answer sends nothing.
+func (b *Bus) Respond(ctx context.Context, subject, queue string, n int, fn func(ctx context.Context, data []byte) []byte) error {
+	n = max(n, 1)
+	ch := make(chan *nats.Msg, 256)
+	sub, err := b.nc.ChanQueueSubscribe(subject, queue, ch)
+	if err != nil {
+		return fmt.Errorf("subscribe %s: %w", subject, err)
+	}
+	fctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	err = b.nc.FlushWithContext(fctx)
+	cancel()
+	if err != nil && ctx.Err() == nil {
+		_ = sub.Unsubscribe()
+		return fmt.Errorf("subscribe %s: flush: %w", subject, err)
+	}
+	var wg sync.WaitGroup
+	for range n {
+		wg.Go(func() {
+			for {
+				select {
+				case <-ctx.Done():
+					return
+				case m := <-ch:
+					if out := fn(ctx, m.Data); out != nil && m.Reply != "" {
+						if err := m.Respond(out); err != nil {
+							b.log.Warn("nats respond", "subject", subject, "err", err)
+						}
+					}
+				}
+			}
+		})
+	}
+	<-ctx.Done()
+	_ = sub.Unsubscribe()
+	wg.Wait()
+	// The server drops the interest before Respond returns, so a request sent after finds no responder here.
+	fctx, cancel = context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	_ = b.nc.FlushWithContext(fctx)
+	return nil
 }
