@@ -31,6 +31,10 @@ type cli struct {
 	logLevel  string
 	logFormat string
 	jsDomain  string
+	// tokenFile, user and passwordFile: the other identities a client can present (bus.Options).
+	tokenFile    string
+	user         string
+	passwordFile string
 }
 
 func newRootCmd() *cobra.Command {
@@ -70,6 +74,9 @@ func newRootCmd() *cobra.Command {
 	pf.StringVarP(&cl.output, "output", "o", "text", "output format: text or json")
 	pf.StringVar(&cl.creds, "creds", "", "NATS user credentials file")
 	pf.StringVar(&cl.nkey, "nkey", "", "NATS nkey seed file")
+	pf.StringVar(&cl.tokenFile, "token-file", "", "file holding a Kubernetes ServiceAccount token for the NATS auth callout (audience imagefleet-nats), read again at each reconnect (docs/security.md)")
+	pf.StringVar(&cl.user, "user", "", "NATS user name (with --password-file)")
+	pf.StringVar(&cl.passwordFile, "password-file", "", "file holding the NATS password of --user, read again at each reconnect")
 	pf.StringVar(&cl.tlsCA, "tls-ca", "", "CA certificate for the NATS server")
 	pf.StringVar(&cl.tlsCert, "tls-cert", "", "client certificate for NATS")
 	pf.StringVar(&cl.tlsKey, "tls-key", "", "client key for NATS")
@@ -99,8 +106,9 @@ func (cl *cli) setupLogging(w io.Writer) error {
 
 // busOptions are the connection options from the global flags.
 func (cl *cli) busOptions(name string) bus.Options {
-	return bus.Options{Name: name, CredsFile: cl.creds, NKeyFile: cl.nkey, TLSCA: cl.tlsCA, TLSCert: cl.tlsCert,
-		TLSKey: cl.tlsKey, ConnectTimeout: cl.timeout, Logger: slog.Default(), JSDomain: cl.jsDomain}
+	return bus.Options{Name: name, CredsFile: cl.creds, NKeyFile: cl.nkey, TokenFile: cl.tokenFile, User: cl.user,
+		PasswordFile: cl.passwordFile, TLSCA: cl.tlsCA, TLSCert: cl.tlsCert, TLSKey: cl.tlsKey,
+		ConnectTimeout: cl.timeout, Logger: slog.Default(), JSDomain: cl.jsDomain}
 }
 
 // connect connects a client command to NATS.
