@@ -23,7 +23,7 @@ const (
 	// one durable consumer per node, which nats-server caps at 1,000 per stream. Pull requests now go to the
 	// partition streams (PullPartitionStream); this one is kept, and still created, so that requests
 	// published by a CLI or orchestrator of the previous release are drained by the new agents during a
-	// rolling upgrade (docs/operations.md, "Upgrading: the partitioned pull queue").
+	// rolling upgrade (docs/upgrading.md, "The partitioned pull queue").
 	PullStream = "IMAGEFLEET_PULL"
 	// PullSubjects is the subject filter of the legacy PullStream.
 	PullSubjects = Prefix + ".cmd.*.pull"
