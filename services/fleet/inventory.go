@@ -30,8 +30,8 @@ type InventoryConfig struct {
 	// stream shared by every replica. Each replica owns a share of the partitions (leases in
 	// events.InventoryOwnersBucket, owners.go), consumes and indexes only those, and a query is gathered from
 	// every replica's part (inventory_owned.go). Default false: on this project's 2-core machine with three
-	// servers both ways caught up at about the same rate uncapped, the cores the limit (docs/benchmarks.md,
-	// "Issue 15: partitioned inventory"), so the partitions are opt-in until measured on servers with cores
+	// servers both ways caught up at about the same rate uncapped, the cores the limit
+	// (docs/runs/2026-11-inventory.md), so the partitions are opt-in until measured on servers with cores
 	// of their own.
 	Partitioned bool
 	// Durable is the shared durable consumer (default "fleet-inventory"). It is API: renaming it re-applies
