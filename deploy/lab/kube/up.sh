@@ -8,6 +8,7 @@ set -euo pipefail
 KUBE_DIR=${KUBE_DIR:-/tmp/ifl-kube}   # everything of the kube lab; short (the Pods API socket path is under it)
 KUBE_KUBELET=${KUBE_KUBELET:-1}       # 0: control plane only
 KUBE_NODES=${KUBE_NODES:-node-1}      # node identities with a token; the kubelet registers the first
+KUBE_CONTROLLERS=${KUBE_CONTROLLERS:-1} # 0: no kube-controller-manager and kube-scheduler
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/../../.." && pwd)
@@ -24,6 +25,7 @@ args=(-dir "$KUBE_DIR/run" -bin "$bin" -nodes "$KUBE_NODES")
 if [[ $KUBE_KUBELET != 0 ]]; then
 	LAB_DIR=$KUBE_DIR/ctrd "$repo/deploy/lab/up.sh" >/dev/null
 	args+=(-cri "unix://$KUBE_DIR/ctrd/containerd.sock" -cni-dir "$KUBE_DIR/ctrd/cni")
+	[[ $KUBE_CONTROLLERS != 0 ]] && args+=(-controllers)
 fi
 if ! "$KUBE_DIR/labctl" kube-up "${args[@]}"; then
 	"$here/down.sh" || true

@@ -35,7 +35,7 @@ const usage = `usage:
   labctl push -registry HOST:PORT [-size SIZE] [-busybox] [-user U -password P] REPO:TAG...
   labctl wait -cri ENDPOINT [-timeout 30s]
   labctl rm-pods -cri ENDPOINT
-  labctl kube-up -dir DIR [-bin DIR] [-nodes node-1,...] [-cri ENDPOINT -cni-dir DIR] [-kubelet-config FILE]
+  labctl kube-up -dir DIR [-bin DIR] [-nodes node-1,...] [-cri ENDPOINT -cni-dir DIR] [-kubelet-config FILE] [-controllers]
   labctl kube-ns -dir DIR NAMESPACE...
   labctl kube-down -dir DIR`
 
@@ -112,11 +112,12 @@ func run(ctx context.Context, args []string) error {
 		endpoint := fs.String("cri", "", "CRI endpoint of a runtime for a kubelet (unix:///path); none: no kubelet")
 		cniDir := fs.String("cni-dir", "", "that runtime's CNI conf and bin directory")
 		kcfg := fs.String("kubelet-config", "", "a file of KubeletConfiguration fields to add (YAML)")
+		controllers := fs.Bool("controllers", false, "also run kube-controller-manager and kube-scheduler (DaemonSets, Deployments and StatefulSets become pods)")
 		if err := fs.Parse(args[1:]); err != nil {
 			return err
 		}
 		opts := kubelab.Options{Dir: *dir, BinDir: *bin, Nodes: strings.Split(*nodes, ","), CRIEndpoint: *endpoint,
-			CNIDir: *cniDir, Log: os.Stderr, Detach: true}
+			CNIDir: *cniDir, Log: os.Stderr, Detach: true, Controllers: *controllers}
 		if *kcfg != "" {
 			b, err := os.ReadFile(*kcfg)
 			if err != nil {
