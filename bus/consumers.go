@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
@@ -32,10 +33,13 @@ func (b *Bus) EnsureConsumer(ctx context.Context, cfg ConsumerConfig) error {
 func IsStreamNotFound(err error) bool { return errors.Is(err, jetstream.ErrStreamNotFound) }
 
 // IsMaxConsumers reports whether err is the server's refusal of a consumer over its stream's, account's or
-// server's consumer limit (JSMaximumConsumersLimitErr, 10026).
+// server's consumer limit (JSMaximumConsumersLimitErr, 10026), from a consumer or from a key-value watcher
+// (whose consumer nats.go's older JetStream API makes, with its own error type).
 func IsMaxConsumers(err error) bool {
 	var apiErr *jetstream.APIError
-	return errors.As(err, &apiErr) && apiErr.ErrorCode == jsMaxConsumers
+	var legacyErr *nats.APIError
+	return errors.As(err, &apiErr) && apiErr.ErrorCode == jsMaxConsumers ||
+		errors.As(err, &legacyErr) && legacyErr.ErrorCode == nats.ErrorCode(jsMaxConsumers)
 }
 
 // jsMaxConsumers is the JetStream API error code "maximum consumers limit reached" (10026); nats.go names

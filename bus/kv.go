@@ -214,15 +214,11 @@ func (k *KV) List(ctx context.Context, filter string) ([]Entry, error) {
 	if filter == "" {
 		filter = ">"
 	}
-	var w jetstream.KeyWatcher
-	err := k.b.retryTransientFor(ctx, "kv list "+k.kv.Bucket(), kvRetryFor, func(context.Context) (err error) {
-		w, err = k.kv.Watch(ctx, filter)
-		return err
-	})
+	w, stop, err := k.watcher(ctx, "kv list "+k.kv.Bucket(), filter, kvRetryFor)
 	if err != nil {
 		return nil, fmt.Errorf("kv list %s/%s: %w", k.kv.Bucket(), filter, err)
 	}
-	defer func() { _ = w.Stop() }()
+	defer stop()
 	// A key rewritten while the bucket streams by comes twice (readInitial): its later entry replaces the
 	// first, where the first was.
 	var out []Entry
@@ -243,6 +239,54 @@ func (k *KV) List(ctx context.Context, filter string) ([]Entry, error) {
 	return out, nil
 }
 
+// watcher opens a watcher of the keys matching filter, which lasts until ctx ends or stop is called. Each
+// attempt to make its consumer is bounded by AttemptTimeout, and one that fails transiently is made again
+// (retryTransientFor, for maxElapsed; 0: while ctx lasts).
+//
+// nats.go makes a watcher's consumer under the context the watcher then lives by, so a caller's deadline (a
+// command's --timeout) bounded the create request too: a request a loaded server dropped (its JetStream API
+// queue, once over its limit, drops every request it holds) or whose answer was lost held the caller until
+// that deadline, and `fleet nodes` ended with "kv range imagefleet-nodes-seen/>: context deadline exceeded"
+// (TestRangeMakesALostWatcherAgain). So the watcher lives by a context that ends with ctx but carries no
+// deadline (nats.go then bounds the create request by its own 5 s wait), and the attempt's end cancels it.
+func (k *KV) watcher(ctx context.Context, what, filter string, maxElapsed time.Duration) (jetstream.KeyWatcher, func(), error) {
+	var (
+		w    jetstream.KeyWatcher
+		stop func()
+	)
+	err := k.b.retryTransientFor(ctx, what, maxElapsed, func(actx context.Context) error {
+		life, cancel := context.WithCancel(context.WithoutCancel(ctx))
+		unlink := context.AfterFunc(ctx, cancel)
+		abort := context.AfterFunc(actx, cancel)
+		kw, err := k.kv.Watch(life, filter)
+		if !abort() {
+			// The attempt ended (or ctx) before the watcher was made: it is cancelled, or being cancelled.
+			if err == nil {
+				_ = kw.Stop()
+			}
+			unlink()
+			cancel()
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			return fmt.Errorf("make the watcher's consumer: %w", context.DeadlineExceeded)
+		}
+		if err != nil {
+			unlink()
+			cancel()
+			return err
+		}
+		w = kw
+		stop = func() {
+			_ = kw.Stop()
+			unlink()
+			cancel()
+		}
+		return nil
+	})
+	return w, stop, err
+}
+
 // Watch calls fn for every current entry, then the marker (fn with Entry{} and initialDone true), then each
 // change until ctx ends. Deleted keys arrive with Deleted set.
 //
@@ -257,15 +301,11 @@ func (k *KV) Watch(ctx context.Context, filter string, fn func(e Entry, initialD
 		filter = ">"
 	}
 	// A watch lasts as long as its worker: its start waits out a cluster electing leaders.
-	var w jetstream.KeyWatcher
-	err := k.b.retryTransient(ctx, "kv watch "+k.kv.Bucket(), func(context.Context) (err error) {
-		w, err = k.kv.Watch(ctx, filter)
-		return err
-	})
+	w, stop, err := k.watcher(ctx, "kv watch "+k.kv.Bucket(), filter, 0)
 	if err != nil {
 		return fmt.Errorf("kv watch %s/%s: %w", k.kv.Bucket(), filter, err)
 	}
-	defer func() { _ = w.Stop() }()
+	defer stop()
 	lastRev := k.lastRev(filter)
 	var (
 		seen   uint64 // the highest revision passed on

@@ -18,15 +18,11 @@ func (k *KV) Range(ctx context.Context, filter string, fn func(Entry) bool) erro
 	if filter == "" {
 		filter = ">"
 	}
-	var w jetstream.KeyWatcher
-	err := k.b.retryTransientFor(ctx, "kv range "+k.kv.Bucket(), kvRetryFor, func(context.Context) (err error) {
-		w, err = k.kv.Watch(ctx, filter)
-		return err
-	})
+	w, stop, err := k.watcher(ctx, "kv range "+k.kv.Bucket(), filter, kvRetryFor)
 	if err != nil {
 		return fmt.Errorf("kv range %s/%s: %w", k.kv.Bucket(), filter, err)
 	}
-	defer func() { _ = w.Stop() }()
+	defer stop()
 	return readInitial(ctx, w, k.lastRev(filter), func(e jetstream.KeyValueEntry) bool {
 		return fn(Entry{Key: e.Key(), Value: e.Value(), Revision: e.Revision(), Created: e.Created()})
 	})
@@ -102,33 +98,44 @@ const rangeQuiet = 2 * time.Second
 // lastRev returns a func that gives the last revision of the keys matching filter: the bucket's stream's
 // last sequence for ">" (one stream info request), else the sequence of the last message on the filter's
 // subjects (a stream lookup and a message get; 0 when none). Reading on to the bucket's last revision for a
-// filter its last key does not match would wait for an entry that never comes.
+// filter its last key does not match would wait for an entry that never comes. Each attempt is bounded by
+// AttemptTimeout and retried for up to kvRetryFor, as the watcher's making is: nats.go waits for an answer
+// until the caller's deadline.
 func (k *KV) lastRev(filter string) func(context.Context) (uint64, error) {
-	return func(ctx context.Context) (uint64, error) {
-		if filter == ">" {
-			st, err := k.kv.Status(ctx)
-			if err != nil {
-				return 0, fmt.Errorf("kv %s status: %w", k.kv.Bucket(), err)
-			}
-			info := streamInfoOf(st)
-			if info == nil {
-				return 0, fmt.Errorf("kv %s status: no stream info", k.kv.Bucket())
-			}
-			return info.State.LastSeq, nil
-		}
-		s, err := k.b.js.Stream(ctx, "KV_"+k.kv.Bucket())
-		if err != nil {
-			return 0, fmt.Errorf("kv %s stream: %w", k.kv.Bucket(), err)
-		}
-		m, err := s.GetLastMsgForSubject(ctx, "$KV."+k.kv.Bucket()+"."+filter)
-		if errors.Is(err, jetstream.ErrMsgNotFound) {
-			return 0, nil
-		}
-		if err != nil {
-			return 0, fmt.Errorf("kv %s last of %s: %w", k.kv.Bucket(), filter, err)
-		}
-		return m.Sequence, nil
+	return func(ctx context.Context) (last uint64, err error) {
+		err = k.b.retryTransientFor(ctx, "kv last revision "+k.kv.Bucket(), kvRetryFor, func(actx context.Context) (err error) {
+			last, err = k.lastRevOnce(actx, filter)
+			return err
+		})
+		return last, err
 	}
+}
+
+// lastRevOnce is one attempt of lastRev.
+func (k *KV) lastRevOnce(ctx context.Context, filter string) (uint64, error) {
+	if filter == ">" {
+		st, err := k.kv.Status(ctx)
+		if err != nil {
+			return 0, fmt.Errorf("kv %s status: %w", k.kv.Bucket(), err)
+		}
+		info := streamInfoOf(st)
+		if info == nil {
+			return 0, fmt.Errorf("kv %s status: no stream info", k.kv.Bucket())
+		}
+		return info.State.LastSeq, nil
+	}
+	s, err := k.b.js.Stream(ctx, "KV_"+k.kv.Bucket())
+	if err != nil {
+		return 0, fmt.Errorf("kv %s stream: %w", k.kv.Bucket(), err)
+	}
+	m, err := s.GetLastMsgForSubject(ctx, "$KV."+k.kv.Bucket()+"."+filter)
+	if errors.Is(err, jetstream.ErrMsgNotFound) {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, fmt.Errorf("kv %s last of %s: %w", k.kv.Bucket(), filter, err)
+	}
+	return m.Sequence, nil
 }
 
 // DeleteIf removes key only if its latest revision is still rev (compare and delete); otherwise it returns an

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -218,5 +219,55 @@ func putKey(kv *bus.KV) func(context.Context, int) error {
 	return func(ctx context.Context, i int) error {
 		_, err := kv.Put(ctx, fmt.Sprintf("k%03d", i), []byte("v"))
 		return err
+	}
+}
+
+// TestRangeMakesALostWatcherAgain: a request of Range lost on its way (a loaded server's JetStream API
+// drops what it cannot queue) is asked again after AttemptTimeout, within the caller's deadline. nats.go
+// waited for the answer to the watcher's create request until the caller's deadline, and `fleet nodes` (30 s)
+// ended with "kv range imagefleet-nodes-seen/>: context deadline exceeded"; the bucket's status, read for its
+// last revision, waited the same way.
+func TestRangeMakesALostWatcherAgain(t *testing.T) {
+	const bucket, n = "lost-range", 20
+	for _, tc := range []struct {
+		name, lost string // lost: the subject prefix of the request lost
+	}{
+		{"the watcher's create request", "$JS.API.CONSUMER.CREATE.KV_" + bucket + "."},
+		{"the bucket's status for its last revision", "$JS.API.STREAM.INFO.KV_" + bucket},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			srv := bustest.Server(t)
+			proxy := bustest.NewProxy(t, srv)
+			b, err := bus.Connect(t.Context(), proxy.URL(), bus.Options{Name: t.Name()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(b.Close)
+			kv, err := b.KV(t.Context(), bus.KVConfig{Bucket: bucket})
+			if err != nil {
+				t.Fatal(err)
+			}
+			for i := range n {
+				if _, err := kv.Put(t.Context(), fmt.Sprintf("k%02d", i), []byte("v")); err != nil {
+					t.Fatal(err)
+				}
+			}
+			lost := proxy.DropNext(1, func(subject string) bool { return strings.HasPrefix(subject, tc.lost) })
+			// Three attempts' worth: the old wait for the lost answer took all of it.
+			ctx, cancel := context.WithTimeout(t.Context(), 3*bus.AttemptTimeout)
+			defer cancel()
+			got := map[string]bool{}
+			if err := kv.Range(ctx, ">", func(e bus.Entry) bool { got[e.Key] = true; return true }); err != nil {
+				t.Fatalf("Range with its request lost: %v", err)
+			}
+			select {
+			case <-lost:
+			default:
+				t.Fatalf("no request to %s* was sent, so none was lost: the test cannot tell", tc.lost)
+			}
+			if len(got) != n {
+				t.Fatalf("Range gave %d keys, want %d", len(got), n)
+			}
+		})
 	}
 }

@@ -12,13 +12,15 @@ import (
 )
 
 // IsTransient reports whether err is a connection or JetStream availability problem that a retry after a
-// moment can fix (a server of the cluster went away, a stream leader is being elected).
+// moment can fix (a server of the cluster went away, a stream leader is being elected). A key-value watcher's
+// consumer is made by nats.go's older JetStream API, whose errors are its own types: a create request no
+// server took is its ErrJetStreamNotEnabled, a 503 its APIError; both count as they do from the newer one.
 func IsTransient(err error) bool {
 	return errors.Is(err, nats.ErrTimeout) || errors.Is(err, context.DeadlineExceeded) ||
 		errors.Is(err, nats.ErrNoResponders) || errors.Is(err, jetstream.ErrNoStreamResponse) ||
 		errors.Is(err, nats.ErrConnectionClosed) || errors.Is(err, nats.ErrDisconnected) ||
 		errors.Is(err, nats.ErrConnectionReconnecting) || errors.Is(err, jetstream.ErrJetStreamNotEnabled) ||
-		unavailable(err) || duplicateInProcess(err)
+		errors.Is(err, nats.ErrJetStreamNotEnabled) || unavailable(err) || duplicateInProcess(err)
 }
 
 // duplicateInProcess: the stream leader still has a message with the same Nats-Msg-Id in flight (10158,
@@ -36,7 +38,8 @@ const jsErrCodeDuplicateInProcess jetstream.ErrorCode = 10158
 // (503, while a cluster elects its leaders or lacks the servers a replicated stream needs).
 func unavailable(err error) bool {
 	var apiErr *jetstream.APIError
-	return errors.As(err, &apiErr) && apiErr.Code == 503
+	var legacyErr *nats.APIError
+	return errors.As(err, &apiErr) && apiErr.Code == 503 || errors.As(err, &legacyErr) && legacyErr.Code == 503
 }
 
 // retryTransient runs op until it succeeds, fails for good, or ctx ends: a transient failure (IsTransient,

@@ -32,6 +32,32 @@ func TestIsTransientDuplicateInProcess(t *testing.T) {
 	}
 }
 
+// TestIsTransientLegacyErrors: a key-value watcher's consumer is made by nats.go's older JetStream API, with
+// its own error types: a create request no server took (its ErrJetStreamNotEnabled) and a 503 are retried as
+// the newer API's are, a refusal over the consumer limit is not (and IsMaxConsumers names it).
+func TestIsTransientLegacyErrors(t *testing.T) {
+	maxConsumers := &nats.APIError{Code: 400, ErrorCode: 10026, Description: "maximum consumers limit reached"}
+	for _, tc := range []struct {
+		name               string
+		err                error
+		transient, maxCons bool
+	}{
+		{"no responders to a create", fmt.Errorf("kv watch: %w", nats.ErrJetStreamNotEnabled), true, false},
+		{"unavailable", fmt.Errorf("kv watch: %w", &nats.APIError{Code: 503, ErrorCode: 10008}), true, false},
+		{"over the consumer limit", fmt.Errorf("kv watch: %w", maxConsumers), false, true},
+		{"over the consumer limit, newer API", &jetstream.APIError{Code: 400, ErrorCode: 10026}, false, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := IsTransient(tc.err); got != tc.transient {
+				t.Errorf("IsTransient(%v) = %v, want %v", tc.err, got, tc.transient)
+			}
+			if got := IsMaxConsumers(tc.err); got != tc.maxCons {
+				t.Errorf("IsMaxConsumers(%v) = %v, want %v", tc.err, got, tc.maxCons)
+			}
+		})
+	}
+}
+
 // TestRetryWait: 200-300 ms apart while a cluster may be electing leaders, then growing from 500 ms to the
 // ceiling, spread.
 func TestRetryWait(t *testing.T) {
