@@ -1,6 +1,7 @@
 package puller
 
 import (
+	"context"
 	"encoding/json"
 	"slices"
 	"testing"
@@ -10,6 +11,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	k8stypes "k8s.io/apimachinery/pkg/types"
 
+	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
 )
@@ -128,7 +130,14 @@ func TestPodAddedEnqueuesPulls(t *testing.T) {
 		ids = append(ids, r.ID)
 	}
 	results := collectResults(t, sub, ids, 10*time.Second)
-	time.Sleep(300 * time.Millisecond)
+	// The event arrives again after the results: each of its requests is enqueued again (a subscriber to the
+	// queue's subject sees every publish, stored or dropped as a duplicate).
+	enqueued := subscribeEnqueued(t, b)
+	for again := map[string]bool{}; len(again) < len(ids); {
+		if id := enqueued(t); slices.Contains(ids, id) {
+			again[id] = true
+		}
+	}
 	close(stopPublishing)
 	if n := <-published; n < 2 {
 		t.Fatalf("the pod event was published %d times, want at least 2", n)
@@ -145,7 +154,8 @@ func TestPodAddedEnqueuesPulls(t *testing.T) {
 			t.Errorf("%s: %+v, want pulled", img, r)
 		}
 	}
-	// The repeated events' requests were dropped by the stream: no more pulls.
+	// The repeated events' requests were dropped by the stream: no more pulls. A negative check: the sleep
+	// gives a wrongly stored request the time to be pulled, and cannot make the test fail.
 	time.Sleep(300 * time.Millisecond)
 	if n := rt.pulls.Load(); n != 2 {
 		t.Errorf("runtime pulls = %d, want 2 (app and proxy, once each)", n)
@@ -156,5 +166,30 @@ func TestPodAddedEnqueuesPulls(t *testing.T) {
 	}
 	if st.LastSeq != uint64(len(reqs)) {
 		t.Errorf("requests stored in the pull queue = %d, want %d (the repeated event enqueued nothing)", st.LastSeq, len(reqs))
+	}
+}
+
+// subscribeEnqueued subscribes to the node's pull queue subject and returns a function that waits for the
+// next request published there (stored or dropped as a duplicate) and returns its id.
+func subscribeEnqueued(t *testing.T, b *bus.Bus) func(t *testing.T) string {
+	t.Helper()
+	sub, err := b.SubscribeSync(t.Context(), events.PullSubject(testNode))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(sub.Close)
+	return func(t *testing.T) string {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(t.Context(), bustest.Timeout)
+		defer cancel()
+		_, data, err := sub.Next(ctx)
+		if err != nil {
+			t.Fatalf("waiting for a pull request on %s: %v", events.PullSubject(testNode), err)
+		}
+		var req events.PullRequest
+		if err := json.Unmarshal(data, &req); err != nil {
+			t.Fatalf("pull request %s: %v", data, err)
+		}
+		return req.ID
 	}
 }

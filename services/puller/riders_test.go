@@ -47,7 +47,7 @@ func pullConsumer(t *testing.T, b *bus.Bus) bus.ConsumerState {
 func allDelivered(t *testing.T, b *bus.Bus) {
 	t.Helper()
 	var st bus.ConsumerState
-	for deadline := time.Now().Add(5 * time.Second); ; {
+	for deadline := time.Now().Add(bustest.Timeout); ; {
 		var err error
 		st, err = b.Consumer(t.Context(), events.PullStreamOf(testNode), events.PullerDurable(testNode))
 		if err != nil {
@@ -149,7 +149,7 @@ func noRiders(t *testing.T, b *bus.Bus, ids []string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	bustest.Eventually(t, "the riders records removed", 5*time.Second, func() error {
+	bustest.Eventually(t, "the riders records removed", bustest.Timeout, func() error {
 		for _, id := range ids {
 			got, err := rs.Riders(t.Context(), id)
 			if err != nil {

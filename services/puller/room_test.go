@@ -3,23 +3,23 @@ package puller
 import (
 	"context"
 	"errors"
-	"github.com/imagefleet/imagefleet/bus/bustest"
 	"io"
 	"log"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	goruntime "runtime"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
-	"time"
 
 	"github.com/google/go-containerregistry/pkg/name"
 	"github.com/google/go-containerregistry/pkg/registry"
 	"github.com/google/go-containerregistry/pkg/v1/random"
 	"github.com/google/go-containerregistry/pkg/v1/remote"
 
+	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
 	"github.com/imagefleet/imagefleet/services/cri"
 )
@@ -160,8 +160,9 @@ func TestConcurrentPullsShareOnePass(t *testing.T) {
 	for range 5 {
 		wg.Go(func() { errs <- r.make(t.Context(), sized, nil) })
 	}
-	bustest.WaitWithin(t, "a GC pass", 10*time.Second, func() bool { return d.passes.Load() != 0 })
-	time.Sleep(100 * time.Millisecond) // the other pulls reach the shared pass
+	bustest.WaitFor(t, "a GC pass", func() bool { return d.passes.Load() != 0 })
+	// A pull that had not joined the pass when it ended would run one of its own.
+	bustest.WaitFor(t, "the other four pulls waiting on the pass", func() bool { return joinedThePass() == 4 })
 	close(d.gate)
 	wg.Wait()
 	close(errs)
@@ -173,4 +174,28 @@ func TestConcurrentPullsShareOnePass(t *testing.T) {
 	if got := d.passes.Load(); got != 1 {
 		t.Errorf("GC passes = %d, want 1 shared by the five pulls", got)
 	}
+}
+
+// joinedThePass counts the pulls waiting for the GC pass another pull runs: goroutines in room.make parked
+// in singleflight's Do on the running call's WaitGroup, which a caller reaches only once it has joined that
+// call. Nothing in room shows them (a count kept before Do would take in a pull not yet joined), so the
+// goroutines' stacks are read.
+func joinedThePass() int {
+	buf := make([]byte, 1<<20)
+	for {
+		n := goruntime.Stack(buf, true)
+		if n < len(buf) {
+			buf = buf[:n]
+			break
+		}
+		buf = make([]byte, 2*len(buf))
+	}
+	joined := 0
+	for _, g := range strings.Split(string(buf), "\n\n") {
+		if strings.Contains(g, "puller.(*room).make(") && strings.Contains(g, "singleflight.(*Group).Do(") &&
+			strings.Contains(g, "sync.(*WaitGroup).Wait(") {
+			joined++
+		}
+	}
+	return joined
 }
