@@ -3,6 +3,7 @@ package removals
 import (
 	"fmt"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -52,6 +53,19 @@ func TestForeignRemovals(t *testing.T) {
 	bustest.VerifyNoLeaks(t)
 	_, b := bustest.Start(t)
 	reg := prometheus.NewRegistry()
+	// The worker's clock stands still from before the events until cc's removal is published, so the graces
+	// of bb and cc (from their events' times, at most a grace from now) cannot end before it however slow
+	// the machine: a removal published late would make cc reported. Then it moves a grace past any event.
+	const grace = 2 * time.Second
+	var held atomic.Bool
+	held.Store(true)
+	start := time.Now()
+	now := func() time.Time {
+		if held.Load() {
+			return start
+		}
+		return time.Now().Add(grace)
+	}
 	publish(t, b, events.ActionRemoved, events.ImageRemoved{ID: "sha256:aa", Size: 10, Reason: "space"})
 	publish(t, b, events.ActionVanished, events.ImageRecord{ID: "sha256:aa", Size: 10})
 	publish(t, b, events.ActionVanished, events.ImageRecord{ID: "sha256:bb", RepoTags: []string{"r/b:1"}, Size: 20})
@@ -60,15 +74,24 @@ func TestForeignRemovals(t *testing.T) {
 		t.Fatal(err)
 	}
 	run := func() (stop func()) {
-		s, err := New(Config{Node: node, Grace: 2 * time.Second, Registerer: reg}, b)
+		s, err := New(Config{Node: node, Grace: grace, Registerer: reg, Now: now}, b)
 		if err != nil {
 			t.Fatal(err)
 		}
 		return bustest.RunService(t, s)
 	}
 	stop := run()
-	time.Sleep(500 * time.Millisecond)
+	// cc's removal comes once the worker follows the stream (a message in flight: bb waits out its grace),
+	// not among the removals it reads at its start.
+	bustest.Eventually(t, "the worker following the stream", bustest.Timeout, func() error {
+		st, err := b.Consumer(t.Context(), events.EventsStream, events.RemovalsDurable(node))
+		if err == nil && st.NumAckPending == 0 {
+			err = fmt.Errorf("nothing in flight: %+v", st)
+		}
+		return err
+	})
 	publish(t, b, events.ActionRemoved, events.ImageRemoved{ID: "sha256:cc", Size: 30, Reason: "space"})
+	held.Store(false)
 	bustest.Eventually(t, "the removals consumer drained and a warning published", 15*time.Second, func() error {
 		st, err := b.Consumer(t.Context(), events.EventsStream, events.RemovalsDurable(node))
 		if err == nil && (st.NumPending != 0 || st.NumAckPending != 0 || len(warnings(t, b)) == 0) {
