@@ -418,34 +418,49 @@ func TokenInbox(token string) string {
 	return InboxRoot + "." + id
 }
 
-// Respond answers requests on subject, shared in queue group queue, with what fn returns sent as it is (no
-// events.Reply envelope: for protocols that define their own answer, such as nats-server's auth callout),
-// up to n at once, until ctx ends; then it unsubscribes and returns nil. A nil answer sends nothing.
-func (b *Bus) Respond(ctx context.Context, subject, queue string, n int, fn func(ctx context.Context, data []byte) []byte) error {
-	n = max(n, 1)
+// Responder is a subscription that answers requests with raw bytes once Serve runs (RespondListen).
+type Responder struct {
+	b       *Bus
+	subject string
+	n       int
+	fn      func(ctx context.Context, data []byte) []byte
+	ch      chan *nats.Msg
+	sub     *nats.Subscription
+}
+
+// RespondListen subscribes to subject, shared in queue group queue, for up to n answers at once, and
+// flushes, so the server holds the interest when it returns. Unlike Listen, what fn returns is sent as it is
+// (no events.Reply envelope): for protocols that define their own answer, such as nats-server's auth
+// callout. A nil answer sends nothing.
+func (b *Bus) RespondListen(ctx context.Context, subject, queue string, n int, fn func(ctx context.Context, data []byte) []byte) (*Responder, error) {
 	ch := make(chan *nats.Msg, 256)
 	sub, err := b.nc.ChanQueueSubscribe(subject, queue, ch)
 	if err != nil {
-		return fmt.Errorf("subscribe %s: %w", subject, err)
+		return nil, fmt.Errorf("subscribe %s: %w", subject, err)
 	}
 	fctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	err = b.nc.FlushWithContext(fctx)
-	cancel()
-	if err != nil && ctx.Err() == nil {
+	defer cancel()
+	if err := b.nc.FlushWithContext(fctx); err != nil {
 		_ = sub.Unsubscribe()
-		return fmt.Errorf("subscribe %s: flush: %w", subject, err)
+		return nil, fmt.Errorf("subscribe %s: flush: %w", subject, err)
 	}
+	return &Responder{b: b, subject: subject, n: max(n, 1), fn: fn, ch: ch, sub: sub}, nil
+}
+
+// Serve answers requests until ctx ends, then unsubscribes (the server has dropped the interest when it
+// returns, so a request sent after finds no responder here); it returns nil.
+func (r *Responder) Serve(ctx context.Context) error {
 	var wg sync.WaitGroup
-	for range n {
+	for range r.n {
 		wg.Go(func() {
 			for {
 				select {
 				case <-ctx.Done():
 					return
-				case m := <-ch:
-					if out := fn(ctx, m.Data); out != nil && m.Reply != "" {
+				case m := <-r.ch:
+					if out := r.fn(ctx, m.Data); out != nil && m.Reply != "" {
 						if err := m.Respond(out); err != nil {
-							b.log.Warn("nats respond", "subject", subject, "err", err)
+							r.b.log.Warn("nats respond", "subject", r.subject, "err", err)
 						}
 					}
 				}
@@ -453,11 +468,10 @@ func (b *Bus) Respond(ctx context.Context, subject, queue string, n int, fn func
 		})
 	}
 	<-ctx.Done()
-	_ = sub.Unsubscribe()
+	_ = r.sub.Unsubscribe()
 	wg.Wait()
-	// The server drops the interest before Respond returns, so a request sent after finds no responder here.
-	fctx, cancel = context.WithTimeout(context.Background(), 2*time.Second)
+	fctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
-	_ = b.nc.FlushWithContext(fctx)
+	_ = r.b.nc.FlushWithContext(fctx)
 	return nil
 }
