@@ -38,7 +38,7 @@ cluster (deploy/nats/cluster/server-{1,2,3}.conf). --listen and --store-dir over
 			return nil
 		},
 	}
-	cmd.AddCommand(newBusInitCmd(cl), newGenCredsCmd(cl), newBusStreamsCmd(cl), newBusRemoveLegacyPullCmd(cl))
+	cmd.AddCommand(newBusInitCmd(cl), newGenCredsCmd(cl), newBusStreamsCmd(cl), newBusRemoveLegacyPullCmd(cl), newBusAuthCalloutCmd(cl), newBusKeysCmd(cl))
 	fs := cmd.Flags()
 	fs.StringVar(&config, "config", "", "nats-server configuration file")
 	fs.StringVar(&listen, "listen", "", "client listen address host:port (overrides the file; default 127.0.0.1:4222)")
