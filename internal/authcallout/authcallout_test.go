@@ -126,7 +126,9 @@ func baseConfig(t testing.TB, log *slog.Logger) authcallout.Config {
 }
 
 func TestConfigIsValidated(t *testing.T) {
-	sa := func(name string) authcallout.ServiceAccount { return authcallout.ServiceAccount{Namespace: ns, Name: name} }
+	sa := func(name string) authcallout.ServiceAccount {
+		return authcallout.ServiceAccount{Namespace: ns, Name: name}
+	}
 	user, err := nkeys.CreateUser()
 	if err != nil {
 		t.Fatal(err)
@@ -140,7 +142,9 @@ func TestConfigIsValidated(t *testing.T) {
 		{"user key as issuer", func(c *authcallout.Config) { c.Issuer = user }, "auth callout: the issuer key is not an account nkey (a seed starting with SA)"},
 		{"nobody let in", func(c *authcallout.Config) { c.NodeServiceAccount, c.Roles = authcallout.ServiceAccount{}, nil },
 			"auth callout: no node service account and no role: every token would be refused"},
-		{"unknown role", func(c *authcallout.Config) { c.Roles = []authcallout.RoleBinding{{Role: "root", ServiceAccount: sa("x")}} },
+		{"unknown role", func(c *authcallout.Config) {
+			c.Roles = []authcallout.RoleBinding{{Role: "root", ServiceAccount: sa("x")}}
+		},
 			"auth callout: unknown role \"root\", want one of fleet, inventory, central, admin"},
 		{"two roles", func(c *authcallout.Config) {
 			c.Roles = append(c.Roles, authcallout.RoleBinding{Role: natsconf.RoleFleet, ServiceAccount: sa("operator")})
@@ -497,7 +501,9 @@ func TestNodeConnectsAsItsNode(t *testing.T) {
 	}
 	// Its own query, answered through its own inbox.
 	qry := events.QuerySubject("node-1", "ping")
-	go func() { _ = node.Serve(ctx, qry, "", func(context.Context, []byte) (any, error) { return "pong", nil }) }()
+	go func() {
+		_ = node.Serve(ctx, qry, "", func(context.Context, []byte) (any, error) { return "pong", nil })
+	}()
 	bustest.Eventually(t, "node-1 answers itself", 5*time.Second, func() error {
 		var got string
 		rctx, rcancel := context.WithTimeout(ctx, 500*time.Millisecond)
