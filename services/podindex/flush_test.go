@@ -322,18 +322,36 @@ func TestCatchUpSurvivesEventsRemovedBeforeDelivery(t *testing.T) {
 			t.Error(err)
 		}
 	}()
-	bustest.WaitFor(t, "the first events applied", func() bool { return s.State().Applied() > 0 })
+	// The events are purged while the applier is held (s.mu, which it takes for each event), so that it
+	// cannot apply them all before the purge however the goroutines are scheduled: held once Run is past its
+	// own use of s.mu at the start (lastWrite set), before the tail it then starts has applied anything, and
+	// let go once the tail has counted the events and they are purged.
+	var once sync.Once
+	release := func() { once.Do(s.mu.Unlock) }
+	bustest.WaitFor(t, "Run started (lastWrite set), then s.mu held", func() bool {
+		s.mu.Lock()
+		if s.lastWrite.IsZero() {
+			s.mu.Unlock()
+			return false
+		}
+		return true
+	})
+	defer release()
+	bustest.WaitFor(t, "the tail to count the events to catch up", func() bool { return s.catchUpLeft.Load() > 0 })
 	if err := stream.Purge(t.Context(), jetstream.WithPurgeSubject(events.PodEventSubjects(testNode))); err != nil {
 		t.Fatal(err)
 	}
+	release()
 	select {
 	case <-s.Ready():
 	case <-time.After(15 * time.Second):
 		t.Fatalf("queries still closed 15s after the purge: %v", s.errCatchingUp())
 	}
-	if applied := s.State().Applied(); applied >= last {
+	applied := s.State().Applied()
+	if applied >= last {
 		t.Fatalf("applied every event (%d of %d) before the purge: the test did not remove any before delivery", applied, last)
 	}
+	t.Logf("applied %d of %d events, the rest purged before delivery", applied, last)
 	if _, err := s.handleInUse(t.Context(), nil); err != nil {
 		t.Fatal(err)
 	}
