@@ -39,6 +39,7 @@ import (
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/deploy/natsconf"
+	"github.com/imagefleet/imagefleet/internal/authcallout"
 	"github.com/imagefleet/imagefleet/internal/testport"
 )
 
@@ -868,10 +869,39 @@ func checkDefaults(t *testing.T, c chart) {
 		t.Errorf("bus init Job: hook %q, ServiceAccount %q", init.hook, init.spec.ServiceAccountName)
 	}
 	conf := c.natsConf(t)
-	for _, want := range []string{"issuer: $ISSUER_PUB", `auth_users: [ "callout" ]`, "account: AUTH",
-		`{ user: "callout", password: $CALLOUT_PASSWORD }`, "jetstream: enabled", "tls {"} {
+	// The names of the callout's contract, as deploy/natsconf and internal/authcallout spell them.
+	for _, want := range []string{"issuer: $" + natsconf.DefaultIssuerEnv, fmt.Sprintf("auth_users: [ %q ]", natsconf.CalloutUser),
+		"account: " + natsconf.CalloutAccount, natsconf.Account + " {\n    jetstream: enabled",
+		fmt.Sprintf("{ user: %q, password: $%s }", natsconf.CalloutUser, natsconf.DefaultPasswordEnv), "tls {"} {
 		if !strings.Contains(conf, want) {
 			t.Errorf("nats.conf lacks %q:\n%s", want, conf)
+		}
+	}
+	env := map[string]string{}
+	for _, e := range c.pod(t, "StatefulSet/imagefleet-nats").spec.Containers[0].Env {
+		if e.ValueFrom != nil && e.ValueFrom.SecretKeyRef != nil {
+			env[e.Name] = e.ValueFrom.SecretKeyRef.Name + "/" + e.ValueFrom.SecretKeyRef.Key
+		}
+	}
+	if want := map[string]string{natsconf.DefaultIssuerEnv: "imagefleet-nats-keys/" + authcallout.KeyIssuerPub,
+		natsconf.DefaultPasswordEnv: "imagefleet-nats-keys/" + authcallout.KeyPassword}; !maps.Equal(env, want) {
+		t.Errorf("NATS servers' environment from Secrets %v, want %v", env, want)
+	}
+	calloutPod := c.pod(t, "Deployment/imagefleet-auth-callout")
+	keysVol, _ := calloutPod.volume("keys")
+	var items []string
+	if keysVol.Secret != nil && keysVol.Secret.SecretName == "imagefleet-nats-keys" {
+		for _, it := range keysVol.Secret.Items {
+			items = append(items, it.Key)
+		}
+	}
+	if !slices.Equal(items, []string{authcallout.KeyPassword, authcallout.KeyIssuerSeed}) {
+		t.Errorf("auth callout mounts %v of imagefleet-nats-keys, want its password and issuer seed", items)
+	}
+	for _, a := range []string{"--password-file=/etc/imagefleet/callout/" + authcallout.KeyPassword,
+		"--issuer-seed-file=/etc/imagefleet/callout/" + authcallout.KeyIssuerSeed, "--user=" + natsconf.CalloutUser} {
+		if !slices.Contains(calloutPod.args(), a) {
+			t.Errorf("auth callout args %q lack %s", calloutPod.args(), a)
 		}
 	}
 	if strings.Contains(conf, "cluster {") {
