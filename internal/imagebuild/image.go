@@ -24,7 +24,7 @@ const (
 	CABundlePath = "/etc/ssl/certs/ca-certificates.crt"
 	// UserName, UID and GID are the image's default user. The config names it by number, not by name:
 	// the kubelet can only check runAsNonRoot against a numeric user. 65532 is the "nonroot" of the
-	// distroless images, which deploy/kubernetes already sets for the inventory Deployment.
+	// distroless images, which the chart's central Deployment runs as.
 	UserName = "imagefleet"
 	UID      = 65532
 	GID      = 65532
