@@ -42,10 +42,12 @@ var (
 	}, []string{"consumer"})
 	pullsLost = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "imagefleet_bus_pulls_lost_total",
-		Help: "Pull requests of a durable consumer found lost and sent again, by how: no_heartbeat (the server's " +
-			"heartbeats on it stopped for 2 s), no_responders (no server took it), leader_changed (a new consumer " +
-			"leader dropped it), consumer_deleted (the consumer was deleted: made anew), refused (another status " +
-			"ended it), watchdog (the stall watchdog found none waiting, messages stuck, or no answer: made anew).",
+		Help: "Pull requests of a durable consumer (or of the readers of Tail on a stream: consumer=tail:<stream>) " +
+			"found lost and sent again, by how: no_heartbeat (the server's heartbeats on it stopped for 2 s), " +
+			"no_responders (no server took it), leader_changed (a new consumer leader dropped it), consumer_deleted " +
+			"(the consumer was deleted: made anew), refused (another status ended it), watchdog (the stall watchdog " +
+			"found none waiting, messages stuck, or no answer: made anew), sequence_gap (a reader's delivery " +
+			"skipped a message: made anew after the last one it took).",
 	}, []string{"consumer", "reason"})
 	requestsServed = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "imagefleet_bus_requests_served_total",
@@ -89,6 +91,12 @@ func initConsumerMetrics(consumer string) {
 	for _, cv := range []*prometheus.CounterVec{msgsConsumed, msgsAcked, msgsNaked, msgsTerminated, handlerErrors, deadLetters} {
 		cv.WithLabelValues(consumer)
 	}
+	initLostPullMetrics(consumer)
+}
+
+// initLostPullMetrics exports imagefleet_bus_pulls_lost_total of a pull loop at 0: a durable consumer's, or
+// tail:<stream> for the readers of Tail on stream.
+func initLostPullMetrics(consumer string) {
 	for _, reason := range lostReasons {
 		pullsLost.WithLabelValues(consumer, reason)
 	}

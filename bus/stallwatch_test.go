@@ -173,21 +173,26 @@ func equalDurations(a, b []time.Duration) bool {
 	return true
 }
 
-// TestDeliveryReadsItsAckSubject: a delivered message's count and stream sequence are read from its reply
-// subject in both of nats-server's forms (v2, with the domain and account hash, behind a feature flag), and a
-// reply that is no ack subject is refused rather than read wrong.
+// TestDeliveryReadsItsAckSubject: a delivered message's consumer, count, stream and consumer sequences, time
+// and pending count are read from its reply subject in both of nats-server's forms (v2, with the domain and
+// account hash, behind a feature flag), and a reply that is no ack subject is refused rather than read wrong.
 func TestDeliveryReadsItsAckSubject(t *testing.T) {
+	type read struct {
+		consumer                                 string
+		delivered, seq, consumerSeq, ts, pending uint64
+	}
 	for _, tc := range []struct {
-		name, reply    string
-		delivered, seq uint64
-		wantErr        bool
+		name, reply string
+		want        read
+		wantErr     bool
 	}{
-		{"v1", "$JS.ACK.EVENTS.removals-n1.3.1207.40.1764250000000000000.5", 3, 1207, false},
-		{"v2", "$JS.ACK._.ACCHASH.EVENTS.removals-n1.2.88.9.1764250000000000000.0", 2, 88, false},
-		{"v2 with a token more", "$JS.ACK.hub.ACCHASH.EVENTS.removals-n1.1.7.7.1764250000000000000.0.x1y2", 1, 7, false},
-		{"not an ack subject", "_INBOX.abc.def", 0, 0, true},
-		{"ten tokens", "$JS.ACK.a.b.EVENTS.c.1.2.3.4", 0, 0, true},
-		{"not a number", "$JS.ACK.EVENTS.c.x.2.3.4.5", 0, 0, true},
+		{"v1", "$JS.ACK.EVENTS.removals-n1.3.1207.40.1764250000000000000.5", read{"removals-n1", 3, 1207, 40, 1764250000000000000, 5}, false},
+		{"v2", "$JS.ACK._.ACCHASH.EVENTS.removals-n1.2.88.9.1764250000000000000.0", read{"removals-n1", 2, 88, 9, 1764250000000000000, 0}, false},
+		{"v2 with a token more", "$JS.ACK.hub.ACCHASH.EVENTS.tail_X.1.7.7.1764250000000000000.0.x1y2", read{"tail_X", 1, 7, 7, 1764250000000000000, 0}, false},
+		{"not an ack subject", "_INBOX.abc.def", read{}, true},
+		{"ten tokens", "$JS.ACK.a.b.EVENTS.c.1.2.3.4", read{}, true},
+		{"not a number", "$JS.ACK.EVENTS.c.x.2.3.4.5", read{}, true},
+		{"pending not a number", "$JS.ACK.EVENTS.c.1.2.3.4.x", read{}, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			d, err := newDelivery(nil, &nats.Msg{Reply: tc.reply})
@@ -197,8 +202,12 @@ func TestDeliveryReadsItsAckSubject(t *testing.T) {
 				}
 				return
 			}
-			if err != nil || d.numDelivered != tc.delivered || d.streamSeq != tc.seq {
-				t.Fatalf("%q: delivered %v, seq %v, %v; want %d, %d", tc.reply, d.numDelivered, d.streamSeq, err, tc.delivered, tc.seq)
+			if err != nil {
+				t.Fatalf("%q: %v", tc.reply, err)
+			}
+			got := read{d.consumer, d.numDelivered, d.streamSeq, d.consumerSeq, uint64(d.time.UnixNano()), d.pending}
+			if got != tc.want {
+				t.Fatalf("%q read as %+v, want %+v", tc.reply, got, tc.want)
 			}
 		})
 	}

@@ -8,80 +8,85 @@ import (
 	"strings"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
 // Tail delivers the messages of stream matching filter in stream order, from startSeq (0: the first), the
-// stored ones then the new ones, to fn, until ctx ends (nil) or fn returns an error (returned as is). It uses
-// an ordered consumer: no acks and no server-side state, the caller keeps its own position (the last
-// sequence fn accepted) and resumes from it after an error or a restart. A connection error is returned
+// stored ones then the new ones, to fn, until ctx ends (nil) or fn returns an error (returned as is). It reads
+// with an ordered consumer: no acks and no server-side state, the caller keeps its own position (the last
+// sequence fn accepted) and resumes from it after an error or a restart. A closed connection is returned
 // (wrapped) so the caller resumes from its position.
 func (b *Bus) Tail(ctx context.Context, stream, filter string, startSeq uint64, fn func(StreamMsg) error) error {
 	return b.TailFrom(ctx, stream, filter, startSeq, nil, fn)
 }
 
+// tailWindow is how many messages Tail asks for ahead of fn (what it asked of nats.go's iterator).
+const tailWindow = 2048
+
+// tailInactive is how long the server keeps a Tail's consumer that nobody pulls from (nats.go's ordered
+// consumer's): the consumers a reader leaves behind (one made anew, one of a Tail that returned) go then; a
+// node may make them, not delete them.
+const tailInactive = 5 * time.Minute
+
 // TailFrom is Tail that first calls onStart (when not nil) with how many messages matching filter the
 // stream held from startSeq on when the consumer was made: 0 means the reader is caught up before any
 // message arrives. It is called again each time Tail is called, not when the ordered consumer is remade
 // inside one call.
+//
+// The reader pulls with the loop Consume uses (pullLoop), its consumer made anew when a delivery skips a
+// message or no server takes its requests: nats.go's iterator (Messages) lost pull requests as it did for
+// Consume, and noticed only after two missed 5 s heartbeats, or when the stream's next message showed the
+// gap; here a lost request is sent again within 2 s (TestTailNoticesALostPull).
 func (b *Bus) TailFrom(ctx context.Context, stream, filter string, startSeq uint64, onStart func(pending uint64), fn func(StreamMsg) error) error {
-	occ := jetstream.OrderedConsumerConfig{}
-	if filter != "" {
-		occ.FilterSubjects = []string{filter}
+	name := "tail:" + stream
+	initLostPullMetrics(name)
+	l := b.newPullLoop("tail "+stream, name, stream, tailWindow, 1)
+	l.log = l.log.With("filter", filter)
+	l.ordered = true
+	l.closedErr = fmt.Errorf("tail %s: %w", stream, nats.ErrConnectionClosed)
+	l.open = func(ctx context.Context, from uint64) (jetstream.Consumer, error) {
+		cc := jetstream.ConsumerConfig{
+			Name:              "tail_" + rand.Text(),
+			DeliverPolicy:     jetstream.DeliverAllPolicy,
+			AckPolicy:         jetstream.AckNonePolicy,
+			InactiveThreshold: tailInactive,
+			Replicas:          1,
+			MemoryStorage:     true,
+			FilterSubject:     filter,
+		}
+		if from == 0 {
+			from = startSeq
+		}
+		if from > 0 {
+			cc.DeliverPolicy, cc.OptStartSeq = jetstream.DeliverByStartSequencePolicy, from
+		}
+		var cons jetstream.Consumer
+		err := b.retryTransient(ctx, "tail "+stream, func(actx context.Context) (err error) {
+			cons, err = b.js.CreateConsumer(actx, stream, cc)
+			return err
+		})
+		if err != nil {
+			return nil, fmt.Errorf("tail %s: %w", stream, err)
+		}
+		return cons, nil
 	}
-	if startSeq > 0 {
-		occ.DeliverPolicy = jetstream.DeliverByStartSequencePolicy
-		occ.OptStartSeq = startSeq
+	l.handle = func(_ context.Context, d *delivery) error {
+		return fn(StreamMsg{Subject: d.m.Subject, Header: d.m.Header, Data: d.m.Data, Seq: d.streamSeq, Time: d.time,
+			Pending: d.pending, Origin: originSeq(d.m.Header.Get(headerStreamSource))})
 	}
-	cons, err := b.js.OrderedConsumer(ctx, stream, occ)
+	cons, err := l.open(ctx, 0)
 	if err != nil {
 		if ctx.Err() != nil {
 			return nil
 		}
-		return fmt.Errorf("tail %s: %w", stream, err)
-	}
-	it, err := cons.Messages(jetstream.PullMaxMessages(2048))
-	if err != nil {
-		return fmt.Errorf("tail %s: %w", stream, err)
+		return err
 	}
 	if onStart != nil {
-		var pending uint64
-		if info := cons.CachedInfo(); info != nil {
-			pending = info.NumPending
-		}
-		onStart(pending)
+		onStart(cons.CachedInfo().NumPending)
 	}
-	done := make(chan struct{})
-	stopped := make(chan struct{})
-	go func() {
-		defer close(stopped)
-		select {
-		case <-ctx.Done():
-		case <-done:
-		}
-		it.Stop()
-	}()
-	defer func() {
-		close(done)
-		<-stopped
-	}()
-	for {
-		jm, err := it.Next()
-		if err != nil {
-			if ctx.Err() != nil {
-				return nil
-			}
-			return fmt.Errorf("tail %s: %w", stream, err)
-		}
-		sm := StreamMsg{Subject: jm.Subject(), Header: jm.Headers(), Data: jm.Data()}
-		if meta, mErr := jm.Metadata(); mErr == nil {
-			sm.Seq, sm.Time, sm.Pending = meta.Sequence.Stream, meta.Timestamp, meta.NumPending
-		}
-		sm.Origin = originSeq(sm.Header.Get(headerStreamSource))
-		if err := fn(sm); err != nil {
-			return err
-		}
-	}
+	l.use(cons)
+	return l.run(ctx)
 }
 
 // headerStreamSource is the header the server adds to a message it copies into a stream that sources
