@@ -95,7 +95,8 @@ func startACLab(t testing.TB) *acLab {
 	}
 	tok := l.token("imagefleet-callout", "", nil, time.Hour)
 	if l.reviewer, err = kubernetes.NewForConfig(&rest.Config{Host: l.kube.Server(), BearerToken: tok,
-		TLSClientConfig: rest.TLSClientConfig{CAFile: l.kube.CAFile()}}); err != nil {
+		TLSClientConfig: rest.TLSClientConfig{CAFile: l.kube.CAFile()},
+		QPS:             authcallout.ReviewQPS, Burst: authcallout.ReviewBurst}); err != nil {
 		t.Fatal(err)
 	}
 	// The keys as `imagefleet bus keys` keeps them (the chart's pre-install hook), and the server from the

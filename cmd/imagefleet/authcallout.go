@@ -91,9 +91,7 @@ The callout connects with the global flags as one of the server's auth_users (--
 				return err
 			}
 			rc = rest.CopyConfig(rc)
-			// A restarted NATS server brings every client back at once: client-go's default 5 requests/s would
-			// queue their reviews past the server's 2 s auth timeout. The API server's own fairness still applies.
-			rc.QPS, rc.Burst, rc.UserAgent = 200, 400, "imagefleet-auth-callout/"+agentVersion()
+			rc.QPS, rc.Burst, rc.UserAgent = authcallout.ReviewQPS, authcallout.ReviewBurst, "imagefleet-auth-callout/"+agentVersion()
 			cs, err := kubernetes.NewForConfig(rc)
 			if err != nil {
 				return fmt.Errorf("kubernetes client: %w", err)

@@ -20,6 +20,14 @@ const (
 	DefaultConcurrency = 8
 )
 
+// ReviewQPS and ReviewBurst are the client-side rate of the callout's API server client. A restarted NATS
+// server brings every client back at once; at client-go's default (5 requests/s, burst 10) their reviews
+// queue past the server's 2 s auth timeout and are refused. The API server's own fairness still applies.
+const (
+	ReviewQPS   = 200
+	ReviewBurst = 400
+)
+
 // Config configures the callout.
 type Config struct {
 	// Issuer signs the answers and the users they carry: the account nkey whose public key is the server
