@@ -580,7 +580,7 @@ func TestChartRenders(t *testing.T) {
 					t.Errorf("NATS_ROUTES = %s: want the three servers with the route password", routes)
 				}
 				c.must(t, "PodDisruptionBudget", release+"-nats")
-				if v, _ := flagOf(c.pod(t, "Job/imagefleet-bus-init").args(), "--stream-replicas"); v != "3" {
+				if v, _ := flagOf(c.pod(t, "Job/imagefleet-bus-init-r1").args(), "--stream-replicas"); v != "3" {
 					t.Errorf("bus init --stream-replicas=%q, want 3", v)
 				}
 			case "existing nats", "nkey":
@@ -603,7 +603,7 @@ func TestChartRenders(t *testing.T) {
 							}
 						}
 					}
-					if v, _ := flagOf(c.pod(t, "Job/imagefleet-bus-init").args(), "--nkey"); v != "/etc/imagefleet/nkey/admin.nk" {
+					if v, _ := flagOf(c.pod(t, "Job/imagefleet-bus-init-r1").args(), "--nkey"); v != "/etc/imagefleet/nkey/admin.nk" {
 						t.Errorf("bus init --nkey=%q", v)
 					}
 				}
@@ -864,9 +864,10 @@ func checkDefaults(t *testing.T, c chart) {
 			t.Errorf("%s imagefleet-nats-keys: annotations %v: want a pre-install hook made before the Job", kind, meta)
 		}
 	}
-	init := c.pod(t, "Job/imagefleet-bus-init")
-	if init.hook != "post-install,post-upgrade" || init.spec.ServiceAccountName != "imagefleet-operator" {
-		t.Errorf("bus init Job: hook %q, ServiceAccount %q", init.hook, init.spec.ServiceAccountName)
+	init := c.pod(t, "Job/imagefleet-bus-init-r1")
+	// A plain Job, not a hook: helm install --wait waits for it, and the agents are Ready only after it ran.
+	if init.hook != "" || init.spec.ServiceAccountName != "imagefleet-operator" {
+		t.Errorf("bus init Job: hook %q (want none), ServiceAccount %q", init.hook, init.spec.ServiceAccountName)
 	}
 	conf := c.natsConf(t)
 	// The names of the callout's contract, as deploy/natsconf and internal/authcallout spell them.
@@ -1204,8 +1205,9 @@ var renderedHeader = strings.ReplaceAll(`# imagefleet as the chart installs it w
 # imagefleet-nats-tls, which Helm generates at install (a CA and the certificate of the NATS servers), is
 # left out, since its keys must not be in a repository: create it first, with ca.crt, tls.crt and tls.key for
 # the names imagefleet-nats.imagefleet.svc and *.imagefleet-nats-headless.imagefleet.svc.cluster.local. And
-# the hook Jobs (imagefleet-nats-keys, imagefleet-bus-init) run as plain Jobs beside everything else,
-# retried until what they need is up.
+# the keys hook Job (imagefleet-nats-keys) runs as a plain Job beside everything else, retried until what it
+# needs is up; before applying a newer file, delete the completed Job imagefleet-bus-init-r1 (a Job's pod
+# template cannot change).
 `, "'", "`")
 
 // renderedManifest is the default render without the generated TLS Secret (new keys at every render).

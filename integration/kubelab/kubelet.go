@@ -182,7 +182,7 @@ evictionHard:
   imagefs.inodesFree: "5%%"
 %s`, c.opts.CRIEndpoint, c.StaticPodPath(), filepath.Join(run, "pod-logs"), filepath.Join(run, "volume-plugins"),
 		ip, c.KubeletPort, c.KubeletHealthzPort, c.CAFile(), c.opts.KubeletConfig)
-	cfgPath := filepath.Join(run, "kubelet-config.yaml")
+	cfgPath := c.KubeletConfigPath()
 	if err := os.WriteFile(cfgPath, []byte(cfg), 0o644); err != nil {
 		return err
 	}
@@ -194,6 +194,29 @@ evictionHard:
 	if err := c.kubelet.start(); err != nil {
 		return fmt.Errorf("kubelab: %w", err)
 	}
+	return c.waitKubelet(ctx)
+}
+
+// KubeletConfigPath is the kubelet's configuration file (KubeletConfiguration).
+func (c *Cluster) KubeletConfigPath() string { return filepath.Join(c.dir, "kubelet-config.yaml") }
+
+// RestartKubelet stops the kubelet (SIGTERM, then SIGKILL after grace) and starts it again with the same
+// flags, as a node's kubelet restarts: the pods go on running in the runtime. It returns once the node is
+// Ready again with its Pods API socket.
+func (c *Cluster) RestartKubelet(ctx context.Context, grace time.Duration) error {
+	if c.kubelet == nil {
+		return fmt.Errorf("kubelab: no kubelet in this lab (Options.CRIEndpoint)")
+	}
+	c.kubelet.stop(grace)
+	if err := c.kubelet.start(); err != nil {
+		return fmt.Errorf("kubelab: %w", err)
+	}
+	return c.waitKubelet(ctx)
+}
+
+// waitKubelet waits for the kubelet's healthz, its Pods API socket and its Node Ready.
+func (c *Cluster) waitKubelet(ctx context.Context) error {
+	node := c.opts.Nodes[0]
 	if err := c.waitHTTP(ctx, c.kubelet, fmt.Sprintf("http://127.0.0.1:%d/healthz", c.KubeletHealthzPort), nil, 60*time.Second); err != nil {
 		return err
 	}
