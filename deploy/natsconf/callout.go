@@ -73,6 +73,10 @@ type CalloutOptions struct {
 	VerifyClients bool
 	// Cluster, when set, makes the server one of a cluster (one per replica).
 	Cluster *CalloutCluster
+	// Hosts are nkey identities for hosts outside Kubernetes (as Generate makes them: a node's seed on its
+	// host, with its NodePermissions): users of the account that the server checks itself, listed in
+	// auth_users so the callout never sees them.
+	Hosts []Identity
 	// IssuerEnv and PasswordEnv name the environment variables holding the issuer's public key (issuer.pub
 	// of `imagefleet bus keys`) and the callout user's password (callout.password); defaults
 	// DefaultIssuerEnv and DefaultPasswordEnv. Secrets stay out of the file: the server reads them at start.
@@ -173,10 +177,28 @@ func RenderCallout(o CalloutOptions) ([]byte, error) {
 		}
 		b.WriteString("}\n")
 	}
-	fmt.Fprintf(&b, "accounts {\n  %s {\n    jetstream: enabled\n  }\n", Account)
+	fmt.Fprintf(&b, "accounts {\n  %s {\n    jetstream: enabled\n", Account)
+	authUsers := []string{CalloutUser}
+	if len(o.Hosts) > 0 {
+		b.WriteString("    users: [\n")
+		for _, id := range o.Hosts {
+			if id.Public == "" || id.LeafOnly {
+				return nil, fmt.Errorf("render callout config: host %q needs an nkey for client connections", id.Name)
+			}
+			fmt.Fprintf(&b, "      # %s %s\n      {\n        nkey: %s\n        permissions: {\n", id.Role, id.Name, q(id.Public))
+			fmt.Fprintf(&b, "          publish: { allow: %s }\n          subscribe: { allow: %s }\n", list(id.Perms.Publish), list(id.Perms.Subscribe))
+			if id.Perms.AllowResponses {
+				b.WriteString("          allow_responses: true\n")
+			}
+			b.WriteString("        }\n      }\n")
+			authUsers = append(authUsers, id.Public)
+		}
+		b.WriteString("    ]\n")
+	}
+	b.WriteString("  }\n")
 	fmt.Fprintf(&b, "  %s {\n    users: [\n      { user: %s, password: $%s }\n    ]\n  }\n}\n", CalloutAccount, q(CalloutUser), passwordEnv)
 	b.WriteString("authorization {\n  auth_callout {\n")
-	fmt.Fprintf(&b, "    issuer: $%s\n    auth_users: [ %s ]\n    account: %s\n", issuerEnv, q(CalloutUser), CalloutAccount)
+	fmt.Fprintf(&b, "    issuer: $%s\n    auth_users: %s\n    account: %s\n", issuerEnv, list(authUsers), CalloutAccount)
 	b.WriteString("  }\n}\n")
 	return b.Bytes(), nil
 }

@@ -84,11 +84,16 @@ func TestCalloutConfigServes(t *testing.T) {
 	const password = "p0123456789abcdef"
 	t.Setenv(natsconf.DefaultIssuerEnv, pub)
 	t.Setenv(natsconf.DefaultPasswordEnv, password)
-	conf, err := natsconf.RenderCallout(natsconf.CalloutOptions{})
+	dir := t.TempDir()
+	// A host outside Kubernetes keeps its nkey: its user is checked by the server, never by the callout.
+	hosts, err := natsconf.Generate(filepath.Join(dir, "hosts"), natsconf.Options{Nodes: []string{"host-1"}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	dir := t.TempDir()
+	conf, err := natsconf.RenderCallout(natsconf.CalloutOptions{Hosts: hosts.Identities[:1]})
+	if err != nil {
+		t.Fatal(err)
+	}
 	file := filepath.Join(dir, "nats.conf")
 	if err := os.WriteFile(file, conf, 0o600); err != nil {
 		t.Fatal(err)
@@ -115,6 +120,9 @@ func TestCalloutConfigServes(t *testing.T) {
 	}
 	if err := connect(bus.Options{User: natsconf.CalloutUser, PasswordFile: write("pw", password)}); err != nil {
 		t.Errorf("the callout's user with its password: %v", err)
+	}
+	if err := connect(bus.Options{NKeyFile: hosts.Identities[0].SeedFile}); err != nil {
+		t.Errorf("a host's nkey with no callout running: %v", err)
 	}
 	err = connect(bus.Options{User: natsconf.CalloutUser, PasswordFile: write("bad", "pwrong")})
 	if err == nil || bus.IsUnreachable(err) || !strings.Contains(err.Error(), "refused user callout") {
