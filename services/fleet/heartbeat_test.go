@@ -309,9 +309,9 @@ func TestHeartbeatStuckWriteGivesWayToAFreshOne(t *testing.T) {
 		return err == nil && found
 	})
 	t.Logf("first heartbeat after the outage: made %s, stored %s", got.Heartbeat.Format(time.RFC3339Nano), storedAt.Format(time.RFC3339Nano))
-	// A beat is made at most one period before its write is stored: the one made when the stream went
-	// would be about the outage old.
-	if age := storedAt.Sub(got.Heartbeat); age > 2*period {
-		t.Errorf("first heartbeat stored after a %v outage was made %v before; want under %v", outage, age.Round(time.Millisecond), 2*period)
+	// A beat is made at most one period before its write is stored, give or take a loaded machine's delays;
+	// the one made when the stream went would be about the outage old.
+	if age := storedAt.Sub(got.Heartbeat); age > outage/2 {
+		t.Errorf("first heartbeat stored after a %v outage was made %v before; want under %v (one period: %v)", outage, age.Round(time.Millisecond), outage/2, period)
 	}
 }

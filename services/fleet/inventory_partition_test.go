@@ -8,6 +8,7 @@ import (
 	"net"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -247,14 +248,13 @@ func TestInventoryPartitionedReplicaKilledMidCatchUpLosesNothing(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The cut must come while most events are left, and a replica applies thousands a second: the proxy
+	// freezes the doomed replica's connections (passes nothing more either way) once it has applied 200,
+	// checked before each read from the server reaches it, so it cannot apply the rest before the cut
+	// however the goroutines are scheduled.
+	px.freezeWhen(func() bool { return r1.Stats().Applied >= 200 })
 	stop1 := bustest.RunService(t, r1)
-	// Polled every millisecond, not on bustest's growing interval (up to 100 ms): with acks not waited for,
-	// a replica applies thousands of events a second, and the cut must come while most are left.
-	for deadline := time.Now().Add(time.Minute); r1.Stats().Applied < 200; time.Sleep(time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("the doomed replica applied %d events in a minute, want 200", r1.Stats().Applied)
-		}
-	}
+	bustest.WaitWithin(t, "the doomed replica frozen after 200 events", time.Minute, px.frozen)
 	px.cut()
 	killedAt := r1.Stats().Applied
 	if killedAt >= int64(len(evs)) {
@@ -309,12 +309,51 @@ func TestInventoryPartitionedBesideTheSharedDurable(t *testing.T) {
 	stopOld()
 }
 
-// cutProxy forwards TCP connections to a server until cut, which closes them all and refuses new ones.
+// cutProxy forwards TCP connections to a server until cut, which closes them all and refuses new ones. Once
+// the condition given to freezeWhen holds (checked before each read from the server is passed on), it passes
+// nothing more either way until the cut: the client's connection goes silent at that point.
 type cutProxy struct {
-	url   string
-	ln    net.Listener
-	mu    sync.Mutex
-	conns []net.Conn
+	url        string
+	ln         net.Listener
+	mu         sync.Mutex
+	conns      []net.Conn
+	freezeCond atomic.Pointer[func() bool]
+	freeze     sync.Once
+	isFrozen   chan struct{}
+}
+
+func (px *cutProxy) freezeWhen(cond func() bool) { px.freezeCond.Store(&cond) }
+
+// frozen reports whether the proxy has frozen its connections.
+func (px *cutProxy) frozen() bool {
+	select {
+	case <-px.isFrozen:
+		return true
+	default:
+		return false
+	}
+}
+
+// pass copies src to dst until either fails; from the freeze on, it reads src and passes nothing. Only the
+// server's side checks the condition (toClient).
+func (px *cutProxy) pass(dst io.Writer, src io.Reader, toClient bool) {
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := src.Read(buf)
+		if n > 0 {
+			if cond := px.freezeCond.Load(); toClient && cond != nil && (*cond)() {
+				px.freeze.Do(func() { close(px.isFrozen) })
+			}
+			if !px.frozen() {
+				if _, werr := dst.Write(buf[:n]); werr != nil {
+					return
+				}
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
 }
 
 func startCutProxy(t *testing.T, target string) *cutProxy {
@@ -324,7 +363,7 @@ func startCutProxy(t *testing.T, target string) *cutProxy {
 	if err != nil {
 		t.Fatal(err)
 	}
-	px := &cutProxy{url: "nats://" + ln.Addr().String(), ln: ln}
+	px := &cutProxy{url: "nats://" + ln.Addr().String(), ln: ln, isFrozen: make(chan struct{})}
 	var wg sync.WaitGroup
 	wg.Add(1)
 	go func() {
@@ -343,8 +382,8 @@ func startCutProxy(t *testing.T, target string) *cutProxy {
 			px.conns = append(px.conns, c, s)
 			px.mu.Unlock()
 			wg.Add(2)
-			go func() { defer wg.Done(); _, _ = io.Copy(s, c); s.Close() }()
-			go func() { defer wg.Done(); _, _ = io.Copy(c, s); c.Close() }()
+			go func() { defer wg.Done(); px.pass(s, c, false); s.Close() }()
+			go func() { defer wg.Done(); px.pass(c, s, true); c.Close() }()
 		}
 	}()
 	t.Cleanup(func() { px.cut(); wg.Wait() })

@@ -7,6 +7,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
@@ -37,10 +38,25 @@ func TestRolloutStreamsResults(t *testing.T) {
 	)
 	req := events.GCRequest{ID: "gc-stream-1", AllUnused: true}
 	gc := fleet.GCAction(b, req)
+	// The second batch's two nodes wait for each other before they are acted on, so that two are acted on
+	// at once however the goroutines are scheduled; a rollout that acted on them one at a time would keep
+	// the first waiting in vain, and the peak below would say so.
+	met := make(chan struct{})
+	var meet sync.Once
 	act := func(ctx context.Context, node string) events.RolloutNodeResult {
 		n := running.Add(1)
 		defer running.Add(-1)
 		for p := peak.Load(); n > p && !peak.CompareAndSwap(p, n); p = peak.Load() {
+		}
+		if n >= 2 {
+			meet.Do(func() { close(met) })
+		}
+		if node == nodes[1] || node == nodes[2] {
+			select {
+			case <-met:
+			case <-ctx.Done():
+			case <-time.After(bustest.Timeout):
+			}
 		}
 		return gc(ctx, node)
 	}
