@@ -362,7 +362,9 @@ func TestKubeletSource(t *testing.T) {
 	srv.breakStreams()
 	bustest.WaitFor(t, "the source to open a new stream", func() bool { return srv.streamCount() > n+1 })
 	waitHealth(t, "after a broken stream", src.Health, true)
-	time.Sleep(100 * time.Millisecond) // let a wrongly published event reach the counter
+	// A negative check: the sleep lets a wrongly published event reach the counter, and cannot make the
+	// test fail.
+	time.Sleep(100 * time.Millisecond)
 	wantCounts(t, "resync with nothing changed", pub.take(), 0, 0, 0)
 
 	// The index loses the static pod (as if its event had been discarded from the stream before the index
@@ -390,6 +392,8 @@ func TestKubeletSource(t *testing.T) {
 	srv.breakStreams()
 	bustest.WaitFor(t, "the source to open a new stream", func() bool { return srv.streamCount() > n })
 	waitHealth(t, "after malformed pods", src.Health, true)
+	// Negative checks: the sleep lets a wrong deletion reach the index and the counter, and cannot make the
+	// test fail (the index held both pods before).
 	time.Sleep(100 * time.Millisecond)
 	if got := indexUIDs(t, b); !slices.Equal(got, []string{"hash-s", "uid-c"}) {
 		t.Fatalf("with malformed pods in the initial set the index holds %v, want uid-c kept", got)
@@ -424,6 +428,8 @@ func TestKubeletSourceUnreachable(t *testing.T) {
 		t.Fatal(err)
 	}
 	bustest.RunFunc(t, "src", src.Run)
+	// A negative check: the source is unhealthy from its start, and the sleep gives a wrong "synced" the
+	// time to show; it cannot make the test fail.
 	time.Sleep(200 * time.Millisecond)
 	if err := src.Health(); err == nil {
 		t.Fatal("healthy with no kubelet")
