@@ -161,8 +161,7 @@ func TestAgentOnEmbeddedNATS(t *testing.T) {
 
 	// Restart on the same data dir: the records come back from the embedded server's JetStream store. This
 	// time with the pod index and the metrics endpoint too.
-	a.stop(t)
-	time.Sleep(10 * time.Millisecond)
+	a.stop(t) // waits for the process to exit: its ports and data dir are free
 	metricsAddr := fmt.Sprintf("127.0.0.1:%d", freePort(t))
 	agentArgs[len(agentArgs)-1] = "detector,cache,podindex,metrics"
 	startAgent(t, append(agentArgs, "--metrics-addr", metricsAddr)...)
