@@ -36,8 +36,9 @@ type Options struct {
 	User, Password, PasswordFile string
 	// TokenFile holds a token sent as the connect token (a Kubernetes ServiceAccount token for the auth
 	// callout, docs/security.md). It is read again at each connect and reconnect, since the kubelet rotates
-	// projected tokens in place; a connection refused there keeps trying (the next token may be good). With
-	// a Kubernetes token and no InboxPrefix, the inbox is TokenInbox's, the one the callout allows.
+	// projected tokens in place. A refused first connect is an error at once; once connected, a refused
+	// reconnect keeps trying (the next token, or the callout back, may let it in). With a Kubernetes token
+	// and no InboxPrefix, the inbox is TokenInbox's, the one the callout allows.
 	TokenFile string
 	// TLS: CA file, client certificate and key.
 	TLSCA, TLSCert, TLSKey string
