@@ -302,7 +302,7 @@ func TestInstallOnTheKubeLab(t *testing.T) {
 		}
 		return slices.Contains(reasons, "Pulling") && slices.Contains(reasons, "Pulled"), fmt.Sprintf("reasons %v", reasons)
 	})
-	out, err = l.cli(ctx, "gc", "--node", "node-1", "--all-unused", "-o", "json")
+	out, err = l.cli(ctx, "gc", "--node", "node-1", "--all-unused", "--minimum-image-ttl-duration", "0s", "-o", "json")
 	if err != nil {
 		t.Fatalf("gc through the installed system: %v\n%s", err, out)
 	}
@@ -431,8 +431,26 @@ func installRefusals(t *testing.T, l *installLab) {
 		_, err := l.admin.CoreV1().Pods(installNS).Get(ctx, probe.Name, metav1.GetOptions{})
 		return apierrors.IsNotFound(err), fmt.Sprint(err)
 	})
-	refused("the token of a deleted pod", agentTok)
-	refused("no token", "")
+	// The API server keeps a token review's success for 10 s (its authentication cache): a deleted pod's
+	// token is refused once that has passed, not at the deletion.
+	deleted := time.Now()
+	waitInstall(t, time.Minute, "the token of a deleted pod refused", func() (bool, string) {
+		b, err := l.connect(ctx, "deleted-pod", agentTok)
+		if err == nil {
+			b.Close()
+			return false, "connected"
+		}
+		return true, ""
+	})
+	t.Logf("the token of a deleted pod: refused %s after the deletion", time.Since(deleted).Round(100*time.Millisecond))
+	cctx, cancel := context.WithTimeout(ctx, 15*time.Second)
+	defer cancel()
+	if b, err := bus.Connect(cctx, l.natsURL, bus.Options{Name: "no-token", TLSCA: l.caFile}); err == nil {
+		b.Close()
+		t.Error("a connection with no token: connected, want refused")
+	} else {
+		t.Logf("no token: refused: %v", err)
+	}
 }
 
 // labPod creates a pod of busybox sleeping on node-1 in the install namespace, running as sa, and waits for
