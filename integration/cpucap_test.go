@@ -9,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/imagefleet/imagefleet/bus/bustest"
 )
 
 // A benchmark of horizontal scaling on a 2-core machine cannot give each replica the core a separate host
@@ -177,25 +179,29 @@ func TestCPUCapHoldsABusyProcess(t *testing.T) {
 		t.Fatal(err)
 	}
 	t0 := time.Now()
-	time.Sleep(1500 * time.Millisecond)
-	st1, err := readProcStat(p.cmd.Process.Pid)
-	wall := time.Since(t0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	used := st1.CPU - st0.CPU
+	time.Sleep(1500 * time.Millisecond) // the shortest window measured
+	// On a machine busy with other work the spinner may get less than its cap for a while, and is then
+	// neither throttled nor far along: the window lasts until it has run 50 ms and met its quota (a process
+	// that never runs or is never throttled still fails, after a minute). The cap's bound holds over any
+	// window.
+	var used, wall, thr time.Duration
+	bustest.Eventually(t, "the spinning process to run 50 ms of CPU and be throttled", time.Minute, func() error {
+		st1, err := readProcStat(p.cmd.Process.Pid)
+		wall = time.Since(t0)
+		if err != nil {
+			return err
+		}
+		used = st1.CPU - st0.CPU
+		if thr, err = cg.throttled(); err != nil {
+			return err
+		}
+		if used < 50*time.Millisecond || thr == 0 {
+			return fmt.Errorf("used %s of CPU in %s, throttled %s", used, wall.Round(time.Millisecond), thr)
+		}
+		return nil
+	})
 	if limit := time.Duration(0.2*1.1*float64(wall)) + cpuCapPeriod; used > limit {
 		t.Errorf("capped at 0.2 core, the spinning process used %s of CPU in %s (limit %s)", used, wall, limit)
-	}
-	if used < 50*time.Millisecond {
-		t.Errorf("the spinning process used %s of CPU in %s: it did not run", used, wall)
-	}
-	thr, err := cg.throttled()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if thr == 0 {
-		t.Errorf("the spinning process was never throttled in %s", wall)
 	}
 	t.Logf("used %s of CPU in %s, throttled %s", used, wall.Round(time.Millisecond), thr.Round(time.Millisecond))
 }

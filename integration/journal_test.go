@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
 	"github.com/imagefleet/imagefleet/internal/testport"
 )
@@ -152,6 +153,8 @@ func TestJournalOutage(t *testing.T) {
 	srv.stop()
 	t.Logf("nats-server killed; down for %s", down)
 	time.Sleep(down)
+	// And at least until an event was produced meanwhile, however the producer was scheduled.
+	bustest.WaitWithin(t, "an event produced while NATS is down", time.Minute, func() bool { return duringDown.Load() > 0 })
 	srv.start()
 	isDown.Store(false)
 	back := time.Now()

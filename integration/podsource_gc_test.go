@@ -81,7 +81,7 @@ func TestPendingPodImagesSurviveGC(t *testing.T) {
 	if _, err := admin.CoreV1().Pods("gcp").Create(ctx, psPod("waiting", node, pending.Ref), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	bustest.WaitWithin(t, "the Pending pod in the index", 5*time.Second, func() bool {
+	bustest.WaitFor(t, "the Pending pod in the index", func() bool {
 		pods, _ := psIndex(t, b, node)
 		return pods["gcp/waiting"] != ""
 	})
@@ -106,7 +106,7 @@ func TestPendingPodImagesSurviveGC(t *testing.T) {
 	if err := psForceDelete(ctx, admin, "gcp", "waiting"); err != nil {
 		t.Fatal(err)
 	}
-	bustest.WaitWithin(t, "the deleted pod out of the index", 5*time.Second, func() bool {
+	bustest.WaitFor(t, "the deleted pod out of the index", func() bool {
 		pods, _ := psIndex(t, b, node)
 		return pods["gcp/waiting"] == "" && pods != nil
 	})
