@@ -93,7 +93,7 @@ func wantViolation(t *testing.T, what string, err error) {
 // waitViolation polls until the server reported a violation for subject on b.
 func waitViolation(t *testing.T, b *bus.Bus, subject string) {
 	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
+	deadline := time.Now().Add(bustest.Timeout)
 	for b.PermissionViolation(subject) == nil {
 		if time.Now().After(deadline) {
 			t.Errorf("no permissions violation reported for %s", subject)
@@ -412,7 +412,7 @@ func TestSecurityFleetAndInventory(t *testing.T) {
 // waitServing polls until a request to subject is answered.
 func waitServing(t *testing.T, b *bus.Bus, subject string) {
 	t.Helper()
-	bustest.Eventually(t, subject+" served", 5*time.Second, func() error {
+	bustest.Eventually(t, subject+" served", bustest.Timeout, func() error {
 		c, cancel := context.WithTimeout(t.Context(), 500*time.Millisecond)
 		defer cancel()
 		if err := b.Request(c, subject, nil, nil); err != nil && !errors.Is(err, bus.ErrRemote) {
