@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -43,7 +45,67 @@ type installLab struct {
 	tokFile  string // the operator's token (imagefleet-operator, audience imagefleet-nats)
 	bin      string // the imagefleet CLI
 	dataDir  string // the agent's state directory on the host
+	metrics  int    // the agent's metrics port (host network)
 	valueArg []string
+}
+
+// upgradeFrom is the earlier commit whose chart and image the test installs first and upgrades from: the
+// first one whose chart installs on the lab.
+const upgradeFrom = "1646710"
+
+// buildImage builds the image of revision for this machine's platform with cmd/imagefleet-image and pushes it
+// to the lab's registry as imagefleet:tag.
+func (l *installLab) buildImage(revision, tag string) {
+	t0 := time.Now()
+	build := exec.CommandContext(l.t.Context(), "go", "run", "./cmd/imagefleet-image", "--image", l.reg.Ref("imagefleet:"+tag),
+		"--platforms", "linux/amd64", "--revision", revision)
+	build.Dir = ".."
+	out, err := build.CombinedOutput()
+	if err != nil {
+		l.t.Fatalf("building the image of %s: %v\n%s", revision, err, out)
+	}
+	l.t.Logf("image of %s built and pushed in %s", revision, time.Since(t0).Round(time.Second))
+}
+
+// chartAt writes the chart of revision into a directory of the test and returns it.
+func (l *installLab) chartAt(revision string) string {
+	dir := filepath.Join(l.dir, "chart-"+revision)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		l.t.Fatal(err)
+	}
+	cmd := exec.Command("sh", "-c", "git archive "+revision+" deploy/helm/imagefleet | tar -x -C "+dir)
+	cmd.Dir = ".."
+	if out, err := cmd.CombinedOutput(); err != nil {
+		l.t.Fatalf("the chart of %s: %v\n%s", revision, err, out)
+	}
+	return filepath.Join(dir, "deploy/helm/imagefleet")
+}
+
+// agentUsage reads the agent's resident memory (MiB) and CPU seconds from its metrics endpoint.
+func (l *installLab) agentUsage() (rssMiB, cpuSeconds float64) {
+	resp, err := http.Get("http://127.0.0.1:" + strconv.Itoa(l.metrics) + "/metrics")
+	if err != nil {
+		l.t.Fatalf("the agent's metrics: %v", err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	for _, line := range strings.Split(string(body), "\n") {
+		f := strings.Fields(line)
+		if len(f) != 2 {
+			continue
+		}
+		v, _ := strconv.ParseFloat(f[1], 64)
+		switch f[0] {
+		case "process_resident_memory_bytes":
+			rssMiB = v / (1 << 20)
+		case "process_cpu_seconds_total":
+			cpuSeconds = v
+		}
+	}
+	if rssMiB == 0 {
+		l.t.Fatalf("the agent's metrics have no process_resident_memory_bytes:\n%.2000s", body)
+	}
+	return rssMiB, cpuSeconds
 }
 
 // helm runs `go tool helm` against the lab's API server, as docs/install.md does, and returns its output.
@@ -129,14 +191,13 @@ func podsReady(ctx context.Context, admin *kubernetes.Clientset) (bool, string) 
 	return len(notReady) == 0, "not Ready: " + strings.Join(notReady, ", ")
 }
 
-// startInstallLab starts the registry, containerd, the kube lab with its controllers and the kubelet, builds
-// the image of the current commit for this machine's platform with cmd/imagefleet-image and pushes it to the
-// lab's registry.
+// startInstallLab starts the registry, containerd, the kube lab with its controllers and the kubelet, and
+// builds the images of upgradeFrom (imagefleet:old) and of the current commit (imagefleet:test) for this
+// machine's platform with cmd/imagefleet-image into the lab's registry.
 func startInstallLab(t *testing.T) *installLab {
-	ctx := t.Context()
 	l := &installLab{t: t, dir: t.TempDir()}
 	l.reg = lab.StartRegistry(t, lab.RegistryOptions{})
-	for _, ref := range []string{"lab/pause:1", "lab/app:1", "lab/extra:1", "lab/keep:1"} {
+	for _, ref := range []string{"lab/pause:1", "lab/app:1", "lab/extra:1", "lab/keep:1", "lab/slow:1"} {
 		lab.PushBusybox(t, l.reg.Host(), ref, lab.WithLabel("ref", ref))
 	}
 	l.ctr = lab.StartContainerd(t, lab.Options{SandboxImage: l.reg.Ref("lab/pause:1"), TmpfsSize: "768m"})
@@ -145,19 +206,13 @@ func startInstallLab(t *testing.T) *installLab {
 	if l.admin, err = l.c.Admin(); err != nil {
 		t.Fatal(err)
 	}
-	t0 := time.Now()
-	build := exec.CommandContext(ctx, "go", "run", "./cmd/imagefleet-image", "--image", l.reg.Ref("imagefleet:test"),
-		"--platforms", "linux/amd64", "--revision", "HEAD")
-	build.Dir = ".."
-	out, err := build.CombinedOutput()
-	if err != nil {
-		t.Fatalf("building the image: %v\n%s", err, out)
-	}
-	t.Logf("image of HEAD built and pushed in %s: %s", time.Since(t0).Round(time.Second), strings.TrimSpace(string(out)))
+	l.buildImage(upgradeFrom, "old")
+	l.buildImage("HEAD", "test")
 	l.bin = imagefleetBinary(t)
 	l.dataDir = filepath.Join(l.c.Dir(), "imagefleet-agent")
 	port := func() int { return testport.Free(t) }
 	client := port()
+	l.metrics = port()
 	l.natsURL = "tls://127.0.0.1:" + strconv.Itoa(client)
 	values := fmt.Sprintf(`image: {repository: %s/imagefleet, tag: test, pullPolicy: IfNotPresent}
 kubernetesAPI: {host: 127.0.0.1, port: %d}
@@ -172,7 +227,7 @@ agent:
 central:
   metricsPort: %d
 `, l.reg.Host(), l.c.APIServerPort, l.natsURL, client, port(), port(), l.ctr.Endpoint(), l.dataDir,
-		l.c.KubeletRoot(), l.c.KubeletConfigPath(), port(), port())
+		l.c.KubeletRoot(), l.c.KubeletConfigPath(), l.metrics, port())
 	vf := filepath.Join(l.dir, "values.yaml")
 	if err := os.WriteFile(vf, []byte(values), 0o644); err != nil {
 		t.Fatal(err)
@@ -217,29 +272,30 @@ func (l *installLab) dumpPods() {
 
 // TestInstallOnTheKubeLab installs the chart with real helm on a real control plane (etcd, kube-apiserver,
 // kube-controller-manager, kube-scheduler, a kubelet on containerd) and checks what docs/install.md
-// promises: every pod Ready; the agent holding node-1's identity with no seed on the host, and every
-// refusal of the auth callout; a pull and a GC through the installed system, with the pull's Events in
-// the API; recovery after containerd and the kubelet restart; and an uninstall that leaves no pod and the
-// node's other images.
+// promises: the chart and image of an earlier commit install with every pod Ready and upgrade to the
+// current ones while a pull is in flight, which completes once; the agent holds node-1's identity with no
+// seed on the host, and the auth callout refuses every token it must; a pull and a GC work through the
+// installed system, with the pull's Events in the API; the agent recovers after containerd and the kubelet
+// restart; and an uninstall leaves no pod and the node's other images.
 func TestInstallOnTheKubeLab(t *testing.T) {
 	ctx := t.Context()
 	l := startInstallLab(t)
 
-	// 1. Install, waiting for every pod and the init Job.
+	// 1. Install the chart and image of an earlier commit, waiting for every pod and the init Job.
 	t0 := time.Now()
-	out, err := l.helm(ctx, append([]string{"install", "imagefleet", "deploy/helm/imagefleet", "-n", installNS, "--create-namespace",
-		"--wait", "--timeout", "6m"}, l.valueArg...)...)
+	old := l.chartAt(upgradeFrom)
+	out, err := l.helm(ctx, append([]string{"install", "imagefleet", old, "-n", installNS, "--create-namespace",
+		"--wait", "--timeout", "6m"}, append(l.valueArg, "--set", "image.tag=old")...)...)
 	if err != nil {
-		t.Fatalf("helm install: %v\n%s", err, out)
+		t.Fatalf("helm install of %s: %v\n%s", upgradeFrom, err, out)
 	}
 	installTook := time.Since(t0)
 	if ok, why := podsReady(ctx, l.admin); !ok {
 		t.Fatalf("helm install --wait returned with pods not Ready: %s", why)
 	}
 	t.Logf("helm install to every pod Ready: %s", installTook.Round(100*time.Millisecond))
-	jobs, err := l.admin.BatchV1().Jobs(installNS).Get(ctx, "imagefleet-bus-init-r1", metav1.GetOptions{})
-	if err != nil || jobs.Status.Succeeded != 1 {
-		t.Fatalf("the init Job: %v, status %+v", err, jobs.Status)
+	if job, err := l.admin.BatchV1().Jobs(installNS).Get(ctx, "imagefleet-bus-init-r1", metav1.GetOptions{}); err != nil || job.Status.Succeeded != 1 {
+		t.Fatalf("the init Job of the install: %v", err)
 	}
 
 	// 2. The operator's identity: a token of imagefleet-operator, the CA from the chart's Secret.
@@ -259,8 +315,6 @@ func TestInstallOnTheKubeLab(t *testing.T) {
 	if err := os.WriteFile(l.tokFile, []byte(opTok), 0o600); err != nil {
 		t.Fatal(err)
 	}
-
-	// 3. node-1's agent reports as node-1 with no seed on the host.
 	waitInstall(t, time.Minute, "node-1 Ready in `fleet nodes`", func() (bool, string) {
 		out, err := l.cli(ctx, "fleet", "nodes", "-o", "json")
 		if err != nil {
@@ -268,12 +322,53 @@ func TestInstallOnTheKubeLab(t *testing.T) {
 		}
 		return strings.Contains(out, `"node-1"`) && strings.Contains(out, "Ready"), out
 	})
-	if seeds, _ := filepath.Glob(filepath.Join(l.dataDir, "*.nk")); len(seeds) > 0 {
-		t.Errorf("nkey seeds on the host: %v", seeds)
+
+	// 3. Upgrade to this commit's chart and image while a pull is in flight: it completes once.
+	l.reg.SetDelay(2 * time.Second)
+	if out, err := l.cli(ctx, "pull", "--node", "node-1", "--policy", "Always", "--request-id", "upgrade-pull",
+		l.reg.Ref("lab/slow:1")); err != nil {
+		t.Fatalf("queueing the pull: %v\n%s", err, out)
+	}
+	waitInstall(t, 30*time.Second, "the pull reading from the registry", func() (bool, string) {
+		st := l.reg.Stats()
+		return st.InFlight > 0, fmt.Sprintf("%+v", st)
+	})
+	t0 = time.Now()
+	out, err = l.helm(ctx, append([]string{"upgrade", "imagefleet", "deploy/helm/imagefleet", "-n", installNS,
+		"--wait", "--timeout", "6m"}, l.valueArg...)...)
+	if err != nil {
+		t.Fatalf("helm upgrade: %v\n%s", err, out)
+	}
+	l.reg.SetDelay(0)
+	t.Logf("helm upgrade from %s to every pod Ready: %s", upgradeFrom, time.Since(t0).Round(100*time.Millisecond))
+	if job, err := l.admin.BatchV1().Jobs(installNS).Get(ctx, "imagefleet-bus-init-r2", metav1.GetOptions{}); err != nil || job.Status.Succeeded != 1 {
+		t.Fatalf("the init Job of the upgrade: %v", err)
 	}
 	ds, err := l.admin.AppsV1().DaemonSets(installNS).Get(ctx, "imagefleet-agent", metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
+	}
+	if img := ds.Spec.Template.Spec.Containers[0].Image; !strings.HasSuffix(img, "/imagefleet:test") {
+		t.Fatalf("the agent's image after the upgrade: %s", img)
+	}
+	waitInstall(t, 2*time.Minute, "the pull queued before the upgrade pulled", func() (bool, string) {
+		return present(t, l, "lab/slow:1"), "not in the runtime"
+	})
+	waitInstall(t, 30*time.Second, "its one pull.pulled event", func() (bool, string) {
+		out, err := l.cli(ctx, "events", "--node", "node-1", "--type", "pull.pulled", "-o", "json")
+		if err != nil {
+			return false, fmt.Sprintf("%v: %s", err, out)
+		}
+		n := strings.Count(out, `"upgrade-pull"`)
+		if n > 1 {
+			t.Fatalf("the pull queued before the upgrade was pulled %d times:\n%s", n, out)
+		}
+		return n == 1, fmt.Sprintf("%d pulled events for it", n)
+	})
+
+	// 4. node-1's agent reports as node-1 with no seed on the host; the callout refuses what it must.
+	if seeds, _ := filepath.Glob(filepath.Join(l.dataDir, "*.nk")); len(seeds) > 0 {
+		t.Errorf("nkey seeds on the host: %v", seeds)
 	}
 	for _, v := range ds.Spec.Template.Spec.Volumes {
 		if v.HostPath != nil && strings.Contains(v.HostPath.Path, "nkey") {
@@ -281,8 +376,10 @@ func TestInstallOnTheKubeLab(t *testing.T) {
 		}
 	}
 	installRefusals(t, l)
+	rss, cpu := l.agentUsage()
+	t.Logf("agent at rest: %.0f MiB resident, %.2f CPU seconds since its start", rss, cpu)
 
-	// 4. A pull for a pod of node-1, and a GC, through the installed system.
+	// 5. A pull for a pod of node-1, and a GC, through the installed system.
 	pod := labPod(t, l, "app", l.reg.Ref("lab/app:1"), "default")
 	out, err = l.cli(ctx, "pull", "--node", "node-1", "--pod", installNS+"/"+pod.Name+"/"+string(pod.UID), "--policy", "Always",
 		"--wait", "--wait-timeout", "2m", l.reg.Ref("lab/extra:1"))
@@ -315,8 +412,10 @@ func TestInstallOnTheKubeLab(t *testing.T) {
 	if !present(t, l, "lab/app:1") {
 		t.Error("the GC removed lab/app:1, which a running pod uses")
 	}
+	rss2, cpu2 := l.agentUsage()
+	t.Logf("agent after a pull and a GC: %.0f MiB resident, %.2f CPU seconds more", rss2, cpu2-cpu)
 
-	// 5. containerd, then the kubelet, restart: the agent answers again and a pull works.
+	// 6. containerd, then the kubelet, restart: the agent answers again and a pull works.
 	l.ctr.Restart()
 	if err := l.c.RestartKubelet(ctx, 30*time.Second); err != nil {
 		t.Fatal(err)
@@ -332,7 +431,7 @@ func TestInstallOnTheKubeLab(t *testing.T) {
 		t.Error("lab/extra:1 is not in the runtime after the pull that followed the restarts")
 	}
 
-	// 6. Uninstall: no imagefleet pod is left, the node's other images stay.
+	// 7. Uninstall: no imagefleet pod is left, the node's other images stay.
 	if out, err := l.cli(ctx, "pull", "--node", "node-1", "--wait", "--wait-timeout", "1m", l.reg.Ref("lab/keep:1")); err != nil {
 		t.Fatalf("pull: %v\n%s", err, out)
 	}
