@@ -240,25 +240,27 @@ func (k *KV) List(ctx context.Context, filter string) ([]Entry, error) {
 }
 
 // watcher opens a watcher of the keys matching filter, which lasts until ctx ends or stop is called. Each
-// attempt to make its consumer is bounded by AttemptTimeout, and one that fails transiently is made again
-// (retryTransientFor, for maxElapsed; 0: while ctx lasts).
+// attempt to make its consumer ends with the attempt, and one that fails transiently is made again
+// (retryPatient: from AttemptTimeout, more patient after each attempt that timed out; for maxElapsed, 0:
+// while ctx lasts).
 //
 // nats.go makes a watcher's consumer under the context the watcher then lives by, so a caller's deadline (a
 // command's --timeout) bounded the create request too: a request a loaded server dropped (its JetStream API
 // queue, once over its limit, drops every request it holds) or whose answer was lost held the caller until
 // that deadline, and `fleet nodes` ended with "kv range imagefleet-nodes-seen/>: context deadline exceeded"
-// (TestRangeMakesALostWatcherAgain). So the watcher lives by a context that ends with ctx but carries no
-// deadline (nats.go then bounds the create request by its own 5 s wait), and the attempt's end cancels it.
+// (TestRangeMakesALostWatcherAgain). So the watcher lives by a context that ends with ctx but has no
+// deadline, and nats.go's create request sees the attempt's (createWait), which cancels it when it passes.
 func (k *KV) watcher(ctx context.Context, what, filter string, maxElapsed time.Duration) (jetstream.KeyWatcher, func(), error) {
 	var (
 		w    jetstream.KeyWatcher
 		stop func()
 	)
-	err := k.b.retryTransientFor(ctx, what, maxElapsed, func(actx context.Context) error {
+	err := k.b.retryPatient(ctx, what, maxElapsed, func(actx context.Context) error {
 		life, cancel := context.WithCancel(context.WithoutCancel(ctx))
 		unlink := context.AfterFunc(ctx, cancel)
 		abort := context.AfterFunc(actx, cancel)
-		kw, err := k.kv.Watch(life, filter)
+		deadline, _ := actx.Deadline()
+		kw, err := k.kv.Watch(createWait{Context: life, deadline: deadline}, filter)
 		if !abort() {
 			// The attempt ended (or ctx) before the watcher was made: it is cancelled, or being cancelled.
 			if err == nil {
@@ -286,6 +288,17 @@ func (k *KV) watcher(ctx context.Context, what, filter string, maxElapsed time.D
 	})
 	return w, stop, err
 }
+
+// createWait is a watcher's context as nats.go's create request sees it: it says it ends at the attempt's
+// deadline, so the request waits for that (the cancel of Context when the attempt ends) rather than nats.go's
+// own 5 s for a context without one; the watcher made lives on by Context, which has no deadline. nats.go
+// reads the deadline only to time the create request (getJSContextOpts).
+type createWait struct {
+	context.Context
+	deadline time.Time
+}
+
+func (c createWait) Deadline() (time.Time, bool) { return c.deadline, true }
 
 // Watch calls fn for every current entry, then the marker (fn with Entry{} and initialDone true), then each
 // change until ctx ends. Deleted keys arrive with Deleted set.

@@ -98,12 +98,12 @@ const rangeQuiet = 2 * time.Second
 // lastRev returns a func that gives the last revision of the keys matching filter: the bucket's stream's
 // last sequence for ">" (one stream info request), else the sequence of the last message on the filter's
 // subjects (a stream lookup and a message get; 0 when none). Reading on to the bucket's last revision for a
-// filter its last key does not match would wait for an entry that never comes. Each attempt is bounded by
-// AttemptTimeout and retried for up to kvRetryFor, as the watcher's making is: nats.go waits for an answer
-// until the caller's deadline.
+// filter its last key does not match would wait for an entry that never comes. It is retried for up to
+// kvRetryFor with attempts that grow patient, as the watcher's making is: nats.go waits for an answer until
+// the caller's deadline.
 func (k *KV) lastRev(filter string) func(context.Context) (uint64, error) {
 	return func(ctx context.Context) (last uint64, err error) {
-		err = k.b.retryTransientFor(ctx, "kv last revision "+k.kv.Bucket(), kvRetryFor, func(actx context.Context) (err error) {
+		err = k.b.retryPatient(ctx, "kv last revision "+k.kv.Bucket(), kvRetryFor, func(actx context.Context) (err error) {
 			last, err = k.lastRevOnce(actx, filter)
 			return err
 		})

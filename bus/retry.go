@@ -114,11 +114,32 @@ func (r *retryBackOff) NextBackOff() time.Duration {
 // op gets a context for the attempt (ctx bounded by AttemptTimeout); what must outlive the attempt (a
 // watcher, a consumer's iterator) is made with ctx instead.
 func (b *Bus) retryTransientFor(ctx context.Context, what string, maxElapsed time.Duration, op func(attempt context.Context) error) error {
+	return b.retry(ctx, what, maxElapsed, false, op)
+}
+
+// maxAttemptTimeout bounds the attempts of retryPatient.
+const maxAttemptTimeout = time.Minute
+
+// retryPatient is retryTransientFor whose attempts grow patient: one that timed out is followed by one given
+// twice as long (from AttemptTimeout up to maxAttemptTimeout). A request a server dropped is asked again after
+// AttemptTimeout, but one a server is slow to answer (its JetStream API queue longer than an attempt) is not
+// sent again and again at the same pace: the server does each abandoned attempt's work all the same, and
+// 1,200 key-value watchers starting at once under -race, each sending its create request anew every 5 s,
+// had 404 started and the rest stalled for a minute (TestBucketTakesAWatcherPerNodePastOneThousand).
+func (b *Bus) retryPatient(ctx context.Context, what string, maxElapsed time.Duration, op func(attempt context.Context) error) error {
+	return b.retry(ctx, what, maxElapsed, true, op)
+}
+
+func (b *Bus) retry(ctx context.Context, what string, maxElapsed time.Duration, patient bool, op func(attempt context.Context) error) error {
 	bo := &retryBackOff{maxElapsed: maxElapsed}
 	attempt := 0
+	patience := AttemptTimeout
 	return backoff.Retry(func() error {
-		actx, cancel := context.WithTimeout(ctx, AttemptTimeout)
+		actx, cancel := context.WithTimeout(ctx, patience)
 		err := op(actx)
+		if patient && ctx.Err() == nil && errors.Is(actx.Err(), context.DeadlineExceeded) {
+			patience = min(2*patience, maxAttemptTimeout)
+		}
 		cancel()
 		// A closed connection (Close was called) never comes back: not worth a retry.
 		if err == nil || ctx.Err() != nil || errors.Is(err, ErrPermissionViolation) || !IsTransient(err) ||

@@ -117,3 +117,48 @@ func TestRetryTransientUsesANewLeaderAtOnce(t *testing.T) {
 		}
 	})
 }
+
+// TestRetryPatientGrowsAfterTimeouts: attempts that time out (a server slow to answer, its API queue longer
+// than an attempt) are followed by attempts twice as long, up to maxAttemptTimeout, so a slow server is not
+// sent the same request anew every AttemptTimeout; one that fails fast (no responders) leaves the patience as
+// it is; retryTransientFor stays at AttemptTimeout.
+func TestRetryPatientGrowsAfterTimeouts(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		patient bool
+		fails   []error // what each attempt ends with; nil: it waits for its context (a timeout)
+		want    []time.Duration
+	}{
+		{"patient", true, []error{nil, nil, nil, nil, nil, nil},
+			[]time.Duration{AttemptTimeout, 2 * AttemptTimeout, 4 * AttemptTimeout, 8 * AttemptTimeout, maxAttemptTimeout, maxAttemptTimeout}},
+		{"patient, a fast failure between", true, []error{nil, nats.ErrNoResponders, nil},
+			[]time.Duration{AttemptTimeout, 2 * AttemptTimeout, 2 * AttemptTimeout}},
+		{"not patient", false, []error{nil, nil, nil}, []time.Duration{AttemptTimeout, AttemptTimeout, AttemptTimeout}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				b := &Bus{nc: &nats.Conn{}, log: slog.New(slog.DiscardHandler)}
+				var got []time.Duration
+				err := b.retry(t.Context(), "kv watch", 0, tc.patient, func(actx context.Context) error {
+					deadline, _ := actx.Deadline()
+					got = append(got, time.Until(deadline))
+					i := len(got) - 1
+					if i == len(tc.fails) {
+						return nil
+					}
+					if tc.fails[i] != nil {
+						return tc.fails[i]
+					}
+					<-actx.Done()
+					return actx.Err()
+				})
+				if err != nil {
+					t.Fatal(err)
+				}
+				if got = got[:len(tc.want)]; !equalDurations(got, tc.want) {
+					t.Fatalf("attempts given %v, want %v", got, tc.want)
+				}
+			})
+		})
+	}
+}
