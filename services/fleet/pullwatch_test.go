@@ -120,8 +120,8 @@ func TestPullWatchFollowerRestartedReadsOn(t *testing.T) {
 			if r.Image != "busybox" {
 				t.Fatalf("result %+v", r)
 			}
-		case <-time.After(5 * time.Second):
-			t.Fatalf("no result for %s from the follower in 5 s", node)
+		case <-time.After(bustest.Timeout):
+			t.Fatalf("no result for %s from the follower in %v", node, bustest.Timeout)
 		}
 	}
 	publish("node-a")
