@@ -176,8 +176,8 @@ func (w *PullWatch) follow(ctx context.Context, next uint64) {
 		w.restart, w.next, w.progress = restart, next, time.Now()
 		w.starts++
 		w.mu.Unlock()
-		// Tail's ordered consumer notices a lost server by its missing heartbeats and recreates itself; an
-		// error it returns, or a restart by nudge, is resumed from the message after the last one seen.
+		// Tail notices a lost pull request within about 2 s (its heartbeats stop) and a lost server or
+		// consumer by a gap or no responders, and makes its consumer anew; an error it returns, or a restart by nudge, is resumed from the message after the last one seen.
 		err := w.b.Tail(tctx, events.EventsStream, events.PullEventsFilter, next, func(m bus.StreamMsg) error {
 			next = m.Seq + 1
 			w.mu.Lock()
@@ -217,9 +217,8 @@ func pullResult(m bus.StreamMsg) (events.PullResult, bool) {
 
 // nudge is the follower's watchdog, told by a waiter's lookup that the events stream holds a result at seq.
 // A follower that has not reached seq and has read nothing for followerStale is made anew: its ordered
-// consumer's pull request can be lost as it is made (nats.go notices after two missed heartbeats, 10 s),
-// and meanwhile every node of the rollout waited for its waiter's lookup, every 2 s (300 hollow agents on
-// a 3-server cluster: a pre-pull of 1.7 s took 11 s, p90 of the nodes 2.0 s). Once made anew it reads on
+// consumer can be lost with a server (Tail notices that itself within seconds), and meanwhile every node of
+// the rollout waits for its waiter's lookup, every 2 s. Once made anew it reads on
 // from where it was; the waiters already answered by a lookup are gone, so nothing is delivered twice.
 func (w *PullWatch) nudge(seq uint64) {
 	w.mu.Lock()
