@@ -74,6 +74,11 @@ type ConsumerConfig struct {
 	// (err_code 10134), so the pull queues' consumers always have their stream's; the benchmarks use it on
 	// limits streams (docs/benchmarks.md).
 	Replicas int
+	// Started, when set, is called once, when the consumer exists (made, or with Bind found) and the server
+	// has its first pull request (sent and flushed): a message stored after Started returns is delivered to
+	// the handlers. A worker closes its Ready with it. It runs on the consumer's pull goroutine and must not
+	// block; it is never called when Consume fails first (a bound consumer that does not exist).
+	Started func()
 }
 
 // Msg is one delivered message.
@@ -148,6 +153,7 @@ func (b *Bus) consume(ctx context.Context, cfg ConsumerConfig, cc jetstream.Cons
 		cfg.Concurrency, cfg.Concurrency)
 	l.onlyWhenFree = cfg.Concurrency == 1
 	l.stallAfter = cfg.StallAfter
+	l.started = cfg.Started
 	l.open = func(ctx context.Context, _ uint64) (jetstream.Consumer, error) {
 		var cons jetstream.Consumer
 		err := b.retryTransient(ctx, "consumer "+cfg.Durable, func(actx context.Context) (err error) {

@@ -100,6 +100,8 @@ type pullLoop struct {
 	handle func(ctx context.Context, d *delivery) error
 	// stallAfter is the stall watchdog's first look after the last delivery (stallWatch); not for ordered.
 	stallAfter time.Duration
+	// started, when set, is called once the first pull request is at the server (pull), then cleared.
+	started func()
 	// closedErr is what run returns when the connection is closed under it (nil: its owner's shutdown).
 	closedErr error
 	// inbox is where the messages and statuses of the pull requests come, at inbox.<gen>.
@@ -294,6 +296,25 @@ func (l *pullLoop) pull(ctx context.Context) {
 		l.heard = time.Now() // the heartbeats' clock starts with the request
 	}
 	l.outstanding += want
+	l.announceStarted()
+}
+
+// startedFlushTimeout bounds the flush that tells started the first pull request reached the server.
+const startedFlushTimeout = 5 * time.Second
+
+// announceStarted calls started once a pull request was sent and the flush says the server has it (the
+// inbox subscription too: it was made before on the same connection). A failed flush (the connection is
+// down) leaves it for the next request sent, once this one is found lost.
+func (l *pullLoop) announceStarted() {
+	if l.started == nil {
+		return
+	}
+	if err := l.b.nc.FlushTimeout(startedFlushTimeout); err != nil {
+		return
+	}
+	started := l.started
+	l.started = nil
+	started()
 }
 
 // lost records a pull request found lost: what it asked for is asked again, at once or after repullDelay. An
