@@ -164,7 +164,7 @@ func waitInstall(t *testing.T, timeout time.Duration, what string, cond func() (
 	}
 }
 
-// podsReady reports whether every pod of the namespace is Ready (or a completed Job's), and says which not.
+// podsReady reports whether every pod of the namespace but the Jobs' is Ready, and says which is not.
 func podsReady(ctx context.Context, admin *kubernetes.Clientset) (bool, string) {
 	pods, err := admin.CoreV1().Pods(installNS).List(ctx, metav1.ListOptions{})
 	if err != nil {
@@ -172,7 +172,9 @@ func podsReady(ctx context.Context, admin *kubernetes.Clientset) (bool, string) 
 	}
 	var notReady []string
 	for _, p := range pods.Items {
-		if p.Status.Phase == corev1.PodSucceeded {
+		// A Job's pod: its Job's completion is checked on its own (the pod's phase may still say Running for
+		// a moment after its container completed).
+		if p.Status.Phase == corev1.PodSucceeded || slices.ContainsFunc(p.OwnerReferences, func(o metav1.OwnerReference) bool { return o.Kind == "Job" }) {
 			continue
 		}
 		ready := false
