@@ -53,6 +53,10 @@ type Service struct {
 	mu         sync.Mutex
 	correlator *record.EventCorrelator
 	pods       map[types.UID]bool // pods verified known to the API server (bounded, see podKnown)
+
+	// ready is closed once the consumer of the node's events is at the server (Ready).
+	ready     chan struct{}
+	readyOnce sync.Once
 }
 
 // New validates cfg and builds the bridge. kube is the client of the API server (a node identity or the
@@ -69,7 +73,8 @@ func New(ctx context.Context, cfg Config, kube kubernetes.Interface, b *bus.Bus)
 		return nil, err
 	}
 	s := &Service{cfg: cfg, kube: kube, bus: b, log: cfg.Logger.With("worker", "kube-events"), m: m,
-		correlator: record.NewEventCorrelatorWithOptions(cfg.Correlator), pods: map[types.UID]bool{}}
+		correlator: record.NewEventCorrelatorWithOptions(cfg.Correlator), pods: map[types.UID]bool{},
+		ready: make(chan struct{})}
 	if b != nil {
 		if s.dedup, err = openDedup(ctx, b, cfg.DedupTTL); err != nil {
 			return nil, err
@@ -90,6 +95,10 @@ func openDedup(ctx context.Context, b *bus.Bus, ttl time.Duration) (*bus.KV, err
 		TTL: ttl})
 }
 
+// Ready is closed once the consumer of the node's events exists with its first pull request at the server:
+// an event published after it is handled.
+func (s *Service) Ready() <-chan struct{} { return s.ready }
+
 // Run consumes the node's events until ctx ends.
 func (s *Service) Run(ctx context.Context) error {
 	s.log.Info("kube events bridge started", "durable", s.cfg.Durable, "component", s.cfg.Component)
@@ -102,6 +111,7 @@ func (s *Service) Run(ctx context.Context) error {
 		// Failures are retried inside the handler (an outage must not exhaust deliveries); what reaches the
 		// consumer's redelivery is a bucket failure or a stop.
 		MaxDeliver: 1 << 30, Backoff: []time.Duration{time.Second, 5 * time.Second},
+		Started: func() { s.readyOnce.Do(func() { close(s.ready) }) },
 	}, func(ctx context.Context, m *bus.Msg) error {
 		return s.Handle(ctx, m.Subject, m.Header, m.Data, m.InProgress)
 	})

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -44,6 +45,9 @@ type Service struct {
 	log     *slog.Logger
 	counter prometheus.Counter
 	removed map[string]time.Time // image ID -> when imagefleet removed it
+	// ready is closed once the consumer of the node's events is at the server (Ready).
+	ready     chan struct{}
+	readyOnce sync.Once
 }
 
 // New validates cfg and builds the worker.
@@ -75,8 +79,14 @@ func New(cfg Config, b *bus.Bus) (*Service, error) {
 	if err != nil {
 		return nil, fmt.Errorf("removals: register metrics: %w", err)
 	}
-	return &Service{cfg: cfg, bus: b, log: cfg.Logger.With("worker", "removals"), counter: c, removed: map[string]time.Time{}}, nil
+	return &Service{cfg: cfg, bus: b, log: cfg.Logger.With("worker", "removals"), counter: c, removed: map[string]time.Time{},
+		ready: make(chan struct{})}, nil
 }
+
+// Ready is closed once the past removals are read and the consumer of the node's image events exists with its
+// first pull request at the server: an event published after it is handled. While the events stream is
+// missing, Run retries (or fails) without closing it.
+func (s *Service) Ready() <-chan struct{} { return s.ready }
 
 // Run remembers the node's imagefleet removals still in the stream, then follows its image events until ctx
 // ends.
@@ -91,6 +101,7 @@ func (s *Service) Run(ctx context.Context) error {
 		Stream: events.EventsStream, Durable: events.RemovalsDurable(s.cfg.Node),
 		FilterSubjects: []string{events.NodeEvents(s.cfg.Node)},
 		Concurrency:    1, MaxAckPending: 256, AckWait: 2*s.cfg.Grace + 30*time.Second,
+		Started: func() { s.readyOnce.Do(func() { close(s.ready) }) },
 	}, func(ctx context.Context, m *bus.Msg) error {
 		return s.Handle(ctx, m.Subject, m.Header, m.Data, m.StreamSeq, m.InProgress)
 	})
