@@ -37,6 +37,10 @@ type Service struct {
 	deleted  map[string]time.Time    // pod UID -> when its deletion was heard
 	// withdrawn are request ids cancelled before they started: dropped when the queue delivers them.
 	withdrawn map[string]time.Time
+
+	// ready is closed once Run's subscriptions and its consumer are at the server (Ready).
+	ready     chan struct{}
+	readyOnce sync.Once
 }
 
 type inflightReq struct {
@@ -86,8 +90,16 @@ func newService(cfg Config, svc imageService, b *bus.Bus) (*Service, error) {
 		backoff: backoffPolicy{initial: cfg.BackoffInitial, max: cfg.BackoffMax}, verifyPolicy: cfg.CredentialVerificationPolicy,
 		allowlist: cfg.PreloadedImagesAllowlist, now: cfg.Now, log: cfg.Logger.With("worker", "puller", "node", cfg.Node)}
 	return &Service{cfg: cfg, bus: b, m: newManager(mc, svc, creds, newMemBackoff(), newMemRecords(), met),
-		inflight: map[string]*inflightReq{}, deleted: map[string]time.Time{}, withdrawn: map[string]time.Time{}}, nil
+		inflight: map[string]*inflightReq{}, deleted: map[string]time.Time{}, withdrawn: map[string]time.Time{},
+		ready: make(chan struct{})}, nil
 }
+
+// Ready is closed once the pull cancellations and the node's pod events are subscribed at the server and the
+// node's pull consumer exists with its first pull request at the server: a request queued after it is pulled,
+// a cancellation sent after it is heard. The legacy queue's consumer (drainLegacy) is not waited for: most
+// nodes have none. While the pull stream or the buckets are missing, Run retries (or fails) without closing
+// it.
+func (s *Service) Ready() <-chan struct{} { return s.ready }
 
 // Run consumes the node's pull requests and listens for cancellations and pod deletions until ctx ends.
 // It returns nil after a clean shutdown: requests in progress are handed back to the queue (another
@@ -109,6 +121,16 @@ func (s *Service) Run(ctx context.Context) error {
 	}
 	s.m.backoff, s.m.records.store, s.riders = bo, rs, rs
 
+	// Every subscription is made here, flushed, before the consumer can close Ready: made in the goroutines
+	// that read them, one could reach the server after Ready, and a cancellation sent at once was not heard.
+	follows, err := s.subscribe(ctx)
+	if err != nil {
+		if ctx.Err() != nil {
+			return nil
+		}
+		return err
+	}
+
 	// The first worker to fail stops the others; an error after the stop is the stop's, not reported.
 	g, ctx := errgroup.WithContext(ctx)
 	goRun := func(f func() error) {
@@ -119,27 +141,19 @@ func (s *Service) Run(ctx context.Context) error {
 			return nil
 		})
 	}
-	goRun(func() error {
-		return s.bus.Subscribe(ctx, events.CommandSubject(s.cfg.Node, events.VerbPullCancel), func(_ string, _ map[string][]string, data []byte) {
-			s.handleCancel(data)
-		})
-	})
-	goRun(func() error {
-		return s.bus.Subscribe(ctx, events.EventSubject(s.cfg.Node, events.EntityPod, events.ActionDeleted), func(subject string, header map[string][]string, data []byte) {
-			s.handlePodDeleted(subject, header, data)
-		})
-	})
-	if s.cfg.PullOnPodAdd {
+	for _, f := range follows {
 		goRun(func() error {
-			return s.bus.Subscribe(ctx, events.EventSubject(s.cfg.Node, events.EntityPod, events.ActionAdded), func(subject string, header map[string][]string, data []byte) {
-				s.handlePodAdded(ctx, subject, header, data)
-			})
+			defer f.sub.Close()
+			s.follow(ctx, f.sub, f.fn)
+			return nil
 		})
 	}
 	handle := func(ctx context.Context, m *bus.Msg) error {
 		return s.HandlePull(ctx, m.Data, Delivery{Count: m.NumDelivered, InProgress: m.InProgress})
 	}
-	goRun(func() error { return s.bus.Consume(ctx, ConsumerConfig(s.cfg), handle) })
+	cc := ConsumerConfig(s.cfg)
+	cc.Started = func() { s.readyOnce.Do(func() { close(s.ready) }) }
+	goRun(func() error { return s.bus.Consume(ctx, cc, handle) })
 	goRun(func() error { return drainLegacy(ctx, s.bus, s.cfg, handle) })
 	goRun(func() error {
 		t := time.NewTicker(time.Minute)
@@ -159,6 +173,70 @@ func (s *Service) Run(ctx context.Context) error {
 	s.rides.Wait()
 	s.m.wait()
 	return err
+}
+
+// following is a subscription of Run and what handles its messages.
+type following struct {
+	sub *bus.Subscription
+	fn  func(ctx context.Context, subject string, header map[string][]string, data []byte)
+}
+
+// subscribe makes Run's subscriptions, each at the server when it returns: the pull cancellations, the
+// node's pod deletions and, with PullOnPodAdd, its pod additions. On failure none is left.
+func (s *Service) subscribe(ctx context.Context) ([]following, error) {
+	want := []struct {
+		subject string
+		fn      func(ctx context.Context, subject string, header map[string][]string, data []byte)
+	}{
+		{events.CommandSubject(s.cfg.Node, events.VerbPullCancel), func(_ context.Context, _ string, _ map[string][]string, data []byte) {
+			s.handleCancel(data)
+		}},
+		{events.EventSubject(s.cfg.Node, events.EntityPod, events.ActionDeleted), func(_ context.Context, subject string, header map[string][]string, data []byte) {
+			s.handlePodDeleted(subject, header, data)
+		}},
+	}
+	if s.cfg.PullOnPodAdd {
+		want = append(want, struct {
+			subject string
+			fn      func(ctx context.Context, subject string, header map[string][]string, data []byte)
+		}{events.EventSubject(s.cfg.Node, events.EntityPod, events.ActionAdded), s.handlePodAdded})
+	}
+	var out []following
+	for _, w := range want {
+		sub, err := s.bus.SubscribeSync(ctx, w.subject)
+		if err != nil {
+			for _, f := range out {
+				f.sub.Close()
+			}
+			return nil, err
+		}
+		out = append(out, following{sub: sub, fn: w.fn})
+	}
+	return out, nil
+}
+
+// follow calls fn for each message of sub until ctx ends. After an error (messages dropped as a slow
+// consumer, the connection closed) it waits a second before reading on, so a subscription that fails at once
+// is not spun on.
+func (s *Service) follow(ctx context.Context, sub *bus.Subscription, fn func(ctx context.Context, subject string, header map[string][]string, data []byte)) {
+	for {
+		subject, header, data, err := sub.NextMsg(ctx)
+		if ctx.Err() != nil {
+			return
+		}
+		if err != nil {
+			s.m.cfg.log.Warn("subscription read failed", "err", err)
+			t := time.NewTimer(time.Second)
+			select {
+			case <-ctx.Done():
+				t.Stop()
+				return
+			case <-t.C:
+			}
+			continue
+		}
+		fn(ctx, subject, header, data)
+	}
 }
 
 // handleCancel cancels the requests a PullCancel names. Every replica hears it; the one running the pull
