@@ -3,12 +3,13 @@ package integration_test
 import (
 	"context"
 	"fmt"
-	"os"
 	"slices"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/imagefleet/imagefleet/internal/testenv"
 )
 
 // BenchmarkHollowIdleAPI counts the JetStream API requests that idle agents make: `imagefleet hollow --nodes
@@ -23,14 +24,9 @@ import (
 func BenchmarkHollowIdleAPI(b *testing.B) {
 	bin := imagefleetBinary(b)
 	raiseNoFile(b)
-	n := 200
-	if s := os.Getenv("IMAGEFLEET_IDLE_NODES"); s != "" {
-		if _, err := fmt.Sscan(s, &n); err != nil || n <= 0 {
-			b.Fatalf("IMAGEFLEET_IDLE_NODES=%q: want a positive count", s)
-		}
-	}
-	settle, window := envDuration(b, "IMAGEFLEET_IDLE_SETTLE", 30*time.Second), envDuration(b, "IMAGEFLEET_IDLE_WINDOW", 90*time.Second)
-	for _, bb := range agentBinaries(bin) {
+	n := testenv.Int(b, "IMAGEFLEET_IDLE_NODES")
+	settle, window := testenv.Duration(b, "IMAGEFLEET_IDLE_SETTLE"), testenv.Duration(b, "IMAGEFLEET_IDLE_WINDOW")
+	for _, bb := range agentBinaries(b, bin) {
 		b.Run(fmt.Sprintf("bin=%s/nodes=%d", bb.name, n), func(b *testing.B) {
 			for range b.N {
 				url, bc := startBus(b, bin)
@@ -114,27 +110,15 @@ func apiKind(subject string) string {
 	return rest
 }
 
-// envDuration reads a duration from the environment, def when unset.
-func envDuration(b testing.TB, name string, def time.Duration) time.Duration {
-	s := os.Getenv(name)
-	if s == "" {
-		return def
-	}
-	d, err := time.ParseDuration(s)
-	if err != nil || d <= 0 {
-		b.Fatalf("%s=%q: want a positive duration", name, s)
-	}
-	return d
-}
-
 // agentBinary is a build whose agents a benchmark measures: this one ("current") or, with
 // IMAGEFLEET_BASELINE_BINARY set to an earlier build, that one too ("baseline"), in the same run.
 type agentBinary struct{ name, path string }
 
 // agentBinaries is this build, then the baseline build when IMAGEFLEET_BASELINE_BINARY names one.
-func agentBinaries(bin string) []agentBinary {
+func agentBinaries(tb testing.TB, bin string) []agentBinary {
+	tb.Helper()
 	bins := []agentBinary{{"current", bin}}
-	if base := os.Getenv("IMAGEFLEET_BASELINE_BINARY"); base != "" {
+	if base := testenv.String(tb, "IMAGEFLEET_BASELINE_BINARY"); base != "" {
 		bins = append(bins, agentBinary{"baseline", base})
 	}
 	return bins

@@ -4,12 +4,11 @@ import (
 	"context"
 	"fmt"
 	"github.com/imagefleet/imagefleet/bus/bustest"
+	"github.com/imagefleet/imagefleet/internal/testenv"
 	"log/slog"
 	"math/rand/v2"
-	"os"
 	"slices"
 	"sort"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -24,29 +23,16 @@ const faultNode = "fault-node"
 // faultRounds is the number of faults injected: IMAGEFLEET_FAULT_ROUNDS, default 40 (about two and a half
 // minutes of faults, so CI stays short); the recorded run in docs/operations.md uses more.
 func faultRounds(t *testing.T) int {
-	v := os.Getenv("IMAGEFLEET_FAULT_ROUNDS")
-	if v == "" {
-		return 40
-	}
-	n, err := strconv.Atoi(v)
-	if err != nil || n < 1 {
-		t.Fatalf("IMAGEFLEET_FAULT_ROUNDS=%q: want a positive number", v)
-	}
-	return n
+	return testenv.Int(t, "IMAGEFLEET_FAULT_ROUNDS")
 }
 
 // faultSeed seeds every random choice of the test (which part, when, for how long, what the clients do):
 // IMAGEFLEET_FAULT_SEED replays a run; by default it is the clock.
 func faultSeed(t *testing.T) uint64 {
-	v := os.Getenv("IMAGEFLEET_FAULT_SEED")
-	if v == "" {
+	if !testenv.IsSet("IMAGEFLEET_FAULT_SEED") {
 		return uint64(time.Now().UnixNano())
 	}
-	n, err := strconv.ParseUint(v, 10, 64)
-	if err != nil {
-		t.Fatalf("IMAGEFLEET_FAULT_SEED=%q: %v", v, err)
-	}
-	return n
+	return uint64(testenv.Int(t, "IMAGEFLEET_FAULT_SEED"))
 }
 
 // TestFaultInjection kills (SIGKILL) and restarts the NATS server, the node agent and containerd at random

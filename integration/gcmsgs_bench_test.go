@@ -3,13 +3,14 @@ package integration_test
 import (
 	"context"
 	"fmt"
-	"os"
 	"regexp"
 	"slices"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/imagefleet/imagefleet/internal/testenv"
 )
 
 // BenchmarkHollowGCMessages lists the messages one node's fleet GC makes, by subject: `imagefleet hollow
@@ -24,13 +25,8 @@ import (
 // node's side.
 func BenchmarkHollowGCMessages(b *testing.B) {
 	bin := imagefleetBinary(b)
-	n := 10
-	if s := os.Getenv("IMAGEFLEET_GCMSGS_NODES"); s != "" {
-		if _, err := fmt.Sscan(s, &n); err != nil || n <= 0 {
-			b.Fatalf("IMAGEFLEET_GCMSGS_NODES=%q: want a positive count", s)
-		}
-	}
-	for _, bb := range agentBinaries(bin) {
+	n := testenv.Int(b, "IMAGEFLEET_GCMSGS_NODES")
+	for _, bb := range agentBinaries(b, bin) {
 		b.Run(fmt.Sprintf("bin=%s/nodes=%d", bb.name, n), func(b *testing.B) {
 			for range b.N {
 				url, bc := startBus(b, bin)

@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"net/url"
-	"os"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -13,6 +12,7 @@ import (
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/internal/testenv"
 	"github.com/imagefleet/imagefleet/internal/testport"
 )
 
@@ -65,15 +65,7 @@ func (s *natsServer) url() string { return "nats://" + s.addr }
 // outage is how long NATS stays down in TestJournalOutage: IMAGEFLEET_OUTAGE (a Go duration), default 3s
 // for a quick `go test`; `go tool task test` (and so CI) sets 30s, the issue's outage.
 func outage(t *testing.T) time.Duration {
-	v := os.Getenv("IMAGEFLEET_OUTAGE")
-	if v == "" {
-		return 3 * time.Second
-	}
-	d, err := time.ParseDuration(v)
-	if err != nil {
-		t.Fatalf("IMAGEFLEET_OUTAGE=%q: %v", v, err)
-	}
-	return d
+	return testenv.Duration(t, "IMAGEFLEET_OUTAGE")
 }
 
 // storedEventIDs counts the stored copies of each event id matching filter.

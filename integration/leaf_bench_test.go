@@ -4,12 +4,11 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"os"
-	"strconv"
 	"testing"
 	"time"
 
 	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/internal/testenv"
 )
 
 // BenchmarkLeafRollout runs the same fleet GC (dry run) and fleet pre-pull from the hub over hollow agents
@@ -21,14 +20,12 @@ import (
 // IMAGEFLEET_LEAF_BENCH_NODES sets the node count (default 100, an even number).
 //
 //	IMAGEFLEET_LEAF_BENCH_NODES=200 go test ./integration/ -run XXX -bench LeafRollout -benchtime 3x
+//
+// -bench 'LeafRollout/layout=leaves' runs one layout.
 func BenchmarkLeafRollout(b *testing.B) {
-	nodes := 100
-	if v := os.Getenv("IMAGEFLEET_LEAF_BENCH_NODES"); v != "" {
-		n, err := strconv.Atoi(v)
-		if err != nil || n < 2 || n%2 != 0 {
-			b.Fatalf("IMAGEFLEET_LEAF_BENCH_NODES=%q: want an even number of nodes, at least 2", v)
-		}
-		nodes = n
+	nodes := testenv.Int(b, "IMAGEFLEET_LEAF_BENCH_NODES")
+	if nodes < 2 || nodes%2 != 0 {
+		b.Fatalf("IMAGEFLEET_LEAF_BENCH_NODES=%d: want an even number of nodes, at least 2", nodes)
 	}
 	bin := imagefleetBinary(b)
 	for _, layout := range []string{"hub", "leaves"} {

@@ -6,9 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"os"
 	"slices"
-	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -25,6 +23,7 @@ import (
 	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
 	"github.com/imagefleet/imagefleet/integration/kubelab"
+	"github.com/imagefleet/imagefleet/internal/testenv"
 	"github.com/imagefleet/imagefleet/services/podsource"
 )
 
@@ -109,10 +108,7 @@ func podName(data []byte) (string, bool) {
 // (list, compare with an empty index, publish) beside a raw client-go list of the same pods.
 func BenchmarkAPIServerPodSource(b *testing.B) {
 	const node, workers = "node-1", 16
-	pods := 10000
-	if n, err := strconv.Atoi(os.Getenv("IMAGEFLEET_BENCH_PODS")); err == nil && n > 0 {
-		pods = n // a shorter run while working on the benchmark
-	}
+	pods := testenv.Int(b, "IMAGEFLEET_BENCH_PODS") // fewer: a shorter run while working on the benchmark
 	for range b.N {
 		c := kubelab.StartT(b, kubelab.Options{})
 		ctx := b.Context()

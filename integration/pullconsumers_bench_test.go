@@ -7,7 +7,6 @@ import (
 	"net/http"
 	"os"
 	"regexp"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -17,6 +16,7 @@ import (
 
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/internal/testenv"
 	"github.com/imagefleet/imagefleet/services/puller"
 )
 
@@ -32,36 +32,18 @@ import (
 // the same window before any node consumer is made (the streams only), and idle-ratio the one over the
 // other. Each layout starts fresh servers.
 //
-//	IMAGEFLEET_PULLCONS_NODES=10000 IMAGEFLEET_PULLCONS_LAYOUTS=memory \
-//	  go test -run '^$' -bench 'R3PullConsumers$' -benchtime 1x -timeout 60m -v ./integration/
+//	IMAGEFLEET_PULLCONS_NODES=10000 \
+//	  go test -run '^$' -bench 'R3PullConsumers$/layout=memory' -benchtime 1x -timeout 60m -v ./integration/
 //
 // Defaults: 1,000 nodes (past the server's default of 1,000 consumers per stream it would be one stream),
-// both layouts, 20 minutes at most to make them (IMAGEFLEET_PULLCONS_BUDGET). A layout that cannot make them all is a result, not a
+// both layouts (-bench picks one, as above), 20 minutes at most to make them (IMAGEFLEET_PULLCONS_BUDGET). A layout that cannot make them all is a result, not a
 // failure: it is logged and reported (made, healthy) and the benchmark goes on to the next.
 func BenchmarkR3PullConsumers(b *testing.B) {
-	n := envInt(b, "IMAGEFLEET_PULLCONS_NODES", 1000)
-	budget := 20 * time.Minute
-	if v := os.Getenv("IMAGEFLEET_PULLCONS_BUDGET"); v != "" {
-		d, err := time.ParseDuration(v)
-		if err != nil {
-			b.Fatalf("IMAGEFLEET_PULLCONS_BUDGET: %v", err)
-		}
-		budget = d
-	}
-	idle := 30 * time.Second
-	if v := os.Getenv("IMAGEFLEET_PULLCONS_IDLE"); v != "" {
-		d, err := time.ParseDuration(v)
-		if err != nil || d <= 0 {
-			b.Fatalf("IMAGEFLEET_PULLCONS_IDLE=%q: want a positive duration", v)
-		}
-		idle = d
-	}
-	layouts := []string{"file", "memory"}
-	if v := os.Getenv("IMAGEFLEET_PULLCONS_LAYOUTS"); v != "" {
-		layouts = strings.Split(v, ",")
-	}
+	n := testenv.Int(b, "IMAGEFLEET_PULLCONS_NODES")
+	budget := testenv.Duration(b, "IMAGEFLEET_PULLCONS_BUDGET")
+	idle := testenv.Duration(b, "IMAGEFLEET_PULLCONS_IDLE")
 	bin := imagefleetBinary(b)
-	for _, layout := range layouts {
+	for _, layout := range []string{"file", "memory"} {
 		b.Run(fmt.Sprintf("layout=%s/nodes=%d", layout, n), func(b *testing.B) {
 			for range b.N {
 				r := runR3PullConsumers(b, bin, layout, n, budget, idle)
@@ -312,16 +294,4 @@ func errOr(err error) string {
 		return "ok"
 	}
 	return err.Error()
-}
-
-func envInt(b testing.TB, name string, def int) int {
-	v := os.Getenv(name)
-	if v == "" {
-		return def
-	}
-	i, err := strconv.Atoi(v)
-	if err != nil || i <= 0 {
-		b.Fatalf("%s=%q: want a positive count", name, v)
-	}
-	return i
 }

@@ -25,18 +25,19 @@ import (
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/internal/testenv"
 	"github.com/imagefleet/imagefleet/services/fleet"
 )
 
 // The scale benchmarks run `imagefleet hollow` (real node workers over hollow CRI runtimes) on a
 // three-server NATS cluster with R3 streams, and the built `imagefleet fleet` commands against it, as an
 // operator would. They are long (a fleet per size): the sizes come from IMAGEFLEET_SCALE_NODES
-// (comma-separated, default 1000), so `go tool task bench` stays at 1,000 nodes:
+// (comma-separated, default 1000), so `go tool task bench` stays at 1,000 nodes; -bench picks a row:
 //
-//	IMAGEFLEET_SCALE_NODES=1000,10000 go test -run '^$' -bench 'HollowFleet|InventoryCatchUp' -benchtime 1x -timeout 2h ./integration/
+//	IMAGEFLEET_SCALE_NODES=1000,10000 go test -run '^$' -bench 'HollowFleet$/nodes=10000$' -benchtime 1x -timeout 2h ./integration/
 //
 // IMAGEFLEET_SCALE_REPLICAS (default 3) sets the streams' replicas, for a fleet whose R3 consumers do not
-// fit the machine.
+// fit the machine. The knobs: docs/testing.md.
 //
 // 10,000 agents need about 10 file descriptors each in the hollow process (a socket per node and its
 // client) and the cluster's connections: the benchmarks raise RLIMIT_NOFILE to the hard limit.
@@ -45,13 +46,9 @@ import (
 // (10,000 R3 pull consumers did not fit this 2-core machine in the partition benchmark: docs/benchmarks.md.)
 func scaleReplicas(b *testing.B) int {
 	b.Helper()
-	raw := os.Getenv("IMAGEFLEET_SCALE_REPLICAS")
-	if raw == "" {
-		return 3
-	}
-	r, err := strconv.Atoi(raw)
-	if err != nil || r < 1 || r > 3 {
-		b.Fatalf("IMAGEFLEET_SCALE_REPLICAS=%q: want 1, 2 or 3", raw)
+	r := testenv.Int(b, "IMAGEFLEET_SCALE_REPLICAS")
+	if r > 3 {
+		b.Fatalf("IMAGEFLEET_SCALE_REPLICAS=%d: want 1, 2 or 3", r)
 	}
 	return r
 }
@@ -59,26 +56,7 @@ func scaleReplicas(b *testing.B) int {
 // scaleSizes returns the fleet sizes to benchmark: IMAGEFLEET_SCALE_NODES, comma-separated (default 1000).
 func scaleSizes(b *testing.B) []int {
 	b.Helper()
-	return envCounts(b, "IMAGEFLEET_SCALE_NODES", "1000", "node counts")
-}
-
-// envCounts parses the environment variable name (def when unset), a comma-separated list of positive
-// counts of what.
-func envCounts(b *testing.B, name, def, what string) []int {
-	b.Helper()
-	raw := os.Getenv(name)
-	if raw == "" {
-		raw = def
-	}
-	var out []int
-	for _, f := range strings.Split(raw, ",") {
-		n, err := strconv.Atoi(strings.TrimSpace(f))
-		if err != nil || n < 1 {
-			b.Fatalf("%s=%q: want %s, comma-separated", name, raw, what)
-		}
-		out = append(out, n)
-	}
-	return out
+	return testenv.Ints(b, "IMAGEFLEET_SCALE_NODES")
 }
 
 // raiseNoFile raises this process's open-file limit (inherited by the servers and hollow processes it
@@ -312,7 +290,7 @@ func (f *hollowFleet) run(b *testing.B, bin string, args ...string) rolloutCost 
 	var rc rolloutCost
 	args = append(args, "--nats", f.c.URL, "--stream-replicas", strconv.Itoa(scaleReplicas(b)), "--timeout", "5m", "-o", "json")
 	// IMAGEFLEET_SCALE_ROLLOUT_ARGS: more flags for every rollout (e.g. "--max-in-flight 250 --node-timeout 3m").
-	extra := strings.Fields(os.Getenv("IMAGEFLEET_SCALE_ROLLOUT_ARGS"))
+	extra := strings.Fields(testenv.String(b, "IMAGEFLEET_SCALE_ROLLOUT_ARGS"))
 	args = append(args, extra...)
 	// With a failure budget (--max-failures in IMAGEFLEET_SCALE_ROLLOUT_ARGS), a rollout that went through
 	// every batch within it is measured, its failed nodes reported; without one, any failure fails the run.
@@ -563,7 +541,7 @@ func nodeTimes(nodes []events.RolloutNodeResult) string {
 func BenchmarkHollowFleet(b *testing.B) {
 	bin := imagefleetBinary(b)
 	nofile := raiseNoFile(b)
-	bins := agentBinaries(bin)
+	bins := agentBinaries(b, bin)
 	for _, ab := range bins {
 		prefix := "" // without a baseline, the names of before
 		if len(bins) > 1 {
@@ -579,7 +557,7 @@ func BenchmarkHollowFleet(b *testing.B) {
 func benchHollowFleet(b *testing.B, bin, agentBin, prefix string, n int, nofile uint64) {
 	b.Run(fmt.Sprintf("%snodes=%d", prefix, n), func(b *testing.B) {
 		// IMAGEFLEET_SCALE_HOLLOW_ARGS: more flags for the hollow agents (e.g. "--heartbeat-period 20s").
-		hollowArgs := append([]string{"--images-per-node", "8", "--pull-delay", "100ms"}, strings.Fields(os.Getenv("IMAGEFLEET_SCALE_HOLLOW_ARGS"))...)
+		hollowArgs := append([]string{"--images-per-node", "8", "--pull-delay", "100ms"}, strings.Fields(testenv.String(b, "IMAGEFLEET_SCALE_HOLLOW_ARGS"))...)
 		f := startHollowFleetOf(b, bin, agentBin, n, hollowArgs...)
 		b.Logf("%d agents Ready in %s; hollow RSS %.0f KiB per agent; RLIMIT_NOFILE %d", n, f.startup.Round(time.Millisecond), f.rssPer/1024, nofile)
 		baseline := requestBaseline(b, f.c, n)
@@ -621,30 +599,14 @@ func benchHollowFleet(b *testing.B, bin, agentBin, prefix string, n int, nofile 
 	})
 }
 
-// inventoryModes are the inventory's ways of consuming to benchmark: IMAGEFLEET_SCALE_INVENTORY, comma-separated
-// shared (the one durable fleet-inventory) and partitioned (the 16 partition durables); default (or "both") both.
-func inventoryModes(b *testing.B) []string {
-	b.Helper()
-	raw := os.Getenv("IMAGEFLEET_SCALE_INVENTORY")
-	if raw == "" || raw == "both" {
-		return []string{"shared", "partitioned"}
-	}
-	var out []string
-	for _, m := range strings.Split(raw, ",") {
-		if m = strings.TrimSpace(m); m != "shared" && m != "partitioned" {
-			b.Fatalf("IMAGEFLEET_SCALE_INVENTORY=%q: want shared, partitioned or both", raw)
-		}
-		out = append(out, strings.TrimSpace(m))
-	}
-	return out
-}
+// inventoryModes are the inventory's ways of consuming that BenchmarkInventoryCatchUp compares: shared (the
+// one durable fleet-inventory) and partitioned (the 16 partition durables). Each is a row (inventory=M) that
+// -bench picks.
+var inventoryModes = []string{"shared", "partitioned"}
 
-// inventoryReplicas are the replica counts to benchmark: IMAGEFLEET_SCALE_INVENTORY_REPLICAS, comma-separated
-// (default 1,2,4), so one row can be run again alone.
-func inventoryReplicas(b *testing.B) []int {
-	b.Helper()
-	return envCounts(b, "IMAGEFLEET_SCALE_INVENTORY_REPLICAS", "1,2,4", "replica counts")
-}
+// inventoryReplicas are the replica counts BenchmarkInventoryCatchUp compares, a row (replicas=R) each that
+// -bench picks, so one row can be run again alone.
+var inventoryReplicas = []int{1, 2, 4}
 
 // shortNodes names the nodes (up to 5) with fewer than want image.detected events in the events stream, and
 // what the hollow log says of each (its last 15 lines naming it): a node whose events are missing, found.
@@ -709,14 +671,14 @@ func detectorTrouble(path string, n int) string {
 func BenchmarkInventoryCatchUp(b *testing.B) {
 	bin := imagefleetBinary(b)
 	raiseNoFile(b)
-	cpuShare, err := parseCPUCap(os.Getenv("IMAGEFLEET_SCALE_REPLICA_CPU"))
+	cpuShare, err := parseCPUCap(testenv.String(b, "IMAGEFLEET_SCALE_REPLICA_CPU"))
 	if err != nil {
 		b.Fatalf("IMAGEFLEET_SCALE_REPLICA_CPU=%v", err)
 	}
 	for _, n := range scaleSizes(b) {
-		for _, mode := range inventoryModes(b) {
+		for _, mode := range inventoryModes {
 			var rate1 float64
-			for _, replicas := range inventoryReplicas(b) {
+			for _, replicas := range inventoryReplicas {
 				b.Run(fmt.Sprintf("nodes=%d/inventory=%s/replicas=%d", n, mode, replicas), func(b *testing.B) {
 					for range b.N {
 						b.StopTimer()

@@ -15,6 +15,7 @@ import (
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/internal/testenv"
 	"github.com/imagefleet/imagefleet/services/fleet"
 )
 
@@ -50,15 +51,17 @@ func startNATSClusterR(t testing.TB, bin string, replicas int) *natsCluster {
 	}
 	t.Cleanup(b.Close)
 	c.Bus = b
+	// IMAGEFLEET_SCALE_PULL_REPLICAS: the pull partitions' replicas (and so the node consumers'), for a
+	// fleet whose R3 node consumers do not fit the machine while every other stream stays R3.
+	var pullReplicas []string
+	if testenv.IsSet("IMAGEFLEET_SCALE_PULL_REPLICAS") {
+		pullReplicas = []string{"--pull-replicas", strconv.Itoa(testenv.Int(t, "IMAGEFLEET_SCALE_PULL_REPLICAS"))}
+	}
 	bustest.Eventually(t, fmt.Sprintf("the cluster's streams and buckets, R%d", replicas), 2*time.Minute, func() error {
 		ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
 		defer cancel()
 		args := []string{"bus", "init", "--stream-replicas", strconv.Itoa(replicas), "--nats", c.URL}
-		// IMAGEFLEET_SCALE_PULL_REPLICAS: the pull partitions' replicas (and so the node consumers'), for a
-		// fleet whose R3 node consumers do not fit the machine while every other stream stays R3.
-		if pr := os.Getenv("IMAGEFLEET_SCALE_PULL_REPLICAS"); pr != "" {
-			args = append(args, "--pull-replicas", pr)
-		}
+		args = append(args, pullReplicas...)
 		_, err := cli(ctx, bin, args...)
 		if err != nil {
 			return err
