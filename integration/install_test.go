@@ -197,6 +197,7 @@ func podsReady(ctx context.Context, admin *kubernetes.Clientset) (bool, string) 
 // builds the images of upgradeFrom (imagefleet:old) and of the current commit (imagefleet:test) for this
 // machine's platform with cmd/imagefleet-image into the lab's registry.
 func startInstallLab(t *testing.T) *installLab {
+	ctx := t.Context()
 	l := &installLab{t: t, dir: t.TempDir()}
 	l.reg = lab.StartRegistry(t, lab.RegistryOptions{})
 	for _, ref := range []string{"lab/pause:1", "lab/app:1", "lab/extra:1", "lab/keep:1", "lab/slow:1"} {
@@ -210,6 +211,11 @@ func startInstallLab(t *testing.T) *installLab {
 	}
 	l.buildImage(upgradeFrom, "old")
 	l.buildImage("HEAD", "test")
+	// The JetStream store on a PersistentVolumeClaim, as by default: a local volume on node-1 (the lab has no
+	// provisioner). With an emptyDir, the NATS pod's restart at the upgrade would lose the streams.
+	if _, err := l.c.AddLocalVolumes(ctx, 1, "1Gi"); err != nil {
+		t.Fatal(err)
+	}
 	l.bin = imagefleetBinary(t)
 	l.dataDir = filepath.Join(l.c.Dir(), "imagefleet-agent")
 	port := func() int { return testport.Free(t) }
@@ -221,6 +227,7 @@ kubernetesAPI: {host: 127.0.0.1, port: %d}
 nats:
   url: %s
   ports: {client: %d, cluster: %d, monitor: %d}
+  persistence: {enabled: true, size: 1Gi, storageClass: lab-local}
 agent:
   cri: %s
   dataDir: %s
@@ -465,6 +472,9 @@ func TestInstallOnTheKubeLab(t *testing.T) {
 		if !slices.Contains(after, ref) {
 			t.Errorf("uninstall removed %s from the node", ref)
 		}
+	}
+	if _, err := l.admin.CoreV1().PersistentVolumeClaims(installNS).Get(ctx, "data-imagefleet-nats-0", metav1.GetOptions{}); err != nil {
+		t.Errorf("the NATS volume data-imagefleet-nats-0, which docs/install.md says stays: %v", err)
 	}
 	if _, err := l.admin.CoreV1().Secrets(installNS).Get(ctx, "imagefleet-nats-keys", metav1.GetOptions{}); err != nil {
 		t.Errorf("the Secret imagefleet-nats-keys, which docs/install.md says stays: %v", err)
