@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"os"
 	"os/exec"
 	"slices"
 	"strings"
@@ -18,7 +17,11 @@ import (
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/internal/testenv"
 )
+
+// An IMAGEFLEET_* variable no test reads (a mistyped knob) stops the run before any test: docs/testing.md.
+func init() { testenv.MustCheck() }
 
 // TestFleetGCStreamsItsOutput: `fleet gc -o json` writes the documented result ({batches, succeeded,
 // failed, dryRun, nodes: [...]}) with nodes written as they end, and the text form a row per node and the
@@ -148,7 +151,7 @@ func BenchmarkFleetGCCommand(b *testing.B) {
 		extra     []string
 	}
 	var bins []variant
-	if base := os.Getenv("IMAGEFLEET_BASELINE_BINARY"); base != "" {
+	if base := testenv.String(b, "IMAGEFLEET_BASELINE_BINARY"); base != "" {
 		bins = append(bins, variant{"baseline", base, nil})
 	}
 	for _, m := range []string{"250", "1000", "10000"} {

@@ -17,6 +17,7 @@ import (
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/internal/testenv"
 	"github.com/imagefleet/imagefleet/internal/testport"
 	"github.com/imagefleet/imagefleet/services/fleet"
 )
@@ -27,7 +28,8 @@ import (
 const natsConfigEnv = "IMAGEFLEET_FLEET_TEST_NATS_CONFIG"
 
 func TestMain(m *testing.M) {
-	if conf := os.Getenv(natsConfigEnv); conf != "" {
+	testenv.MustCheck()
+	if conf := os.Getenv(natsConfigEnv); conf != "" { // read before testing runs: no testing.TB yet
 		os.Exit(runNATSServer(conf))
 	}
 	os.Exit(m.Run())

@@ -22,7 +22,11 @@ import (
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/internal/testenv"
 )
+
+// An IMAGEFLEET_* variable no test reads (a mistyped knob) stops the run before any test: docs/testing.md.
+func init() { testenv.MustCheck() }
 
 // benchPods is the number of distinct pods the benchmark events cycle through.
 const benchPods = 10000
@@ -100,7 +104,7 @@ func cpuTime(b *testing.B) time.Duration {
 // startPhaseProfile writes a CPU profile of the end-to-end phase alone (not the set-up or the raw phase) to
 // the file named by IMAGEFLEET_BENCH_CPUPROFILE, when it is set; it returns the function that stops it.
 func startPhaseProfile(b *testing.B) func() {
-	path := os.Getenv("IMAGEFLEET_BENCH_CPUPROFILE")
+	path := testenv.String(b, "IMAGEFLEET_BENCH_CPUPROFILE")
 	if path == "" {
 		return func() {}
 	}

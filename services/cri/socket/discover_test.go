@@ -15,12 +15,16 @@ import (
 	"testing"
 	"time"
 
+	"github.com/imagefleet/imagefleet/internal/testenv"
 	"go.uber.org/goleak"
 	"google.golang.org/grpc"
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// An IMAGEFLEET_* variable no test reads (a mistyped knob) stops the run before any test: docs/testing.md.
+func init() { testenv.MustCheck() }
 
 // newRoot returns a directory to use as the host's / . It is short, unlike t.TempDir(), because a unix
 // socket's path holds at most 107 bytes and the MicroK8s candidate alone takes 45.
@@ -534,7 +538,7 @@ const childEnv = "IMAGEFLEET_SOCKET_TEST_PROBE"
 // socket whatever its mode) it runs the test binary again as nobody against a socket only root may use; as
 // any other user it takes the socket's write bit away.
 func TestPermissionDeniedByTheKernel(t *testing.T) {
-	if path := os.Getenv(childEnv); path != "" {
+	if path := testenv.String(t, childEnv); path != "" {
 		_, err := Probe(context.Background(), path, Options{})
 		fmt.Printf("probe error <<%v>>\n", err)
 		return
