@@ -52,6 +52,10 @@ type Service struct {
 	removedIDs []string
 	pulled     bool
 	wake       chan struct{}
+
+	// ready is closed once the subscriptions are at the server and a detection has succeeded (Ready).
+	ready     chan struct{}
+	readyOnce sync.Once
 }
 
 // New validates cfg and builds the detector.
@@ -63,8 +67,14 @@ func New(cfg Config, rt runtime, b *bus.Bus) (*Service, error) {
 		return nil, fmt.Errorf("detector needs a runtime and a bus")
 	}
 	return &Service{cfg: cfg, rt: rt, bus: b, wake: make(chan struct{}, 1), mu: make(chan struct{}, 1),
-		retry: make(chan struct{}, 1)}, nil
+		retry: make(chan struct{}, 1), ready: make(chan struct{})}, nil
 }
+
+// Ready is closed once the detector can answer a detect command with the node's records: the detect command,
+// the records query and the node's image.removed and pull.pulled events are subscribed at the server, and a
+// first detection has succeeded, so the records bucket holds the node's images. While the runtime or the
+// bucket fails, Run tries the detection again (retryWait) and Ready stays open.
+func (s *Service) Ready() <-chan struct{} { return s.ready }
 
 // lock takes the detection lock, or fails when ctx ends first.
 func (s *Service) lock(ctx context.Context) error {
@@ -216,28 +226,81 @@ func (s *Service) Run(ctx context.Context) error {
 	defer cancel()
 	var wg sync.WaitGroup
 	errs := make(chan error, 4)
-	serve := func(subject string, h bus.Handler) {
+	// Every subscription is made here, before Ready: made in the goroutines that use them, one could reach
+	// the server after Ready, and a command sent at once found no responders.
+	var listeners []*bus.Listener
+	var subs []*bus.Subscription
+	closeAll := func() {
+		for _, l := range listeners {
+			l.Close()
+		}
+		for _, sub := range subs {
+			sub.Close()
+		}
+	}
+	for _, q := range []struct {
+		subject string
+		h       bus.Handler
+	}{
+		{events.CommandSubject(s.cfg.Node, events.VerbDetect), s.handleDetect},
+		{events.QuerySubject(s.cfg.Node, events.QryRecords), s.handleRecords},
+	} {
+		l, err := s.bus.Listen(ctx, q.subject, events.DetectorQueue, 1, q.h)
+		if err != nil {
+			closeAll()
+			return err
+		}
+		listeners = append(listeners, l)
+	}
+	for _, subject := range []string{
+		events.EventSubject(s.cfg.Node, events.EntityImage, events.ActionRemoved),
+		events.EventSubject(s.cfg.Node, events.EntityPull, events.ActionPulled),
+	} {
+		sub, err := s.bus.SubscribeSync(ctx, subject)
+		if err != nil {
+			closeAll()
+			return err
+		}
+		subs = append(subs, sub)
+	}
+	for _, l := range listeners {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if err := s.bus.Serve(ctx, subject, events.DetectorQueue, h); err != nil {
+			defer l.Close()
+			if err := l.Serve(ctx); err != nil {
 				errs <- err
 			}
 		}()
 	}
-	serve(events.CommandSubject(s.cfg.Node, events.VerbDetect), s.handleDetect)
-	serve(events.QuerySubject(s.cfg.Node, events.QryRecords), s.handleRecords)
-	follow := func(subject string, fn func(map[string][]string, []byte)) {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if err := s.bus.Subscribe(ctx, subject, func(_ string, h map[string][]string, data []byte) { fn(h, data) }); err != nil && ctx.Err() == nil {
-				errs <- err
+	wg.Add(2)
+	go func() {
+		defer wg.Done()
+		defer subs[0].Close()
+		for {
+			_, header, data, err := subs[0].NextMsg(ctx)
+			if ctx.Err() != nil {
+				return
 			}
-		}()
-	}
-	follow(events.EventSubject(s.cfg.Node, events.EntityImage, events.ActionRemoved), s.onRemoved)
-	follow(events.EventSubject(s.cfg.Node, events.EntityPull, events.ActionPulled), func(map[string][]string, []byte) { s.onPulled() })
+			if err != nil {
+				// Messages dropped (a slow consumer) or the connection closed: not spun on.
+				t := time.NewTimer(time.Second)
+				select {
+				case <-ctx.Done():
+					t.Stop()
+					return
+				case <-t.C:
+				}
+				continue
+			}
+			s.onRemoved(header, data)
+		}
+	}()
+	go func() {
+		defer wg.Done()
+		defer subs[1].Close()
+		subs[1].Notify(ctx, s.onPulled)
+	}()
 
 	tick := time.NewTicker(s.cfg.Period)
 	defer tick.Stop()
@@ -292,6 +355,7 @@ func (s *Service) Run(ctx context.Context) error {
 			log.Warn("failed to monitor images", "err", err, "retry_in", wait.Round(time.Millisecond))
 		default:
 			redetecting.failures = 0
+			s.readyOnce.Do(func() { close(s.ready) })
 		}
 	}
 }
