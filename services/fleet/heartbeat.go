@@ -8,6 +8,7 @@ import (
 	"maps"
 	"math"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/imagefleet/imagefleet/bus"
@@ -86,6 +87,10 @@ type Heartbeat struct {
 	period    time.Duration   // the period now: cfg.Period, or stretched (MaxRate)
 	lastRev   uint64          // the revision of the last thin record written (0: none, or the beat failed)
 	lastAt    time.Time       // when it was written
+
+	// ready is closed once Run's first heartbeat is written (Ready).
+	ready     chan struct{}
+	readyOnce sync.Once
 }
 
 // NewHeartbeat validates cfg and returns the worker.
@@ -138,8 +143,13 @@ func NewHeartbeat(cfg HeartbeatConfig, rt heartbeatRuntime, b *bus.Bus) (*Heartb
 		cfg.Logger = slog.Default()
 	}
 	cfg.Labels = maps.Clone(cfg.Labels)
-	return &Heartbeat{cfg: cfg, rt: rt, b: b, started: cfg.Clock().UTC(), period: cfg.Period}, nil
+	return &Heartbeat{cfg: cfg, rt: rt, b: b, started: cfg.Clock().UTC(), period: cfg.Period,
+		ready: make(chan struct{})}, nil
 }
+
+// Ready is closed once Run's first heartbeat is written: the registry lists the node as Ready from then on.
+// While the buckets or the writes fail, Run retries each period and Ready stays open.
+func (h *Heartbeat) Ready() <-chan struct{} { return h.ready }
 
 // Run heartbeats until ctx ends. A failed heartbeat is logged and retried at the next period: the node is
 // shown as lost meanwhile, which is the truth.
@@ -162,6 +172,9 @@ func (h *Heartbeat) Run(ctx context.Context) error {
 		cancel()
 		if err != nil && ctx.Err() == nil {
 			h.cfg.Logger.Warn("heartbeat failed", "node", h.cfg.Node, "err", err)
+		}
+		if err == nil {
+			h.readyOnce.Do(func() { close(h.ready) })
 		}
 		if h.period != period {
 			t.Reset(h.period)
