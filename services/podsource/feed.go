@@ -53,6 +53,10 @@ type feed struct {
 	mu    sync.Mutex
 	known map[types.UID]knownPod
 	state health
+
+	// ready is closed at the first sync (setUp): Ready.
+	ready     chan struct{}
+	readyOnce sync.Once
 }
 
 type knownPod struct {
@@ -62,7 +66,8 @@ type knownPod struct {
 
 func newFeed(node, source string, configs []string, mirrors bool, pub publisher, req requester, log *slog.Logger) *feed {
 	f := &feed{node: node, source: source, configs: configs, mirrors: mirrors, pub: pub, req: req,
-		log: log.With("worker", "pod-source", "source", source), now: time.Now, known: map[types.UID]knownPod{}}
+		log: log.With("worker", "pod-source", "source", source), now: time.Now, known: map[types.UID]knownPod{},
+		ready: make(chan struct{})}
 	f.indexGaps.Store(noGaps)
 	f.setDown(errors.New("not synced yet"))
 	return f
@@ -330,7 +335,14 @@ type health struct {
 	since time.Time
 }
 
+// Ready is closed once the source's first sync is done: the kubelet's initial pods (the Pods API's
+// INITIAL_SYNC_COMPLETE) or the API server's first list compared with the index and the difference published,
+// so the index holds the node's pods. While the kubelet's socket or the API server cannot be reached, the
+// source retries and Ready stays open.
+func (f *feed) Ready() <-chan struct{} { return f.ready }
+
 func (f *feed) setUp() {
+	f.readyOnce.Do(func() { close(f.ready) })
 	f.mu.Lock()
 	was := f.state.up
 	f.state = health{up: true, since: f.now()}
