@@ -43,8 +43,8 @@ type runnable interface {
 
 // readier is a worker that says when it can do its job: Ready closes once its subscriptions and consumers
 // are at the server, and for some once a first piece of work is done (the pod index caught up, the
-// detector's first detection, the heartbeat's first write, a pod source's first sync). A worker without
-// Ready (the inventory) counts as ready as soon as it runs: the agent cannot tell more.
+// detector's first detection, the heartbeat's first write, a pod source's first sync, the inventory's index
+// loaded). A worker without Ready counts as ready as soon as it runs: the agent cannot tell more.
 type readier interface {
 	Ready() <-chan struct{}
 }

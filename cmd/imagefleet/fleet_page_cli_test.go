@@ -146,7 +146,9 @@ func testFleetWhereAndImagesPages(t *testing.T, partitioned bool) {
 		var applied int64
 		owned := 0
 		for _, inv := range invs {
-			if !inv.Ready() {
+			select {
+			case <-inv.Ready():
+			default:
 				return false
 			}
 			st := inv.Stats()

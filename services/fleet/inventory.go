@@ -79,6 +79,9 @@ type Inventory struct {
 	// The IDs of images, sorted, for a part's chunks (sortedImageIDs); nil once an image comes or goes.
 	imageIDs []string
 	ready    bool
+	// readyCh closes when ready first turns true (Ready).
+	readyCh   chan struct{}
+	readyOnce sync.Once
 
 	// Partitioned (inventory_owned.go): what this replica has of each partition, a generation bumped at
 	// every acquire and release (a range reading a partition taken over indexes only while it is current),
@@ -183,7 +186,7 @@ func NewInventory(ctx context.Context, cfg InventoryConfig, b *bus.Bus) (*Invent
 func newInventory(cfg InventoryConfig) *Inventory {
 	return &Inventory{cfg: cfg, index: map[string]map[string]indexed{}, refs: map[string]map[string]int{},
 		images: map[string]*imageTotals{}, nodes: map[string]*events.InventoryNode{}, fail: make(chan error, 1),
-		rekeyLive: newRekeyQueue()}
+		rekeyLive: newRekeyQueue(), readyCh: make(chan struct{})}
 }
 
 func inventoryBucket(replicas int) bus.KVConfig {
@@ -317,6 +320,7 @@ func (s *Inventory) Run(ctx context.Context) error {
 		s.ready = true
 		ready := s.initialLoaded()
 		s.mu.Unlock()
+		s.readyOnce.Do(func() { close(s.readyCh) })
 		for _, p := range ready {
 			s.startConsumer(p)
 		}
@@ -417,14 +421,11 @@ func MigrateInventoryStream(ctx context.Context, b *bus.Bus, replicas int) error
 	return EnsureInventoryStream(ctx, b, replicas)
 }
 
-// Ready reports whether the replica answers queries: its index holds the bucket's initial contents and the
+// Ready closes once the replica answers queries: its index holds the bucket's initial contents and the
 // server holds its subscriptions (queries; partitioned, parts too), so a query sent through the same server
-// from now on finds a responder (a cluster's other servers learn of the interest a route round trip later).
-func (s *Inventory) Ready() bool {
-	s.mu.RLock()
-	defer s.mu.RUnlock()
-	return s.ready
-}
+// from then on finds a responder (a cluster's other servers learn of the interest a route round trip later).
+// The agent's /healthz waits for it.
+func (s *Inventory) Ready() <-chan struct{} { return s.readyCh }
 
 // indexEntry applies one bucket change to the index. A node-first key of the previous release is indexed
 // under its image-first key and returned for re-keying (ok); a value that is no placement, or whose key is

@@ -77,9 +77,7 @@ func BenchmarkInventoryQueries(b *testing.B) {
 	go func() { defer wg.Done(); _ = inv.Run(ctx) }()
 	defer wg.Wait()
 	defer cancel()
-	for !inv.Ready() {
-		time.Sleep(10 * time.Millisecond)
-	}
+	<-inv.Ready()
 	loaded := time.Since(loadStart)
 	runtime.GC()
 	runtime.ReadMemStats(&ms)

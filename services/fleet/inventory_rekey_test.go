@@ -87,7 +87,14 @@ func TestInventoryRekeysNodeFirstKeys(t *testing.T) {
 
 	inv, stop := runInventory(t, b, "new")
 	defer stop()
-	bustest.WaitFor(t, "replica ready", inv.Ready)
+	bustest.WaitFor(t, "replica ready", func() bool {
+		select {
+		case <-inv.Ready():
+			return true
+		default:
+			return false
+		}
+	})
 	// The index is whole at once (node-first keys indexed under their image-first key); the bucket follows.
 	if got, want := wherePlacements(t, b, "nginx:1.27"), []string{"n1/100", "n2.example/100"}; !slices.Equal(got, want) {
 		t.Fatalf("where nginx at ready = %v, want %v", got, want)
