@@ -10,7 +10,6 @@ import (
 	"log/slog"
 	"os"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -419,60 +418,16 @@ func TokenInbox(token string) string {
 	return InboxRoot + "." + id
 }
 
-// Responder is a subscription that answers requests with raw bytes once Serve runs (RespondListen).
-type Responder struct {
-	b       *Bus
-	subject string
-	n       int
-	fn      func(ctx context.Context, data []byte) []byte
-	ch      chan *nats.Msg
-	sub     *nats.Subscription
-}
-
 // RespondListen subscribes to subject, shared in queue group queue, for up to n answers at once, and
 // flushes, so the server holds the interest when it returns. Unlike Listen, what fn returns is sent as it is
 // (no events.Reply envelope): for protocols that define their own answer, such as nats-server's auth
 // callout. A nil answer sends nothing.
-func (b *Bus) RespondListen(ctx context.Context, subject, queue string, n int, fn func(ctx context.Context, data []byte) []byte) (*Responder, error) {
-	ch := make(chan *nats.Msg, 256)
-	sub, err := b.nc.ChanQueueSubscribe(subject, queue, ch)
-	if err != nil {
-		return nil, fmt.Errorf("subscribe %s: %w", subject, err)
-	}
-	fctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	if err := b.nc.FlushWithContext(fctx); err != nil {
-		_ = sub.Unsubscribe()
-		return nil, fmt.Errorf("subscribe %s: flush: %w", subject, err)
-	}
-	return &Responder{b: b, subject: subject, n: max(n, 1), fn: fn, ch: ch, sub: sub}, nil
-}
-
-// Serve answers requests until ctx ends, then unsubscribes (the server has dropped the interest when it
-// returns, so a request sent after finds no responder here); it returns nil.
-func (r *Responder) Serve(ctx context.Context) error {
-	var wg sync.WaitGroup
-	for range r.n {
-		wg.Go(func() {
-			for {
-				select {
-				case <-ctx.Done():
-					return
-				case m := <-r.ch:
-					if out := r.fn(ctx, m.Data); out != nil && m.Reply != "" {
-						if err := m.Respond(out); err != nil {
-							r.b.log.Warn("nats respond", "subject", r.subject, "err", err)
-						}
-					}
-				}
+func (b *Bus) RespondListen(ctx context.Context, subject, queue string, n int, fn func(ctx context.Context, data []byte) []byte) (*Listener, error) {
+	return b.listen(ctx, subject, queue, n, func(ctx context.Context, m *nats.Msg) {
+		if out := fn(ctx, m.Data); out != nil && m.Reply != "" {
+			if err := m.Respond(out); err != nil {
+				b.log.Warn("nats respond", "subject", subject, "err", err)
 			}
-		})
-	}
-	<-ctx.Done()
-	_ = r.sub.Unsubscribe()
-	wg.Wait()
-	fctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-	defer cancel()
-	_ = r.b.nc.FlushWithContext(fctx)
-	return nil
+		}
+	})
 }

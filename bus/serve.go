@@ -38,21 +38,28 @@ func (b *Bus) ServeConcurrent(ctx context.Context, subject, queue string, n int,
 // answer: a request sent after that finds a responder on this server (a cluster spreads the interest to its
 // other servers asynchronously, a route round trip later).
 type Listener struct {
-	b       *Bus
-	subject string
-	n       int
-	h       Handler
-	ch      chan *nats.Msg
-	sub     *nats.Subscription
+	b      *Bus
+	n      int
+	answer func(ctx context.Context, m *nats.Msg)
+	ch     chan *nats.Msg
+	sub    *nats.Subscription
 }
 
 // Listen subscribes to subject in queue group queue ("" for none) for up to n handlers at once, and flushes,
 // so the server holds the interest when it returns. Requests that arrive before Serve wait in the
 // subscription's buffer.
 func (b *Bus) Listen(ctx context.Context, subject, queue string, n int, h Handler) (*Listener, error) {
-	if n < 1 {
-		n = 1
+	log := b.log.With("subject", subject)
+	l, err := b.listen(ctx, subject, queue, n, func(ctx context.Context, m *nats.Msg) { b.answer(ctx, log, m, h) })
+	if err != nil {
+		return nil, err
 	}
+	initServedMetrics(subject)
+	return l, nil
+}
+
+// listen subscribes and flushes for Listen and RespondListen; answer handles one request.
+func (b *Bus) listen(ctx context.Context, subject, queue string, n int, answer func(context.Context, *nats.Msg)) (*Listener, error) {
 	ch := make(chan *nats.Msg, 256)
 	sub, err := b.nc.ChanQueueSubscribe(subject, queue, ch)
 	if err != nil {
@@ -64,31 +71,33 @@ func (b *Bus) Listen(ctx context.Context, subject, queue string, n int, h Handle
 		_ = sub.Unsubscribe()
 		return nil, fmt.Errorf("subscribe %s: flush: %w", subject, err)
 	}
-	initServedMetrics(subject)
-	return &Listener{b: b, subject: subject, n: n, h: h, ch: ch, sub: sub}, nil
+	return &Listener{b: b, n: max(n, 1), answer: answer, ch: ch, sub: sub}, nil
 }
 
-// Serve answers requests until ctx ends, then unsubscribes; it returns nil.
+// Serve answers requests until ctx ends, then unsubscribes and flushes (the server has dropped the interest
+// when it returns, so a request sent after finds no responder here); it returns nil.
 func (l *Listener) Serve(ctx context.Context) error {
-	log := l.b.log.With("subject", l.subject)
 	var wg sync.WaitGroup
-	for i := 0; i < l.n; i++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+	for range l.n {
+		wg.Go(func() {
 			for {
 				select {
 				case <-ctx.Done():
 					return
 				case m := <-l.ch:
-					l.b.answer(ctx, log, m, l.h)
+					l.answer(ctx, m)
 				}
 			}
-		}()
+		})
 	}
 	<-ctx.Done()
 	_ = l.sub.Unsubscribe()
 	wg.Wait()
+	if l.b.nc.IsConnected() {
+		fctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		_ = l.b.nc.FlushWithContext(fctx)
+	}
 	return nil
 }
 

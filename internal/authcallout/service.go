@@ -24,7 +24,7 @@ type tokenReviewer interface {
 
 // responder answers NATS requests with raw bytes (bus.Bus).
 type responder interface {
-	RespondListen(ctx context.Context, subject, queue string, n int, fn func(ctx context.Context, data []byte) []byte) (*bus.Responder, error)
+	RespondListen(ctx context.Context, subject, queue string, n int, fn func(ctx context.Context, data []byte) []byte) (*bus.Listener, error)
 }
 
 // Service is one replica of the auth callout.
