@@ -306,6 +306,32 @@ func (s *Subscription) NextMsg(ctx context.Context) (subject string, header map[
 // Close unsubscribes.
 func (s *Subscription) Close() { _ = s.sub.Unsubscribe() }
 
+// Each calls fn for each message until ctx ends. After an error (messages dropped as a slow consumer, the
+// connection closed) it calls onErr, when set, and waits a second before reading on, so a subscription that
+// fails at once is not spun on.
+func (s *Subscription) Each(ctx context.Context, onErr func(error), fn func(subject string, header map[string][]string, data []byte)) {
+	for {
+		subject, header, data, err := s.NextMsg(ctx)
+		if ctx.Err() != nil {
+			return
+		}
+		if err != nil {
+			if onErr != nil {
+				onErr(err)
+			}
+			t := time.NewTimer(time.Second)
+			select {
+			case <-ctx.Done():
+				t.Stop()
+				return
+			case <-t.C:
+			}
+			continue
+		}
+		fn(subject, header, data)
+	}
+}
+
 // Notify calls fn once for each message until ctx ends, for a worker that only needs to know that something
 // happened (refresh, check now). After an error (messages dropped as a slow consumer, the connection closed)
 // it waits a second and calls fn anyway: a message may have been lost, and a subscription that fails at once

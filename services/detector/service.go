@@ -277,24 +277,7 @@ func (s *Service) Run(ctx context.Context) error {
 	go func() {
 		defer wg.Done()
 		defer subs[0].Close()
-		for {
-			_, header, data, err := subs[0].NextMsg(ctx)
-			if ctx.Err() != nil {
-				return
-			}
-			if err != nil {
-				// Messages dropped (a slow consumer) or the connection closed: not spun on.
-				t := time.NewTimer(time.Second)
-				select {
-				case <-ctx.Done():
-					t.Stop()
-					return
-				case <-t.C:
-				}
-				continue
-			}
-			s.onRemoved(header, data)
-		}
+		subs[0].Each(ctx, nil, func(_ string, header map[string][]string, data []byte) { s.onRemoved(header, data) })
 	}()
 	go func() {
 		defer wg.Done()

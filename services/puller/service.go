@@ -215,28 +215,10 @@ func (s *Service) subscribe(ctx context.Context) ([]following, error) {
 	return out, nil
 }
 
-// follow calls fn for each message of sub until ctx ends. After an error (messages dropped as a slow
-// consumer, the connection closed) it waits a second before reading on, so a subscription that fails at once
-// is not spun on.
+// follow calls fn for each message of sub until ctx ends (bus.Subscription.Each), logging read errors.
 func (s *Service) follow(ctx context.Context, sub *bus.Subscription, fn func(ctx context.Context, subject string, header map[string][]string, data []byte)) {
-	for {
-		subject, header, data, err := sub.NextMsg(ctx)
-		if ctx.Err() != nil {
-			return
-		}
-		if err != nil {
-			s.m.cfg.log.Warn("subscription read failed", "err", err)
-			t := time.NewTimer(time.Second)
-			select {
-			case <-ctx.Done():
-				t.Stop()
-				return
-			case <-t.C:
-			}
-			continue
-		}
-		fn(ctx, subject, header, data)
-	}
+	sub.Each(ctx, func(err error) { s.m.cfg.log.Warn("subscription read failed", "err", err) },
+		func(subject string, header map[string][]string, data []byte) { fn(ctx, subject, header, data) })
 }
 
 // handleCancel cancels the requests a PullCancel names. Every replica hears it; the one running the pull
