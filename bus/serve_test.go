@@ -23,19 +23,17 @@ func TestRemoteErrorsCarryTheirCode(t *testing.T) {
 		"catchingup": fmt.Errorf("%w (applied up to 3)", events.ErrIndexCatchingUp),
 		"plain":      errors.New("the index is catching up with its events, says the text"),
 	}
+	// Listen returns once the server holds the subscription: no request below can find no responders.
+	l, err := b.Listen(ctx, "t.codes.*", "", 1, func(_ context.Context, data []byte) (any, error) {
+		return nil, errs[string(data)]
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
 	done := make(chan error, 1)
-	go func() {
-		done <- b.Serve(ctx, "t.codes.*", "", func(_ context.Context, data []byte) (any, error) {
-			return nil, errs[string(data)]
-		})
-	}()
+	go func() { done <- l.Serve(ctx) }()
 	for name, want := range map[string]error{"malformed": events.ErrMalformed, "catchingup": events.ErrIndexCatchingUp, "plain": nil} {
-		var err error
-		for range 100 { // until the subscription is in place
-			if err = b.Request(t.Context(), "t.codes."+name, []byte(name), nil); !errors.Is(err, bus.ErrNoResponders) {
-				break
-			}
-		}
+		err := b.Request(t.Context(), "t.codes."+name, []byte(name), nil)
 		if !errors.Is(err, bus.ErrRemote) || err.Error() != "remote error: "+errs[name].Error() {
 			t.Errorf("%s: err = %v, want the remote error with its text", name, err)
 		}
