@@ -6,6 +6,8 @@ import (
 	"runtime"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/imagefleet/imagefleet/events"
 )
 
@@ -28,6 +30,10 @@ type Config struct {
 	DecodeWorkers int
 	// Logger (default slog.Default()).
 	Logger *slog.Logger
+	// Registerer receives the pod index's metrics (default prometheus.DefaultRegisterer, which the agent's
+	// /metrics serves). Every index of a process shares one set of series; registering it again on the same
+	// registry is a no-op.
+	Registerer prometheus.Registerer
 }
 
 func (c *Config) setDefaults() error {
@@ -64,6 +70,9 @@ func (c *Config) setDefaults() error {
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
+	}
+	if c.Registerer == nil {
+		c.Registerer = prometheus.DefaultRegisterer
 	}
 	return nil
 }

@@ -7,16 +7,7 @@ import (
 	"fmt"
 	"sync/atomic"
 	"time"
-
-	"github.com/prometheus/client_golang/prometheus"
 )
-
-var eventGaps = prometheus.NewCounterVec(prometheus.CounterOpts{
-	Name: "imagefleet_podindex_event_gaps_total",
-	Help: "Times the pods stream (IMAGEFLEET_PODS; or IMAGEFLEET_EVENTS when a snapshot of an older release moves over) had dropped events the pod index had yet to read: pod events may be lost; the pod sources reconcile with the index to repair it.",
-}, []string{"node"})
-
-func init() { prometheus.MustRegister(eventGaps) }
 
 // gapHealth is how long /healthz reports a gap: the kubelet pod source's periodic reconcile (5 min)
 // repairs it within that time (the API server source's too), and both at once when they see the

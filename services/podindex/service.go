@@ -84,6 +84,9 @@ func New(cfg Config, b *bus.Bus) (*Service, error) {
 	if b == nil {
 		return nil, fmt.Errorf("pod index needs a bus")
 	}
+	if err := registerMetrics(cfg.Registerer); err != nil {
+		return nil, err
+	}
 	applied := map[string]prometheus.Counter{}
 	for _, a := range []string{events.ActionAdded, events.ActionUpdated, events.ActionDeleted} {
 		applied[a] = eventsApplied.WithLabelValues(cfg.Node, a)

@@ -8,6 +8,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
@@ -33,6 +34,9 @@ type APIServerConfig struct {
 	ResyncPeriod time.Duration
 	// Logger (default slog.Default()).
 	Logger *slog.Logger
+	// Registerer receives the pod sources' metrics (default prometheus.DefaultRegisterer, which the agent's
+	// /metrics serves). Every source of a process shares one set of series.
+	Registerer prometheus.Registerer
 }
 
 // APIServerSource lists and watches the node's pods as the kubelet's API server source does (a reflector on
@@ -68,6 +72,9 @@ func NewAPIServerSource(cfg APIServerConfig, pub publisher, req requester) (*API
 	}
 	if cfg.REST == nil {
 		return nil, errors.New("apiserver pod source: an API server client configuration is required")
+	}
+	if err := registerMetrics(cfg.Registerer); err != nil {
+		return nil, err
 	}
 	rc := rest.CopyConfig(cfg.REST)
 	rc.UserAgent = "imagefleet-agent/" + cfg.Node

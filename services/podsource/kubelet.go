@@ -9,6 +9,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	v1 "k8s.io/api/core/v1"
@@ -36,6 +37,9 @@ type KubeletConfig struct {
 	GapCheckPeriod time.Duration
 	// Logger (default slog.Default()).
 	Logger *slog.Logger
+	// Registerer receives the pod sources' metrics (default prometheus.DefaultRegisterer, which the agent's
+	// /metrics serves). Every source of a process shares one set of series.
+	Registerer prometheus.Registerer
 }
 
 // KubeletSource watches the kubelet's Pods API (WatchPods: an ADDED per existing pod, INITIAL_SYNC_COMPLETE,
@@ -80,6 +84,9 @@ func NewKubeletSource(cfg KubeletConfig, pub publisher, req requester) (*Kubelet
 	}
 	if pub == nil {
 		return nil, errors.New("kubelet pod source needs a publisher")
+	}
+	if err := registerMetrics(cfg.Registerer); err != nil {
+		return nil, err
 	}
 	// The kubelet's pods are API pods ("api") and static pods ("file", "http"): the index's listings of
 	// these sources are what this source resumes from.

@@ -1,8 +1,15 @@
 package podsource
 
-import "github.com/prometheus/client_golang/prometheus"
+import (
+	"fmt"
 
-// Metrics of every pod source in the process, registered with the default Prometheus registry.
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/imagefleet/imagefleet/internal/promreg"
+)
+
+// Metrics of every pod source in the process: one set of series, shared by the sources of a process. Each
+// source registers them on the Registerer of its config when it is built.
 var (
 	sourceUp = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "imagefleet_pod_source_up",
@@ -26,6 +33,21 @@ var (
 	}, []string{"node", "source"})
 )
 
-func init() {
-	prometheus.MustRegister(sourceUp, sourceErrors, sourceEvents, sourceResyncs, sourceRepairs)
+// registerMetrics registers the pod sources' metrics on reg (prometheus.DefaultRegisterer when nil). It is
+// idempotent: registering them again on the same registry (every source of a process does) is a no-op.
+// Another collector already registered there under one of their names is an error.
+func registerMetrics(reg prometheus.Registerer) error {
+	if reg == nil {
+		reg = prometheus.DefaultRegisterer
+	}
+	for _, c := range []prometheus.Collector{sourceUp, sourceErrors, sourceEvents, sourceResyncs, sourceRepairs} {
+		got, err := promreg.RegisterOrReuse(reg, c)
+		if err != nil {
+			return fmt.Errorf("pod source metrics: %w", err)
+		}
+		if got != c {
+			return fmt.Errorf("pod source metrics: another collector is registered under the name of one of them")
+		}
+	}
+	return nil
 }
