@@ -28,6 +28,7 @@ import (
 	"github.com/imagefleet/imagefleet/services/cri/socket"
 	"github.com/imagefleet/imagefleet/services/detector"
 	"github.com/imagefleet/imagefleet/services/fleet"
+	"github.com/imagefleet/imagefleet/services/fleet/controller"
 	"github.com/imagefleet/imagefleet/services/gc"
 	"github.com/imagefleet/imagefleet/services/kevents"
 	"github.com/imagefleet/imagefleet/services/podindex"
@@ -102,6 +103,7 @@ type agentConfig struct {
 	Heartbeat       fleet.HeartbeatConfig
 	NodeLabels      string // --node-labels: parsed into Heartbeat.Labels
 	Inventory       fleet.InventoryConfig
+	Controller      controller.Config
 	// Kubeconfig is the kubeconfig file of the workers that talk to the API server ("": in-cluster config).
 	Kubeconfig string
 	KubeEvents kevents.Config
@@ -236,6 +238,16 @@ var agentWorkers = []workerDef{
 			cfg.Replica, cfg.Logger = env.Node, env.Log
 			return fleet.NewInventory(ctx, cfg, env.Bus)
 		},
+	},
+	{
+		// The Kubernetes controller of ImagePrePull and ImageGC objects (leader-elected; the central
+		// Deployment runs it): docs/kubernetes-objects.md.
+		Name: "controller", Default: false,
+		Flags: func(fs *pflag.FlagSet, c *agentConfig) {
+			fs.StringVar(&c.Controller.Namespace, "controller-namespace", "", "namespace of the controller's leader election Lease (default: $POD_NAMESPACE, else imagefleet)")
+			fs.BoolVar(&c.Controller.NoLeaderElection, "controller-no-leader-election", false, "run the controller without a Lease (one replica only: a lab, a test)")
+		},
+		Build: buildController,
 	},
 	{
 		Name: "gc", Default: true, NeedsCRI: true,

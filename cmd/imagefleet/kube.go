@@ -10,6 +10,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/imagefleet/imagefleet/internal/kubeletcfg"
+	"github.com/imagefleet/imagefleet/services/fleet/controller"
 	"github.com/imagefleet/imagefleet/services/gc"
 	"github.com/imagefleet/imagefleet/services/kevents"
 )
@@ -76,4 +77,18 @@ func buildKubeEvents(ctx context.Context, c *agentConfig, env *agentEnv) (runnab
 	cfg := c.KubeEvents
 	cfg.Node, cfg.Logger = env.Node, env.Log
 	return kevents.New(ctx, cfg, cs, env.Bus)
+}
+
+// buildController builds the controller of ImagePrePull and ImageGC objects, on --kubeconfig or the pod's
+// in-cluster config.
+func buildController(_ context.Context, c *agentConfig, env *agentEnv) (runnable, error) {
+	rc, err := kubeRESTConfig(c.Kubeconfig)
+	if err != nil {
+		return nil, fmt.Errorf("controller: %w", err)
+	}
+	rc = rest.CopyConfig(rc)
+	rc.UserAgent = "imagefleet-controller/" + agentVersion()
+	cfg := c.Controller
+	cfg.REST, cfg.Identity, cfg.StreamReplicas, cfg.Logger = rc, env.Node, c.Replicas, env.Log
+	return controller.New(cfg, env.Bus)
 }

@@ -1,0 +1,176 @@
+// Package controller is the fleet's Kubernetes controller: it turns ImagePrePull and ImageGC objects
+// (api/v1alpha1) into fleet rollouts on the bus (services/fleet's rollout engine, the one the CLI drives)
+// and folds their progress back into each object's status, conditions and Events. It runs leader-elected
+// in the central Deployment (the agent's "controller" worker); docs/kubernetes-objects.md.
+//
+// One object is one rollout, its id derived from the object's UID, so a controller that restarts (or a
+// new leader) resumes the rollout where the bus recorded it: a node with an outcome is not acted on again,
+// and a node claimed without one counts as failed (at most once, as `imagefleet fleet gc --id` resumes).
+package controller
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"sync"
+	"time"
+
+	"github.com/go-logr/logr"
+	"github.com/prometheus/client_golang/prometheus"
+	"k8s.io/apimachinery/pkg/runtime"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/rest"
+	ctrl "sigs.k8s.io/controller-runtime"
+	ctrlconfig "sigs.k8s.io/controller-runtime/pkg/config"
+	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
+
+	"github.com/imagefleet/imagefleet/api/v1alpha1"
+	"github.com/imagefleet/imagefleet/bus"
+)
+
+// Config configures the controller.
+type Config struct {
+	// REST reaches the API server (required).
+	REST *rest.Config
+	// Namespace holds the leader election Lease (default: $POD_NAMESPACE, else imagefleet).
+	Namespace string
+	// LeaderElectionID names the Lease (default imagefleet-controller).
+	LeaderElectionID string
+	// NoLeaderElection runs without a Lease: for a single replica only (tests, a lab).
+	NoLeaderElection bool
+	// Identity names this replica in the Lease and in the rollout's claims (default: the host name).
+	Identity string
+	// StreamReplicas of the rollout stream the controller creates (0: the connection's default).
+	StreamReplicas int
+	// StatusInterval is how often at most a running object's counters are written while nodes end (default
+	// 2s). Wave starts, failures (the first 20) and the end are written at once.
+	StatusInterval time.Duration
+	// Registerer takes the controller's metrics (default prometheus.DefaultRegisterer).
+	Registerer prometheus.Registerer
+	// Logger (default slog.Default()).
+	Logger *slog.Logger
+}
+
+// Controller runs the reconcilers of ImagePrePull and ImageGC.
+type Controller struct {
+	cfg   Config
+	b     *bus.Bus
+	m     *metrics
+	ready chan struct{}
+	once  sync.Once
+}
+
+// New validates cfg.
+func New(cfg Config, b *bus.Bus) (*Controller, error) {
+	if cfg.REST == nil {
+		return nil, errors.New("controller: no API server configuration")
+	}
+	if b == nil {
+		return nil, errors.New("controller: no bus")
+	}
+	if cfg.Namespace == "" {
+		cfg.Namespace = os.Getenv("POD_NAMESPACE")
+	}
+	if cfg.Namespace == "" {
+		cfg.Namespace = "imagefleet"
+	}
+	if cfg.LeaderElectionID == "" {
+		cfg.LeaderElectionID = "imagefleet-controller"
+	}
+	if cfg.Identity == "" {
+		h, err := os.Hostname()
+		if err != nil {
+			return nil, fmt.Errorf("controller: identity: %w", err)
+		}
+		cfg.Identity = h
+	}
+	if cfg.StatusInterval < 0 {
+		return nil, fmt.Errorf("controller: status interval %v must not be negative", cfg.StatusInterval)
+	}
+	if cfg.StatusInterval == 0 {
+		cfg.StatusInterval = 2 * time.Second
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.Registerer == nil {
+		cfg.Registerer = prometheus.DefaultRegisterer
+	}
+	m, err := newMetrics(cfg.Registerer)
+	if err != nil {
+		return nil, fmt.Errorf("controller: metrics: %w", err)
+	}
+	return &Controller{cfg: cfg, b: b, m: m, ready: make(chan struct{})}, nil
+}
+
+// Scheme is the scheme the controller's client reads: the core types and imagefleet.io/v1alpha1.
+func Scheme() (*runtime.Scheme, error) {
+	s := runtime.NewScheme()
+	if err := clientgoscheme.AddToScheme(s); err != nil {
+		return nil, err
+	}
+	if err := v1alpha1.AddToScheme(s); err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+// Ready is closed once the controller's caches are in sync and its reconcilers are registered (leader or
+// not: a standby replica is ready to take over).
+func (c *Controller) Ready() <-chan struct{} { return c.ready }
+
+// Run runs the controller until ctx ends. Only the Lease's holder reconciles; a replica that loses the
+// Lease stops its rollouts (each resumes under the next holder) and Run returns an error.
+func (c *Controller) Run(ctx context.Context) error {
+	scheme, err := Scheme()
+	if err != nil {
+		return err
+	}
+	log := logr.FromSlogHandler(c.cfg.Logger.With("worker", "controller").Handler())
+	skip := true
+	mgr, err := ctrl.NewManager(c.cfg.REST, ctrl.Options{
+		Scheme:                        scheme,
+		Logger:                        log,
+		Metrics:                       metricsserver.Options{BindAddress: "0"},
+		HealthProbeBindAddress:        "0",
+		LeaderElection:                !c.cfg.NoLeaderElection,
+		LeaderElectionID:              c.cfg.LeaderElectionID,
+		LeaderElectionNamespace:       c.cfg.Namespace,
+		LeaderElectionReleaseOnCancel: true,
+		Controller:                    ctrlconfig.Controller{SkipNameValidation: &skip},
+	})
+	if err != nil {
+		return fmt.Errorf("controller: %w", err)
+	}
+	rec := mgr.GetEventRecorder("imagefleet-controller")
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	for _, k := range []kind{prePullKind(), gcKind()} {
+		r := &reconciler{kind: k, c: mgr.GetClient(), b: c.b, rec: rec, cfg: c.cfg, log: c.cfg.Logger.With("worker", "controller", "kind", k.name),
+			base: ctx, m: c.m, runners: map[string]*runner{}}
+		if err := ctrl.NewControllerManagedBy(mgr).For(k.newObject()).Named(k.name).Complete(r); err != nil {
+			return fmt.Errorf("controller: %s: %w", k.name, err)
+		}
+		defer r.stopAll()
+	}
+	if err := mgr.Add(readyRunnable{c}); err != nil {
+		return err
+	}
+	if err := mgr.Start(ctx); err != nil {
+		return fmt.Errorf("controller: %w", err)
+	}
+	return nil
+}
+
+// readyRunnable closes Ready once the manager has synced its caches (it runs on every replica).
+type readyRunnable struct{ c *Controller }
+
+func (r readyRunnable) Start(ctx context.Context) error {
+	r.c.once.Do(func() { close(r.c.ready) })
+	<-ctx.Done()
+	return nil
+}
+
+func (readyRunnable) NeedLeaderElection() bool { return false }
