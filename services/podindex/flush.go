@@ -83,7 +83,7 @@ func (s *Service) flush(ctx context.Context, write bool) error {
 	if s.store == nil {
 		return nil // not running
 	}
-	if !s.bus.Connected() {
+	if !s.refs.Connected() {
 		// Acks cannot come: keep everything dirty for the next flush (or the replay after a restart).
 		return fmt.Errorf("flush pod index of %s: %w", s.cfg.Node, errNotConnected)
 	}
@@ -114,7 +114,7 @@ func (s *Service) flush(ctx context.Context, write bool) error {
 			continue
 		}
 		// Not confirmed: publish again (same ids, so stored once).
-		if err := s.bus.PublishAll(ctx, pe.evs); err != nil {
+		if err := s.refs.PublishAll(ctx, pe.evs); err != nil {
 			pending = pending[i:]
 			restore()
 			return fmt.Errorf("publish registration events: %w", err)

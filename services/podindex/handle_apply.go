@@ -118,7 +118,7 @@ func (s *Service) handleApply(ctx context.Context, data []byte) (any, error) {
 	if err != nil {
 		return nil, err
 	}
-	last, err := s.bus.PublishMsgs(ctx, msgs)
+	last, err := s.pods.PublishMsgs(ctx, msgs)
 	if last > s.apply.fence {
 		s.apply.fence = last
 	}

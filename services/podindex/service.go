@@ -29,11 +29,18 @@ import (
 //
 // Lock order: Service.mu, then State's locks.
 type Service struct {
-	cfg   Config
-	bus   *bus.Bus
-	state *State
-	store *Store
-	log   *slog.Logger
+	cfg Config
+	// What the index uses of the bus, each part declared where it is used. bus is the tail's and the gap
+	// check's reading of the streams (tail.go, gap.go).
+	bus     streamReader
+	queries queryListener // the pods, refs and inuse queries and the podapply command
+	pods    publisher     // the pod events of podapply (handle_apply.go)
+	refs    refPublisher  // the registration events (transitions.go, flush.go)
+	dead    deadLetterer  // malformed pod events (transitions.go)
+	kv      kvOpener      // the snapshot bucket (store.go)
+	state   *State
+	store   *Store
+	log     *slog.Logger
 
 	// mu is held while an event is applied and its transition events are queued, and while a flush takes the
 	// dirty pods and the queue, so a flush never writes pods whose transition events are not yet stored.
@@ -76,8 +83,32 @@ type Service struct {
 	seqWaiters appliedWaiters // requests waiting for the applied sequence
 }
 
-// New validates cfg and builds the pod index.
-func New(cfg Config, b *bus.Bus) (*Service, error) {
+// streamReader reads the node's pod events in stream order, counts those after a sequence and tells a
+// stream's bounds (bus.Bus).
+type streamReader interface {
+	TailFrom(ctx context.Context, stream, filter string, startSeq uint64, onStart func(pending uint64), fn func(bus.StreamMsg) error) error
+	CountPending(ctx context.Context, stream, filter string, startSeq uint64) (uint64, error)
+	Stream(ctx context.Context, name string) (bus.StreamInfo, error)
+}
+
+// queryListener serves requests on a subject in a queue group (bus.Bus).
+type queryListener interface {
+	Listen(ctx context.Context, subject, queue string, n int, h bus.Handler) (*bus.Listener, error)
+}
+
+// indexBus is every part of the bus the index uses (the agent passes its bus.Bus); New hands each part
+// to the field that uses it.
+type indexBus interface {
+	streamReader
+	queryListener
+	publisher
+	refPublisher
+	deadLetterer
+	kvOpener
+}
+
+// New validates cfg and builds the pod index on b.
+func New(cfg Config, b indexBus) (*Service, error) {
 	if err := cfg.setDefaults(); err != nil {
 		return nil, err
 	}
@@ -91,7 +122,8 @@ func New(cfg Config, b *bus.Bus) (*Service, error) {
 	for _, a := range []string{events.ActionAdded, events.ActionUpdated, events.ActionDeleted} {
 		applied[a] = eventsApplied.WithLabelValues(cfg.Node, a)
 	}
-	s := &Service{cfg: cfg, bus: b, state: NewState(), log: cfg.Logger.With("worker", "pod-index"),
+	s := &Service{cfg: cfg, bus: b, queries: b, pods: b, refs: b, dead: b, kv: b, state: NewState(),
+		log:      cfg.Logger.With("worker", "pod-index"),
 		flushNow: make(chan struct{}, 1), ready: make(chan struct{}), applied: applied}
 	s.backlog.Store(math.MaxUint64)
 	return s, nil
@@ -137,7 +169,7 @@ func (s *Service) Run(ctx context.Context) error {
 		}()
 	}
 
-	store, err := OpenStore(ctx, s.bus, s.cfg.Node)
+	store, err := OpenStore(ctx, s.kv, s.cfg.Node)
 	if err != nil {
 		return err
 	}
@@ -186,7 +218,7 @@ func (s *Service) listen(ctx context.Context) ([]*bus.Listener, error) {
 	}
 	out := make([]*bus.Listener, 0, len(subjects))
 	for _, sub := range subjects {
-		l, err := s.bus.Listen(ctx, sub.subject, events.PodIndexQueue, 4, sub.h)
+		l, err := s.queries.Listen(ctx, sub.subject, events.PodIndexQueue, 4, sub.h)
 		if err != nil {
 			for _, l := range out {
 				l.Close()

@@ -29,8 +29,13 @@ type Store struct {
 	node string
 }
 
+// kvOpener opens a KV bucket, creating it if needed (bus.Bus).
+type kvOpener interface {
+	KV(ctx context.Context, cfg bus.KVConfig) (*bus.KV, error)
+}
+
 // OpenStore opens (creating if needed) the snapshot bucket for node.
-func OpenStore(ctx context.Context, b *bus.Bus, node string) (*Store, error) {
+func OpenStore(ctx context.Context, b kvOpener, node string) (*Store, error) {
 	kv, err := b.KV(ctx, bus.KVConfig{Bucket: snapshotBucket, Description: "pod index snapshots per node"})
 	if err != nil {
 		return nil, err

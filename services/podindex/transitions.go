@@ -14,11 +14,22 @@ import (
 	"github.com/imagefleet/imagefleet/events"
 )
 
+// deadLetterer stores a message that cannot be applied in the dead-letter stream, with its reason (bus.Bus).
+type deadLetterer interface {
+	DeadLetterMsg(ctx context.Context, stream, consumer string, m bus.StreamMsg, reason error) error
+}
+
+// refPublisher publishes the registration events and tells whether their acks can come (bus.Bus).
+type refPublisher interface {
+	PublishAll(ctx context.Context, evs []events.Event, opts ...bus.PublishOpt) error
+	Connected() bool
+}
+
 // Reject dead-letters a malformed event with its reason, counts it and moves past it.
 func (s *Service) rejectEvent(m bus.StreamMsg, reason error) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if err := s.bus.DeadLetterMsg(ctx, events.EventsStream, events.PodIndexDeadLetters(s.cfg.Node), m, reason); err != nil {
+	if err := s.dead.DeadLetterMsg(ctx, events.EventsStream, events.PodIndexDeadLetters(s.cfg.Node), m, reason); err != nil {
 		return err
 	}
 	eventsRejected.WithLabelValues(s.cfg.Node, rejectReason(reason)).Inc()
@@ -49,7 +60,7 @@ func (s *Service) applyEvent(seq uint64, ev PodEvent) error {
 		}
 		p := new(bus.Pending)
 		// Async: nothing blocks, so no context bounds it; the flush waits for the acks.
-		if err := s.bus.PublishAll(context.Background(), evs, bus.Async(p)); err != nil {
+		if err := s.refs.PublishAll(context.Background(), evs, bus.Async(p)); err != nil {
 			// Kept pending, unconfirmed: the next flush publishes them again before it writes the snapshot.
 			p = nil
 			s.log.Warn("registration events publish failed", "stream_seq", seq, "err", err)

@@ -49,9 +49,9 @@ type APIServerSource struct {
 	*feed
 }
 
-// NewAPIServerSource validates cfg and builds the client. req may be nil (the source then starts as if the
+// NewAPIServerSource validates cfg and builds the client. idx may be nil (the source then starts as if the
 // index held none of its pods).
-func NewAPIServerSource(cfg APIServerConfig, pub publisher, req requester) (*APIServerSource, error) {
+func NewAPIServerSource(cfg APIServerConfig, pub publisher, idx indexReader) (*APIServerSource, error) {
 	if cfg.Node == "" {
 		return nil, errors.New("apiserver pod source: node name is required")
 	}
@@ -83,7 +83,7 @@ func NewAPIServerSource(cfg APIServerConfig, pub publisher, req requester) (*API
 		return nil, fmt.Errorf("apiserver pod source: %w", err)
 	}
 	return &APIServerSource{cfg: cfg, client: cs,
-		feed: newFeed(cfg.Node, "apiserver", []string{events.ApiserverSource}, true, pub, req, cfg.Logger)}, nil
+		feed: newFeed(cfg.Node, "apiserver", []string{events.ApiserverSource}, true, pub, idx, cfg.Logger)}, nil
 }
 
 // fromAPI is the pod as the kubelet's pod config holds it: config.source "api" (mirror pods included: theirs

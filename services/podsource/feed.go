@@ -28,6 +28,18 @@ type requester interface {
 	Request(ctx context.Context, subject string, req, resp any) error
 }
 
+// streamer tells a stream's bounds (bus.Bus): whether an event the source waits for is still there.
+type streamer interface {
+	Stream(ctx context.Context, name string) (bus.StreamInfo, error)
+}
+
+// indexReader is what a source asks about the pod index: its pods, and the streams it reads (bus.Bus). The
+// source's constructor hands it to both fields of the feed.
+type indexReader interface {
+	requester
+	streamer
+}
+
 // publishBatch bounds the events of one PublishMsgs call during a resync.
 const publishBatch = 512
 
@@ -41,7 +53,8 @@ type feed struct {
 	configs []string // the kubernetes.io/config.source values of this source's pods (listing filters)
 	mirrors bool     // whether the source publishes mirror pods (the API server does; the Pods API has none)
 	pub     publisher
-	req     requester
+	req     requester // nil: the source starts as if the index held none of its pods
+	streams streamer  // nil with req
 	log     *slog.Logger
 	now     func() time.Time
 
@@ -64,10 +77,13 @@ type knownPod struct {
 	body []byte
 }
 
-func newFeed(node, source string, configs []string, mirrors bool, pub publisher, req requester, log *slog.Logger) *feed {
-	f := &feed{node: node, source: source, configs: configs, mirrors: mirrors, pub: pub, req: req,
+func newFeed(node, source string, configs []string, mirrors bool, pub publisher, idx indexReader, log *slog.Logger) *feed {
+	f := &feed{node: node, source: source, configs: configs, mirrors: mirrors, pub: pub,
 		log: log.With("worker", "pod-source", "source", source), now: time.Now, known: map[types.UID]knownPod{},
 		ready: make(chan struct{})}
+	if idx != nil {
+		f.req, f.streams = idx, idx
+	}
 	f.indexGaps.Store(noGaps)
 	f.setDown(errors.New("not synced yet"))
 	return f
@@ -166,23 +182,17 @@ func (f *feed) readIndex(ctx context.Context, noIndexBy time.Time) (map[types.UI
 	return known, nil
 }
 
-// streamer tells the events stream's state (bus.Bus).
-type streamer interface {
-	Stream(ctx context.Context, name string) (bus.StreamInfo, error)
-}
-
 // gone reports whether the event at seq (an events stream sequence) may never reach the index, so that
 // waiting for it is pointless: the pods stream the index reads has dropped it (its first sequence is past
 // seq: a pods stream sequence is at most the events stream sequence of the same event, the pods stream
 // holding a part of the events stream), or the events stream has (the server may not have copied it). A
 // "gone" event the index applies after all is published once more by the reconcile, which changes nothing.
 func (f *feed) gone(ctx context.Context, seq uint64) bool {
-	st, ok := f.req.(streamer)
-	if !ok {
+	if f.streams == nil {
 		return false
 	}
 	for _, stream := range []string{events.PodsStream, events.EventsStream} {
-		if info, err := st.Stream(ctx, stream); err == nil && info.FirstSeq > seq {
+		if info, err := f.streams.Stream(ctx, stream); err == nil && info.FirstSeq > seq {
 			return true
 		}
 	}

@@ -52,9 +52,9 @@ type KubeletSource struct {
 	*feed
 }
 
-// NewKubeletSource validates cfg. req may be nil (the source then starts as if the index held none of its
+// NewKubeletSource validates cfg. idx may be nil (the source then starts as if the index held none of its
 // pods).
-func NewKubeletSource(cfg KubeletConfig, pub publisher, req requester) (*KubeletSource, error) {
+func NewKubeletSource(cfg KubeletConfig, pub publisher, idx indexReader) (*KubeletSource, error) {
 	if cfg.Node == "" {
 		return nil, errors.New("kubelet pod source: node name is required")
 	}
@@ -91,7 +91,7 @@ func NewKubeletSource(cfg KubeletConfig, pub publisher, req requester) (*Kubelet
 	// The kubelet's pods are API pods ("api") and static pods ("file", "http"): the index's listings of
 	// these sources are what this source resumes from.
 	return &KubeletSource{cfg: cfg, feed: newFeed(cfg.Node, "kubelet",
-		[]string{events.ApiserverSource, events.FileSource, "http"}, false, pub, req, cfg.Logger)}, nil
+		[]string{events.ApiserverSource, events.FileSource, "http"}, false, pub, idx, cfg.Logger)}, nil
 }
 
 // Run watches the Pods API until ctx ends, reconnecting with backoff.
