@@ -1,6 +1,7 @@
 package podindex
 
-// Gaps: pod events the events stream dropped before the index read them.
+// Gaps: pod events the pods stream (or the events stream, compat_events_positions.go) dropped before the
+// index read them.
 
 import (
 	"context"

@@ -74,10 +74,10 @@ type Service struct {
 	// gaps counts the gaps seen (gap.go); gapFirst is the stream's first sequence at the last one, gapAt
 	// its time in Unix nanoseconds.
 	gaps, gapFirst atomic.Uint64
-	// gapFirstEvents is gapFirst for the events stream, checked when a snapshot of an older release moves
-	// over to the pods stream.
-	gapFirstEvents atomic.Uint64
 	gapAt          atomic.Int64
+	// eventsStreamGaps (gapFirstEvents) is gapFirst for IMAGEFLEET_EVENTS, checked when a snapshot of an older
+	// release moves over to the pods stream (compat_events_positions.go).
+	eventsStreamGaps
 
 	apply      applier        // serializes the podapply requests
 	seqWaiters appliedWaiters // requests waiting for the applied sequence

@@ -180,7 +180,8 @@ func (s *State) setPos(pos uint64) {
 	}
 }
 
-// Pos is the IMAGEFLEET_PODS sequence of the last event handled (0: none, or a snapshot of an older release).
+// Pos is the IMAGEFLEET_PODS sequence of the last event handled (0: none, or a snapshot of an older release,
+// compat_events_positions.go).
 func (s *State) Pos() uint64 {
 	s.mu.Lock()
 	defer s.mu.Unlock()

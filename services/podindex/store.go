@@ -56,7 +56,7 @@ func (s *Store) podKey(uid types.UID) string {
 // after it tolerates (see Service).
 // The position is read before the applied sequence (it is written after it), so it never runs ahead of it.
 func (s *Store) load(ctx context.Context) (records [][]byte, applied, pos uint64, err error) {
-	if pos, err = s.loadSeq(ctx, s.posKey(), "pods stream position"); err != nil {
+	if pos, err = s.loadPos(ctx); err != nil {
 		return nil, 0, 0, err
 	}
 	if applied, err = s.loadSeq(ctx, s.appliedKey(), "applied sequence"); err != nil {
