@@ -95,6 +95,7 @@ type snapshotWrites struct {
 	pods    int      // pod records written or deleted
 	applied []uint64 // the applied sequences written, in order
 	pos     int      // the pods stream positions written
+	marker  bool     // the test's marker key was written
 }
 
 // watchSnapshot subscribes to the snapshot bucket's subjects of testNode (in place when it returns) until the
@@ -125,6 +126,8 @@ func watchSnapshot(t *testing.T, b *bus.Bus) *snapshotWrites {
 				w.applied = append(w.applied, seq)
 			} else if strings.HasSuffix(subject, ".pos") {
 				w.pos++ // written with the applied sequence: not a pod record
+			} else if strings.HasSuffix(subject, ".marker") {
+				w.marker = true // a test's, after the writes it waits for
 			} else {
 				w.pods++
 			}
@@ -132,6 +135,12 @@ func watchSnapshot(t *testing.T, b *bus.Bus) *snapshotWrites {
 		}
 	}()
 	return w
+}
+
+func (w *snapshotWrites) marked() bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.marker
 }
 
 func (w *snapshotWrites) writes() (pods int, applied []uint64) {
@@ -188,7 +197,12 @@ func TestConfirmOnlyFlush(t *testing.T) {
 	if s.flushedSeq() != 0 {
 		t.Fatalf("a confirm-only flush moved the snapshot to %d", s.flushedSeq())
 	}
-	time.Sleep(50 * time.Millisecond) // a write would have reached the subscription by now
+	// A marker written to the bucket after the flush, on the connection the store writes with, reaches the
+	// subscription after anything the flush wrote: once it is seen, so is every write of the flush.
+	if _, err := s.store.kv.Put(t.Context(), events.NodeToken(testNode)+".marker", []byte("after the flush")); err != nil {
+		t.Fatal(err)
+	}
+	bustest.WaitFor(t, "the marker seen", func() bool { return w.marked() })
 	if pods, applied := w.writes(); pods != 0 || len(applied) != 0 {
 		t.Fatalf("a confirm-only flush wrote %d pod records and applied sequences %v", pods, applied)
 	}

@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -279,6 +280,19 @@ func waitUIDs(t *testing.T, b *bus.Bus, want ...string) {
 	})
 }
 
+// resyncs is how many replaces the kubelet sources of testNode began (the replace of a stream's initial set).
+func resyncs() float64 { return testutil.ToFloat64(sourceResyncs.WithLabelValues(testNode, "kubelet")) }
+
+// waitReplaced waits for f to begin a replace after resyncs() read before, then for it to end: a replace
+// counts itself once it holds the feed's lock and publishes before it lets go, so what it published has
+// been counted when waitReplaced returns.
+func waitReplaced(t *testing.T, f *feed, before float64) {
+	t.Helper()
+	bustest.WaitFor(t, "the source to compare a new stream's pods with the index", func() bool { return resyncs() > before })
+	f.mu.Lock()
+	f.mu.Unlock() //nolint:staticcheck // an empty critical section: it waits for the replace holding the lock
+}
+
 func waitHealth(t *testing.T, what string, f func() error, healthy bool) {
 	t.Helper()
 	bustest.Eventually(t, fmt.Sprintf("%s: healthy=%v", what, healthy), 15*time.Second, func() error {
@@ -359,12 +373,11 @@ func TestKubeletSource(t *testing.T) {
 	wantCounts(t, "resync after a reconnect", pub.take(), 1, 0, 1)
 
 	// A reconnect with nothing changed publishes nothing.
+	before := resyncs()
 	srv.breakStreams()
 	bustest.WaitFor(t, "the source to open a new stream", func() bool { return srv.streamCount() > n+1 })
+	waitReplaced(t, src.feed, before)
 	waitHealth(t, "after a broken stream", src.Health, true)
-	// A negative check: the sleep lets a wrongly published event reach the counter, and cannot make the
-	// test fail.
-	time.Sleep(100 * time.Millisecond)
 	wantCounts(t, "resync with nothing changed", pub.take(), 0, 0, 0)
 
 	// The index loses the static pod (as if its event had been discarded from the stream before the index
@@ -389,12 +402,12 @@ func TestKubeletSource(t *testing.T) {
 	srv.mu.Unlock()
 	srv.del("uid-c", true)
 	n = srv.streamCount()
+	before = resyncs()
 	srv.breakStreams()
 	bustest.WaitFor(t, "the source to open a new stream", func() bool { return srv.streamCount() > n })
+	waitReplaced(t, src.feed, before)
 	waitHealth(t, "after malformed pods", src.Health, true)
-	// Negative checks: the sleep lets a wrong deletion reach the index and the counter, and cannot make the
-	// test fail (the index held both pods before).
-	time.Sleep(100 * time.Millisecond)
+	// The replace of the new stream published nothing, so no deletion can reach the index.
 	if got := indexUIDs(t, b); !slices.Equal(got, []string{"hash-s", "uid-c"}) {
 		t.Fatalf("with malformed pods in the initial set the index holds %v, want uid-c kept", got)
 	}
@@ -427,10 +440,11 @@ func TestKubeletSourceUnreachable(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	connects := sourceErrors.WithLabelValues(testNode, "kubelet", "connect")
+	failed := testutil.ToFloat64(connects)
 	bustest.RunFunc(t, "src", src.Run)
-	// A negative check: the source is unhealthy from its start, and the sleep gives a wrong "synced" the
-	// time to show; it cannot make the test fail.
-	time.Sleep(200 * time.Millisecond)
+	// The source is unhealthy from its start; after two failed connections it still is.
+	bustest.WaitFor(t, "two failed connections", func() bool { return testutil.ToFloat64(connects) >= failed+2 })
 	if err := src.Health(); err == nil {
 		t.Fatal("healthy with no kubelet")
 	} else {
