@@ -179,14 +179,17 @@ func (s *Service) resolve(req events.PodApplyRequest, pods []*v1.Pod, now time.T
 				p = existing
 				overlay[key{fn, mirror}] = nil
 			}
-		case existing != nil && (p.UID == "" || p.UID == existing.UID):
-			p.UID, act = existing.UID, events.ActionUpdated
-			overlay[key{fn, mirror}] = p
 		default:
-			if p.UID == "" {
+			// The index holds this pod when it holds one of its name and kind and the manifest names no
+			// other UID: the pod keeps that UID.
+			held := existing != nil && (p.UID == "" || p.UID == existing.UID)
+			switch {
+			case held:
+				p.UID = existing.UID
+			case p.UID == "":
 				p.UID = types.UID(uuid.NewString())
 			}
-			act = events.ActionAdded
+			act = upsertAction(held)
 			overlay[key{fn, mirror}] = p
 		}
 		m, err := PodEventMsg(s.cfg.Node, act, p, "", now)

@@ -227,11 +227,7 @@ func (s *StaticSource) syncManifests(ctx context.Context) error {
 			continue
 		}
 		p.Annotations[ConfigFirstSeenAnnotationKey] = seen
-		action := events.ActionAdded
-		if had {
-			action = events.ActionUpdated
-		}
-		m, err := PodEventMsg(s.cfg.Node, action, p, "", now)
+		m, err := PodEventMsg(s.cfg.Node, upsertAction(had), p, "", now)
 		if err != nil {
 			return err
 		}
