@@ -102,3 +102,18 @@ func PlanBatches(count, initialBatchSize int) []int {
 	}
 	return out
 }
+
+// batchIndexer maps a call index to its 1-based batch number under the slow-start plan.
+func batchIndexer(count, initial int) func(int) int {
+	plan := PlanBatches(count, initial)
+	return func(i int) int {
+		end := 0
+		for b, size := range plan {
+			end += size
+			if i < end {
+				return b + 1
+			}
+		}
+		return len(plan)
+	}
+}

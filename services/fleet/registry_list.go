@@ -1,0 +1,272 @@
+package fleet
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sort"
+	"sync"
+
+	"golang.org/x/sync/errgroup"
+	"k8s.io/apimachinery/pkg/labels"
+
+	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/events"
+)
+
+// NodeQuery selects and pages the registry's nodes.
+type NodeQuery struct {
+	// Selector keeps the nodes whose labels match (nil: every node).
+	Selector labels.Selector
+	// Limit caps the page (0: no cap).
+	Limit int
+	// Continue is the previous page's Continue: the page starts after that node.
+	Continue string
+}
+
+// NodePage is one page of the registry, in node name order.
+type NodePage struct {
+	Nodes []events.NodeStatus
+	// Continue is set when more matching nodes follow this page: pass it as NodeQuery.Continue for the next.
+	// It is the name of the page's last node.
+	Continue string
+	// Total counts every node in the registry, whatever the selector and the page.
+	Total int
+}
+
+// List reads one page of the registry. Both buckets are streamed at once, not loaded: the TTL bucket's thin
+// records into a map (node -> heartbeat time), the last-seen bucket's full records one at a time through the
+// page and the selector, so memory is that map and one page. Label selectors cannot be applied by key (node
+// tokens carry no labels): each record's labels are decoded and matched as it streams by; a record is decoded
+// whole only when it can be on the page (by name, from its key, before anything is decoded). A node found
+// in the TTL bucket and not in the last-seen one's stream has its full record read on its own afterwards.
+//
+// A node's heartbeat time is the later of the two buckets': an agent of this release writes its full record
+// only when it changed or every FullEvery-th period, and a thin one every period; an agent of the previous
+// release writes its full record into both, and that record is taken whole.
+func (r *Registry) List(ctx context.Context, q NodeQuery) (NodePage, error) {
+	var page NodePage
+	if q.Limit < 0 {
+		return page, fmt.Errorf("limit %d must not be negative", q.Limit)
+	}
+	aliveKV, seenKV, err := r.buckets(ctx)
+	if err != nil {
+		return page, err
+	}
+	g, gctx := errgroup.WithContext(ctx)
+	alive := map[string]aliveRecord{}
+	if aliveKV != nil {
+		g.Go(func() error {
+			err := aliveKV.Range(gctx, ">", func(e bus.Entry) bool {
+				var n events.NodeInfo
+				if err := json.Unmarshal(e.Value, &n); err != nil {
+					return true // a foreign or damaged value is not a node
+				}
+				if n.Node == "" {
+					n.Node = events.NodeFromToken(e.Key)
+				}
+				a := aliveRecord{heartbeat: n.Heartbeat, period: n.Period}
+				if !n.Started.IsZero() {
+					a.full = &n
+				}
+				alive[n.Node] = a
+				return true
+			})
+			if err != nil {
+				return fmt.Errorf("list live nodes: %w", err)
+			}
+			return nil
+		})
+	}
+	pg := pager{limit: q.Limit, after: q.Continue}
+	seenNodes := map[string]bool{}
+	addSeen := func(node string, raw []byte) {
+		seenNodes[node] = true
+		if q.Selector != nil && !q.Selector.Empty() {
+			var l struct {
+				Labels map[string]string `json:"labels"`
+			}
+			if json.Unmarshal(raw, &l) != nil || !q.Selector.Matches(labels.Set(l.Labels)) {
+				return
+			}
+		}
+		if pg.wants(node) {
+			pg.add(pageItem{node: node, raw: raw}) // decoded once on the page
+		}
+	}
+	if seenKV != nil {
+		g.Go(func() error {
+			err := seenKV.Range(gctx, ">", func(e bus.Entry) bool {
+				addSeen(events.NodeFromToken(e.Key), e.Value)
+				return true
+			})
+			if err != nil {
+				return fmt.Errorf("list nodes: %w", err)
+			}
+			return nil
+		})
+	}
+	if err := g.Wait(); err != nil {
+		return page, err
+	}
+	// A node writes its full record before its thin one (Heartbeat.beat), but the two buckets stream at
+	// once: a node whose first heartbeat came meanwhile can be in the TTL bucket's stream and not in the
+	// last-seen one's, which may have gone by first. Its full record, read now that its thin one was seen,
+	// is there (unless the node was forgotten while it runs), so a new node is neither listed without its
+	// labels, runtime and workers nor left out by a selector.
+	var thin []string
+	for node, a := range alive {
+		if !seenNodes[node] && a.full == nil {
+			thin = append(thin, node)
+		}
+	}
+	late, err := r.fullRecords(ctx, thin)
+	if err != nil {
+		return page, err
+	}
+	for node, raw := range late {
+		addSeen(node, raw)
+	}
+	page.Total = len(seenNodes)
+	// A node only in the TTL bucket (forgotten while it still runs, until its next full record; or a
+	// previous-release agent's full record): shown with what the TTL bucket holds.
+	for node, a := range alive {
+		if seenNodes[node] {
+			continue
+		}
+		page.Total++
+		n := events.NodeInfo{Node: node, Heartbeat: a.heartbeat, Period: a.period}
+		if a.full != nil {
+			n = *a.full
+		}
+		if (q.Selector == nil || q.Selector.Matches(labels.Set(n.Labels))) && pg.wants(node) {
+			pg.add(pageItem{node: node, info: &n})
+		}
+	}
+	items, cont := pg.result()
+	now := r.clock()
+	page.Nodes = make([]events.NodeStatus, 0, len(items))
+	for _, it := range items {
+		var n events.NodeInfo
+		if it.info != nil {
+			n = *it.info
+		} else if err := json.Unmarshal(it.raw, &n); err != nil || n.Node == "" {
+			continue // a foreign or damaged value is not a node
+		}
+		a, isAlive := alive[n.Node]
+		if isAlive {
+			n = mergeAlive(n, a)
+		}
+		page.Nodes = append(page.Nodes, nodeStatus(n, isAlive, now, r.lostAfter))
+	}
+	page.Continue = cont
+	return page, nil
+}
+
+// fullRecords reads the last-seen records of nodes, leaving out those it has none of.
+func (r *Registry) fullRecords(ctx context.Context, nodes []string) (map[string][]byte, error) {
+	if len(nodes) == 0 {
+		return nil, nil
+	}
+	_, seen, err := r.buckets(ctx) // a registry opened before the bucket was created looks for it again
+	if err != nil || seen == nil {
+		return nil, err
+	}
+	var mu sync.Mutex
+	out := make(map[string][]byte, len(nodes))
+	g, gctx := errgroup.WithContext(ctx)
+	g.SetLimit(16)
+	for _, node := range nodes {
+		g.Go(func() error {
+			raw, _, err := seen.Get(gctx, events.NodeToken(node))
+			switch {
+			case errors.Is(err, bus.ErrKeyNotFound):
+				return nil
+			case err != nil:
+				return fmt.Errorf("list nodes: %w", err)
+			}
+			mu.Lock()
+			out[node] = raw
+			mu.Unlock()
+			return nil
+		})
+	}
+	if err := g.Wait(); err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+// pageItem is a node that can be on the page: its raw record (decoded once the page is known), or a record
+// already decoded.
+type pageItem struct {
+	node string
+	raw  []byte
+	info *events.NodeInfo
+}
+
+// pager keeps the limit first nodes by name of a stream in any order, and whether more followed: memory is
+// O(limit), not O(nodes).
+type pager struct {
+	limit int
+	after string
+	cands []pageItem
+	// full: cands held limit nodes at the last trim, the last of them worst; more: a node past them was seen.
+	full  bool
+	worst string
+	more  bool
+}
+
+// wants reports whether node can be on the page (so its record is worth decoding).
+func (p *pager) wants(node string) bool {
+	if p.after != "" && node <= p.after {
+		return false
+	}
+	if p.full && node > p.worst {
+		p.more = true
+		return false
+	}
+	return true
+}
+
+func (p *pager) add(n pageItem) {
+	p.cands = append(p.cands, n)
+	if p.limit > 0 && len(p.cands) >= 4*p.limit+64 {
+		p.trim()
+	}
+}
+
+func (p *pager) trim() {
+	// A node's record rewritten while the bucket streams by comes twice (the stream delivers the new
+	// revision too): the later one, newer, is kept.
+	sort.SliceStable(p.cands, func(i, j int) bool { return p.cands[i].node < p.cands[j].node })
+	kept := p.cands[:0]
+	for i, c := range p.cands {
+		if i+1 < len(p.cands) && p.cands[i+1].node == c.node {
+			continue
+		}
+		kept = append(kept, c)
+	}
+	clear(p.cands[len(kept):])
+	p.cands = kept
+	if p.limit <= 0 {
+		return
+	}
+	if len(p.cands) > p.limit {
+		p.more = true
+		clear(p.cands[p.limit:])
+		p.cands = p.cands[:p.limit]
+	}
+	if len(p.cands) == p.limit {
+		p.full, p.worst = true, p.cands[p.limit-1].node
+	}
+}
+
+func (p *pager) result() ([]pageItem, string) {
+	p.trim()
+	if p.more && len(p.cands) > 0 {
+		return p.cands, p.cands[len(p.cands)-1].node
+	}
+	return p.cands, ""
+}

@@ -1,0 +1,75 @@
+package fleet
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/imagefleet/imagefleet/events"
+)
+
+// node runs the action on one node at most once per rollout. The error is for recording problems only;
+// the node's own failure is in the result.
+func (r *Rollout) node(ctx context.Context, st rolloutState, node string, batch int) (events.RolloutNodeResult, error) {
+	cfg := r.cfg
+	if prev, ok := st.results[node]; ok {
+		prev.Resumed = true
+		return prev, nil
+	}
+	if c, ok := st.claims[node]; ok {
+		return events.RolloutNodeResult{Node: node, Batch: batch, Resumed: true,
+			Error: fmt.Sprintf("claimed by run %s at %s without a recorded outcome; not acted on again", c.Owner, c.Time.Format(time.RFC3339))}, nil
+	}
+	claim := events.RolloutClaim{Node: node, Owner: r.owner, Batch: batch, Time: cfg.Clock().UTC()}
+	claimSubject := events.RolloutSubject(cfg.ID, events.RolloutClaimKind, node)
+	var claimed bool
+	if err := retryTransientFor(ctx, recordRetryFor, func(ctx context.Context) error {
+		var err error
+		claimed, err = r.publishFirst(ctx, claimSubject, "claim."+events.NodeToken(node)+"."+r.owner, claim)
+		if err == nil && !claimed {
+			// Refused because a claim is stored: it may be this run's own, from an attempt whose ack was
+			// lost (a server killed, a leader change) and that the server did not answer as a duplicate.
+			// The first claim stored is the one that counts (loadRollout), so ask the stream whose it is.
+			if claimed, err = r.firstClaimIsOurs(ctx, claimSubject); claimed {
+				cfg.Logger.Info("claim stored by an earlier attempt of this run", "rollout", cfg.ID, "node", node)
+			}
+		}
+		return err
+	}); err != nil {
+		return events.RolloutNodeResult{}, fmt.Errorf("claim node %s: %w", node, err)
+	}
+	if !claimed {
+		return events.RolloutNodeResult{Node: node, Batch: batch, Resumed: true,
+			Error: "claimed by another run of this rollout; not acted on again"}, nil
+	}
+	began := cfg.Clock()
+	actx, cancel := context.WithTimeout(ctx, cfg.NodeTimeout)
+	nr := r.act(actx, node)
+	if actx.Err() == context.DeadlineExceeded && !nr.OK && ctx.Err() == nil {
+		nr.Error = fmt.Sprintf("no answer within the node timeout %v", cfg.NodeTimeout)
+	}
+	cancel()
+	nr.Node, nr.Batch = node, batch
+	nr.Duration = events.Duration{Duration: cfg.Clock().Sub(began)}
+	if !nr.OK && nr.Error == "" {
+		nr.Error = "failed without an error message"
+	}
+	// The node has been acted on: its outcome must be recorded, however long the cluster takes to elect a
+	// leader. A real GC's record carries counts and bytes, not the lists of images (nr.Compact).
+	rec := nr
+	if cfg.Kind == events.RolloutGC && !cfg.DryRun {
+		rec = nr.Compact()
+	}
+	if err := retryTransientFor(ctx, recordRetryFor, func(ctx context.Context) error {
+		_, err := r.publish(ctx, events.RolloutSubject(cfg.ID, events.RolloutNodeKind, node), "node."+events.NodeToken(node), rec)
+		return err
+	}); err != nil {
+		return nr, fmt.Errorf("record outcome of node %s: %w", node, err)
+	}
+	return nr, nil
+}
+
+// recordRetryFor bounds the retries of a claim and of an outcome record: long enough for a cluster that
+// lost a server to elect new leaders under load, and within the stream's 2-minute duplicate window, so a
+// retried outcome is still stored once.
+const recordRetryFor = 90 * time.Second

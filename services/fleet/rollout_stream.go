@@ -1,0 +1,111 @@
+package fleet
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/events"
+)
+
+// EnsureRolloutStream creates or updates the rollout stream.
+func EnsureRolloutStream(ctx context.Context, b *bus.Bus, replicas int) error {
+	return b.EnsureStream(ctx, bus.StreamConfig{Name: events.RolloutStream, Subjects: []string{events.RolloutSubjects},
+		MaxAge: 30 * 24 * time.Hour, MaxBytes: 1 << 30, Replicas: replicas})
+}
+
+// rolloutState is what the rollout stream already holds about a rollout.
+type rolloutState struct {
+	started *events.RolloutStarted
+	claims  map[string]events.RolloutClaim
+	results map[string]events.RolloutNodeResult
+}
+
+// LoadRollout reads everything recorded about rollout id.
+func LoadRollout(ctx context.Context, b *bus.Bus, id string) (*events.RolloutStarted, map[string]events.RolloutClaim, map[string]events.RolloutNodeResult, error) {
+	st, err := loadRollout(ctx, b, id)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	return st.started, st.claims, st.results, nil
+}
+
+func loadRollout(ctx context.Context, b *bus.Bus, id string) (rolloutState, error) {
+	st := rolloutState{claims: map[string]events.RolloutClaim{}, results: map[string]events.RolloutNodeResult{}}
+	// A rollout that never started has nothing to read: one direct lookup instead of a scan.
+	if _, err := b.LastMsg(ctx, events.RolloutStream, events.RolloutSubject(id, events.RolloutStartedKind, "")); err != nil {
+		if errors.Is(err, bus.ErrNoMessage) {
+			return st, nil
+		}
+		return st, fmt.Errorf("load rollout %s: %w", id, err)
+	}
+	err := b.ReadStream(ctx, events.RolloutStream, events.RolloutFilter(id), 0, func(m bus.StreamMsg) bool {
+		rest := strings.TrimPrefix(m.Subject, events.Prefix+".fleet.rollout."+id+".")
+		kind, _, _ := strings.Cut(rest, ".")
+		switch kind {
+		case events.RolloutStartedKind:
+			var s events.RolloutStarted
+			if json.Unmarshal(m.Data, &s) == nil && st.started == nil {
+				st.started = &s
+			}
+		case events.RolloutClaimKind:
+			var c events.RolloutClaim
+			if json.Unmarshal(m.Data, &c) == nil {
+				if _, ok := st.claims[c.Node]; !ok {
+					st.claims[c.Node] = c
+				}
+			}
+		case events.RolloutNodeKind:
+			var r events.RolloutNodeResult
+			if json.Unmarshal(m.Data, &r) == nil {
+				if _, ok := st.results[r.Node]; !ok {
+					st.results[r.Node] = r
+				}
+			}
+		}
+		return true
+	})
+	if err != nil {
+		return st, fmt.Errorf("load rollout %s: %w", id, err)
+	}
+	return st, nil
+}
+
+func (r *Rollout) publish(ctx context.Context, subject, id string, v any) (uint64, error) {
+	raw, err := json.Marshal(v)
+	if err != nil {
+		return 0, fmt.Errorf("marshal %s: %w", subject, err)
+	}
+	return r.b.PublishStored(ctx, bus.RawMsg{Subject: subject, MsgID: r.cfg.ID + "." + id, Data: raw,
+		Header: map[string]string{"content-type": "application/json"}})
+}
+
+func (r *Rollout) publishFirst(ctx context.Context, subject, id string, v any) (bool, error) {
+	raw, err := json.Marshal(v)
+	if err != nil {
+		return false, fmt.Errorf("marshal %s: %w", subject, err)
+	}
+	return r.b.PublishFirst(ctx, bus.RawMsg{Subject: subject, MsgID: r.cfg.ID + "." + id, Data: raw,
+		Header: map[string]string{"content-type": "application/json"}})
+}
+
+// firstClaimIsOurs reports whether the first claim stored on subject is this run's.
+func (r *Rollout) firstClaimIsOurs(ctx context.Context, subject string) (bool, error) {
+	var first *events.RolloutClaim
+	err := r.b.ReadStream(ctx, events.RolloutStream, subject, 0, func(m bus.StreamMsg) bool {
+		var c events.RolloutClaim
+		if json.Unmarshal(m.Data, &c) != nil {
+			return true // a damaged record is skipped, as loadRollout does
+		}
+		first = &c
+		return false
+	})
+	if err != nil {
+		return false, fmt.Errorf("read claim %s: %w", subject, err)
+	}
+	return first != nil && first.Owner == r.owner, nil
+}
