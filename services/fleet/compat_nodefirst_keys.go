@@ -16,6 +16,7 @@ import (
 	"encoding/json"
 	"errors"
 	"sync"
+	"sync/atomic"
 
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
@@ -112,4 +113,30 @@ func (s *Inventory) rekey(ctx context.Context, le legacyEntry) error {
 	}
 	s.rekeyed.Add(1)
 	return nil
+}
+
+// runRekey re-keys node-first keys once the index is loaded: those found by the initial load (atStart) by
+// one pass over the bucket (streamed, not held: at the first start after an upgrade that is every placement
+// of the fleet); those written later by a replica of the previous release still running as the watch queues
+// them (a few). Neither holds up the watch, events or queries.
+func (s *Inventory) runRekey(ctx context.Context, indexed <-chan struct{}, atStart *atomic.Bool) error {
+	if !waitLoaded(ctx, indexed) {
+		return nil
+	}
+	if atStart.Load() {
+		if err := s.rekeyAll(ctx); err != nil && ctx.Err() == nil {
+			s.cfg.Logger.Warn("inventory re-key pass failed; the next start tries again", "err", err)
+		}
+	}
+	for {
+		les, ok := s.rekeyLive.wait(ctx)
+		if !ok {
+			return nil
+		}
+		for _, le := range les {
+			if err := s.rekey(ctx, le); err != nil && ctx.Err() == nil {
+				s.cfg.Logger.Warn("inventory re-key failed", "key", le.key, "err", err)
+			}
+		}
+	}
 }

@@ -44,8 +44,6 @@ type HeartbeatConfig struct {
 	// minutes at the default period, as the kubelet's nodeStatusReportFrequency; 1: every heartbeat, the
 	// previous release's behaviour).
 	FullEvery int
-	// Replicas of the registry buckets (3 on a 3-server cluster; 0: the connection's Options.Replicas).
-	Replicas int
 	// Statfs returns the capacity and available bytes of the filesystem holding a path (default cri.Statfs).
 	Statfs func(path string) (capacity, available int64, err error)
 	// Clock returns now (default time.Now).
@@ -236,7 +234,7 @@ func stretchedPeriod(cur, base, limit time.Duration, rate, maxRate float64) time
 }
 
 func (h *Heartbeat) buckets(ctx context.Context) (alive, seen *bus.KV, err error) {
-	return heartbeatBuckets(ctx, h.b, h.cfg.TTL, h.cfg.Replicas)
+	return heartbeatBuckets(ctx, h.b, h.cfg.TTL, 0) // replicas 0: the connection's Options.Replicas
 }
 
 func heartbeatBuckets(ctx context.Context, b *bus.Bus, ttl time.Duration, replicas int) (alive, seen *bus.KV, err error) {

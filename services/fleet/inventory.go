@@ -18,26 +18,18 @@ type InventoryConfig struct {
 	// Replica names this replica in logs and query replies (default <hostname>-<pid>).
 	Replica string
 	// Partitioned consumes the image events through the 16 partition durables on events.InventoryStream
-	// (the server's partitioned copy of the image events) instead of the one durable (Durable) on the events
-	// stream shared by every replica. Each replica owns a share of the partitions (leases in
-	// events.InventoryOwnersBucket, owners.go), consumes and indexes only those, and a query is gathered from
-	// every replica's part (inventory_gather.go). Default false: on this project's 2-core machine with three
-	// servers both ways caught up at about the same rate uncapped, the cores the limit
-	// (docs/runs/2026-11-inventory.md), so the partitions are opt-in until measured on servers with cores
-	// of their own.
+	// (the server's partitioned copy of the image events) instead of the one durable on the events stream
+	// shared by every replica (events.InventoryDurable: API, renaming it re-applies the whole stream). Each
+	// replica owns a share of the partitions (leases in events.InventoryOwnersBucket, owners.go), consumes
+	// and indexes only those, and a query is gathered from every replica's part (inventory_gather.go).
+	// Default false: on this project's 2-core machine with three servers both ways caught up at about the
+	// same rate uncapped, the cores the limit (docs/runs/2026-11-inventory.md), so the partitions are opt-in
+	// until measured on servers with cores of their own.
 	Partitioned bool
-	// Durable is the shared durable consumer (default "fleet-inventory"). It is API: renaming it re-applies
-	// the whole events stream.
-	Durable string
 	// Concurrency is the number of events this replica applies at once (default 32; Partitioned: 256 over
 	// the 16 partitions, ceil(256/16) = 16 for each partition it owns: a partition's handlers are also its
 	// pull batch, and at 2 each the servers handled 27-29 messages per event instead of 14).
 	Concurrency int
-	// Replicas of the inventory bucket (3 on a 3-server cluster; 0: the connection's Options.Replicas).
-	Replicas int
-	// DeliverNew starts a new durable at the end of the events stream instead of its beginning (default
-	// false: the inventory is rebuilt from every event the stream still holds).
-	DeliverNew bool
 	// Logger (default slog.Default()).
 	Logger *slog.Logger
 }
@@ -135,9 +127,6 @@ func NewInventory(ctx context.Context, cfg InventoryConfig, b *bus.Bus) (*Invent
 			cfg.Concurrency = 256
 		}
 	}
-	if cfg.Durable == "" {
-		cfg.Durable = events.InventoryDurable
-	}
 	if cfg.Replica == "" {
 		h, _ := os.Hostname()
 		cfg.Replica = fmt.Sprintf("%s-%d", h, os.Getpid())
@@ -145,17 +134,18 @@ func NewInventory(ctx context.Context, cfg InventoryConfig, b *bus.Bus) (*Invent
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	kv, err := b.KV(ctx, inventoryBucket(cfg.Replicas))
+	// Replicas 0: the connection's Options.Replicas (3 on a 3-server cluster).
+	kv, err := b.KV(ctx, inventoryBucket(0))
 	if err != nil {
 		return nil, fmt.Errorf("inventory: %w", err)
 	}
 	s := newInventory(cfg)
 	s.b, s.kv = b, kv
 	if cfg.Partitioned {
-		if err := EnsureInventoryStream(ctx, b, cfg.Replicas); err != nil {
+		if err := EnsureInventoryStream(ctx, b, 0); err != nil {
 			return nil, fmt.Errorf("inventory: %w", err)
 		}
-		okv, err := b.KV(ctx, ownersBucket(cfg.Replicas))
+		okv, err := b.KV(ctx, ownersBucket(0))
 		if err != nil {
 			return nil, fmt.Errorf("inventory: %w", err)
 		}

@@ -230,8 +230,7 @@ func (s *Inventory) startConsumer(p int) {
 		err := s.b.Consume(ctx, bus.ConsumerConfig{Stream: events.InventoryStream,
 			Durable: events.InventoryPartitionDurable(p), FilterSubjects: []string{events.InventoryPartitionFilter(p)},
 			MaxAckPending: inventoryPartitionMaxAckPending, Concurrency: per, MaxDeliver: 10, Backoff: inventoryBackoff,
-			AckWait: inventoryAckWait, AsyncAck: true, StallAfter: inventoryStallAfter,
-			DeliverNew: s.cfg.DeliverNew}, s.ApplyCopy)
+			AckWait: inventoryAckWait, AsyncAck: true, StallAfter: inventoryStallAfter}, s.ApplyCopy)
 		if err != nil && ctx.Err() == nil {
 			select {
 			case s.fail <- fmt.Errorf("consume partition %d: %w", p, err):

@@ -29,132 +29,125 @@ func (s *Inventory) Run(ctx context.Context) error {
 			return nil
 		})
 	}
-	// Node-first keys of the previous release: those found by the initial load are re-keyed by one pass over
-	// the bucket once the index is loaded (streamed, not held: at the first start after an upgrade that is
-	// every placement of the fleet); those written later by a replica of that release still running are
-	// queued by the watch (a few) and re-keyed as they come. Neither holds up the watch, events or queries.
+	// atStart: the initial load found node-first keys of the previous release (compat_nodefirst_keys.go).
 	var atStart atomic.Bool
-	live := s.rekeyLive
 	if s.owners != nil {
 		// Partitioned: the partitions are taken first, so the initial watch loads just theirs.
 		run("owners", func() error { return s.owners.run(ctx) })
-		run("partition consumers", func() error {
-			select {
-			case <-ctx.Done():
-				return nil
-			case err := <-s.fail:
-				return err
-			}
-		})
+		run("partition consumers", func() error { return s.partitionFailure(ctx) })
 	}
-	run("watch", func() error {
-		if s.owners != nil {
-			select {
-			case <-ctx.Done():
-				return nil
-			case <-s.owners.first:
-			}
-		}
-		s.mu.Lock()
-		s.watching = true
-		s.mu.Unlock()
-		var once sync.Once
-		loadedAll := false // the watch callback's own: the initial values are done
-		return s.kv.Watch(ctx, ">", func(e bus.Entry, initialDone bool) {
-			if initialDone {
-				// A node-first key is indexed under its image-first key at once: the index is whole now,
-				// whether or not the re-keying is done.
-				loadedAll = true
-				once.Do(func() { close(indexed) })
-				return
-			}
-			p, ok := s.indexEntry(e)
-			switch {
-			case !ok:
-			case !loadedAll:
-				atStart.Store(true)
-			default:
-				live.push(legacyEntry{key: e.Key, rev: e.Revision, p: p})
-			}
-		})
-	})
-	run("rekey", func() error {
-		if !waitLoaded(ctx, indexed) {
-			return nil
-		}
-		if atStart.Load() {
-			if err := s.rekeyAll(ctx); err != nil && ctx.Err() == nil {
-				s.cfg.Logger.Warn("inventory re-key pass failed; the next start tries again", "err", err)
-			}
-		}
-		for {
-			les, ok := live.wait(ctx)
-			if !ok {
-				return nil
-			}
-			for _, le := range les {
-				if err := s.rekey(ctx, le); err != nil && ctx.Err() == nil {
-					s.cfg.Logger.Warn("inventory re-key failed", "key", le.key, "err", err)
-				}
-			}
-		}
-	})
-	// Events are applied once the index is loaded: an apply reads the key's sequence and revision from the
-	// index (an event the bucket already reflects costs no request; another is one compare-and-set). Either
-	// way an applied event is acked without waiting for the server's confirmation (AsyncAck): the apply is
-	// idempotent (the sequence guard), so an ack the server never got only redelivers an event whose second
-	// apply changes nothing, and a handler's slot is not held for the ack's Raft round on the consumer's
-	// group (~10 ms of the ~25 ms an event held it during a catch-up: docs/benchmarks.md).
+	run("watch", func() error { return s.watch(ctx, indexed, &atStart) })
+	run("rekey", func() error { return s.runRekey(ctx, indexed, &atStart) })
 	if !s.cfg.Partitioned {
-		run("consume", func() error {
-			if !waitLoaded(ctx, loaded) {
-				return nil
-			}
-			return s.b.Consume(ctx, bus.ConsumerConfig{Stream: events.EventsStream, Durable: s.cfg.Durable,
-				FilterSubjects: []string{events.ImageEventsFilter}, MaxAckPending: 4 * s.cfg.Concurrency,
-				Concurrency: s.cfg.Concurrency, MaxDeliver: 10, Backoff: inventoryBackoff, DeliverNew: s.cfg.DeliverNew,
-				AsyncAck: true},
-				s.Apply)
-		})
+		run("consume", func() error { return s.consume(ctx, loaded) })
 	}
-	run("query", func() error {
-		// Queries are listened for only once the index is loaded, so a starting replica never answers from
-		// half an inventory while another replica could answer from all of it. The replica says it is ready
-		// (Ready, Owned, events applied) only once the server holds its subscriptions, so a query sent on
-		// that word finds a responder instead of being refused with no responders.
-		if !waitLoaded(ctx, indexed) {
-			return nil
-		}
-		ls, err := s.listen(ctx)
-		if err != nil {
-			return err
-		}
-		s.mu.Lock()
-		s.ready = true
-		ready := s.initialLoaded()
-		s.mu.Unlock()
-		s.readyOnce.Do(func() { close(s.readyCh) })
-		for _, p := range ready {
-			s.startConsumer(p)
-		}
-		close(loaded)
-		var wg sync.WaitGroup
-		for _, l := range ls {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				_ = l.Serve(ctx) // nil once ctx ends
-			}()
-		}
-		wg.Wait()
-		return nil
-	})
+	run("query", func() error { return s.serve(ctx, indexed, loaded) })
 	err := g.Wait() // ends ctx, so the partition consumers and range loads end too
 	s.cmu.Lock()
 	s.stopped = true
 	s.cmu.Unlock()
 	s.cwg.Wait()
 	return err
+}
+
+// partitionFailure returns the first error of a partition consumer, or nil when ctx ends.
+func (s *Inventory) partitionFailure(ctx context.Context) error {
+	select {
+	case <-ctx.Done():
+		return nil
+	case err := <-s.fail:
+		return err
+	}
+}
+
+// watch indexes the bucket: its initial contents (then closes indexed), then every change. A node-first key
+// of the previous release found by the initial load sets atStart; one written later is queued for the
+// re-keyer.
+func (s *Inventory) watch(ctx context.Context, indexed chan<- struct{}, atStart *atomic.Bool) error {
+	if s.owners != nil {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-s.owners.first:
+		}
+	}
+	s.mu.Lock()
+	s.watching = true
+	s.mu.Unlock()
+	var once sync.Once
+	loadedAll := false // the watch callback's own: the initial values are done
+	return s.kv.Watch(ctx, ">", func(e bus.Entry, initialDone bool) {
+		if initialDone {
+			// A node-first key is indexed under its image-first key at once: the index is whole now,
+			// whether or not the re-keying is done.
+			loadedAll = true
+			once.Do(func() { close(indexed) })
+			return
+		}
+		p, ok := s.indexEntry(e)
+		switch {
+		case !ok:
+		case !loadedAll:
+			atStart.Store(true)
+		default:
+			s.rekeyLive.push(legacyEntry{key: e.Key, rev: e.Revision, p: p})
+		}
+	})
+}
+
+// consume applies the image events of the shared durable once the index is loaded.
+//
+// Events are applied once the index is loaded: an apply reads the key's sequence and revision from the
+// index (an event the bucket already reflects costs no request; another is one compare-and-set). Either
+// way an applied event is acked without waiting for the server's confirmation (AsyncAck): the apply is
+// idempotent (the sequence guard), so an ack the server never got only redelivers an event whose second
+// apply changes nothing, and a handler's slot is not held for the ack's Raft round on the consumer's
+// group (~10 ms of the ~25 ms an event held it during a catch-up: docs/benchmarks.md).
+func (s *Inventory) consume(ctx context.Context, loaded <-chan struct{}) error {
+	if !waitLoaded(ctx, loaded) {
+		return nil
+	}
+	return s.b.Consume(ctx, bus.ConsumerConfig{Stream: events.EventsStream, Durable: events.InventoryDurable,
+		FilterSubjects: []string{events.ImageEventsFilter}, MaxAckPending: 4 * s.cfg.Concurrency,
+		Concurrency: s.cfg.Concurrency, MaxDeliver: 10, Backoff: inventoryBackoff,
+		AsyncAck: true},
+		s.Apply)
+}
+
+// serve answers queries once the index is loaded, says the replica is ready, starts the consumers of the
+// partitions the initial load made ready, and closes loaded.
+//
+// Queries are listened for only once the index is loaded, so a starting replica never answers from half an
+// inventory while another replica could answer from all of it. The replica says it is ready (Ready, Owned,
+// events applied) only once the server holds its subscriptions, so a query sent on that word finds a
+// responder instead of being refused with no responders.
+func (s *Inventory) serve(ctx context.Context, indexed <-chan struct{}, loaded chan<- struct{}) error {
+	if !waitLoaded(ctx, indexed) {
+		return nil
+	}
+	ls, err := s.listen(ctx)
+	if err != nil {
+		return err
+	}
+	s.mu.Lock()
+	s.ready = true
+	ready := s.initialLoaded()
+	s.mu.Unlock()
+	s.readyOnce.Do(func() { close(s.readyCh) })
+	for _, p := range ready {
+		s.startConsumer(p)
+	}
+	close(loaded)
+	var wg sync.WaitGroup
+	for _, l := range ls {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_ = l.Serve(ctx) // nil once ctx ends
+		}()
+	}
+	wg.Wait()
+	return nil
 }
 
 // listen subscribes to every subject this replica answers: queries, in their queue group, and (partitioned)

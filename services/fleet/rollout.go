@@ -6,13 +6,40 @@ import (
 	"encoding/hex"
 	"fmt"
 	"log/slog"
-	"slices"
-	"sync"
 	"time"
 
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
 )
+
+// The rollout engine: one action over many nodes, in slow-start batches, recorded.
+//
+// A rollout runs one NodeAction (GCAction, or a PullWatch's Action) over a planned list of nodes in the
+// ReplicaSet controller's slow-start batches (slowstart.go), and records its plan, batches, claims, node
+// outcomes and summary in the rollout stream (events.RolloutStream, rollout_stream.go). A driver (the CLI's
+// fleet gc and fleet pull, a controller) uses this API and nothing else:
+//
+//   - Plan or PlanNodes pick the nodes from the registry (plan.go), or the driver names them;
+//   - NewRolloutID names a rollout; NodeRequestID names its request to one node (rollout_ids.go);
+//   - NewRollout(RolloutConfig, bus, action) validates the config (rollout_config.go) and (*Rollout).Run
+//     runs the rollout to its end (rollout_run.go), reporting as it goes through RolloutConfig.Progress and
+//     RolloutConfig.Results, and returns the events.RolloutResult;
+//   - LoadRollout reads what the stream holds of a rollout, FollowRollout follows it as it is written.
+//
+// The contract Run keeps:
+//
+//   - At most once per node: a node is acted on only once this run's claim on it is the first stored in the
+//     stream (Rollout.node, rollout_node.go). A node claimed without a recorded outcome (a run that died
+//     between the two) is reported failed and never acted on again.
+//   - Resumable: Run with the ID of an earlier rollout keeps the recorded plan, initial batch and failure
+//     budget; a node with a recorded outcome is reported with it (Resumed) and not acted on. Several runs of
+//     one ID may run at once: the first plan stored is everyone's, the first claim of a node decides who
+//     acts on it.
+//   - A failed node is in the result, not Run's error; Run's error is the rollout's own (the stream could
+//     not be written, ctx ended). The rollout stops after the batch whose failures pass the FailureBudget.
+//   - The action is given a ctx carrying the node timeout and must return once it ends; an action whose
+//     request reaches a node sends NodeRequestID with it, so the node can answer a retried request from its
+//     memory instead of acting twice (docs/architecture.md, "Flows").
 
 // NodeAction acts on one node (a GC, a pull) and reports the outcome. It must return once ctx ends: ctx
 // carries the node timeout.
@@ -100,188 +127,5 @@ func NewRollout(cfg RolloutConfig, b *bus.Bus, act NodeAction) (*Rollout, error)
 // ID returns the rollout's id.
 func (r *Rollout) ID() string { return r.cfg.ID }
 
-// Run runs the rollout and returns its result. A failed node is in the result, not an error; the error is
-// for the rollout itself (the stream cannot be written, ctx ended).
-func (r *Rollout) Run(ctx context.Context) (events.RolloutResult, error) {
-	cfg := r.cfg
-	began := cfg.Clock()
-	res := events.RolloutResult{ID: cfg.ID, Kind: cfg.Kind, DryRun: cfg.DryRun, Started: began.UTC(),
-		Failed: []events.RolloutNodeError{}, Nodes: []events.RolloutNodeResult{}, Batches: []int{}}
-	if err := retryTransient(ctx, func(ctx context.Context) error { return EnsureRolloutStream(ctx, r.b, cfg.Replicas) }); err != nil {
-		return res, err
-	}
-	st, err := loadRollout(ctx, r.b, cfg.ID)
-	if err != nil {
-		return res, err
-	}
-	plan := events.RolloutStarted{ID: cfg.ID, Kind: cfg.Kind, Selector: cfg.Selector, InitialBatch: cfg.InitialBatch,
-		NodeTimeout: events.Duration{Duration: cfg.NodeTimeout}, DryRun: cfg.DryRun, Image: cfg.Image, GC: cfg.GC,
-		Nodes: append([]string{}, cfg.Nodes...), Skipped: cfg.Skipped, Time: began.UTC()}
-	if !cfg.FailureBudget.IsZero() {
-		plan.MaxFailures = cfg.FailureBudget.String()
-	}
-	if st.started == nil {
-		var won bool
-		err := retryTransient(ctx, func(ctx context.Context) error {
-			var err error
-			won, err = r.publishFirst(ctx, events.RolloutSubject(cfg.ID, events.RolloutStartedKind, ""), "started."+r.owner, plan)
-			return err
-		})
-		if err != nil {
-			return res, err
-		}
-		if !won { // another orchestrator started this rollout first: follow its plan
-			if st, err = loadRollout(ctx, r.b, cfg.ID); err != nil {
-				return res, err
-			}
-		}
-	}
-	if st.started != nil {
-		if st.started.Kind != cfg.Kind {
-			return res, fmt.Errorf("rollout %s is a %s rollout, not %s", cfg.ID, st.started.Kind, cfg.Kind)
-		}
-		plan = *st.started
-		cfg.InitialBatch = plan.InitialBatch
-		res.DryRun = plan.DryRun
-		// The budget is the plan's: a resumed rollout stops where the one it resumes would have.
-		budget := FailureBudget{}
-		if plan.MaxFailures != "" {
-			if budget, err = ParseFailureBudget(plan.MaxFailures); err != nil {
-				return res, fmt.Errorf("rollout %s: recorded max failures: %w", cfg.ID, err)
-			}
-		}
-		if budget != cfg.FailureBudget && !cfg.FailureBudget.IsZero() {
-			cfg.Logger.Warn("resumed rollout keeps its recorded failure budget", "rollout", cfg.ID,
-				"max_failures", budget.String(), "asked", cfg.FailureBudget.String())
-		}
-		cfg.FailureBudget = budget
-		cfg.Logger.Info("resuming rollout", "rollout", cfg.ID, "nodes", len(plan.Nodes), "done", len(st.results))
-	}
-	res.Skipped = plan.Skipped
-	nodes := plan.Nodes
-	allowed := cfg.FailureBudget.Allowed(len(nodes))
-	res.MaxFailures, res.FailureBudget = cfg.FailureBudget.String(), allowed
-
-	// What Run keeps of the outcomes: counts, sums, the first MaxFailures failures and, only without a
-	// Results sink, the outcomes themselves. mu guards them; outMu keeps the calls of Results one at a time.
-	var (
-		mu, outMu sync.Mutex
-		done      int
-		failed    []indexedFailure
-		held      []events.RolloutNodeResult
-		have      []bool
-		recordErr error
-	)
-	if cfg.Results == nil {
-		held, have = make([]events.RolloutNodeResult, len(nodes)), make([]bool, len(nodes))
-	}
-	report := func(i int, nr events.RolloutNodeResult) {
-		mu.Lock()
-		done++
-		if !nr.OK {
-			res.FailedCount++
-			if len(failed) < cfg.MaxFailures {
-				failed = append(failed, indexedFailure{i, events.RolloutNodeError{Node: nr.Node, Error: nr.Error}})
-			}
-		}
-		res.FreedBytes += nr.Counts().Bytes
-		if held != nil {
-			held[i], have[i] = nr, true
-		}
-		p := Progress{Node: &nr, Done: done, Total: len(nodes)}
-		mu.Unlock()
-		if cfg.Results != nil {
-			outMu.Lock()
-			cfg.Results(nr)
-			outMu.Unlock()
-		}
-		if cfg.Progress != nil {
-			cfg.Progress(p)
-		}
-	}
-	batchIndex := 0
-	onBatch := func(start, size int) {
-		batchIndex++
-		b := events.RolloutBatch{Index: batchIndex, Size: size, Nodes: append([]string{}, nodes[start:start+size]...), Time: cfg.Clock().UTC()}
-		// The batch record is informational (followers show it); losing it does not change any outcome.
-		if err := retryTransient(ctx, func(ctx context.Context) error {
-			_, err := r.publish(ctx, events.RolloutSubject(cfg.ID, events.RolloutBatchKind, ""), fmt.Sprintf("batch.%d.%s", batchIndex, r.owner), b)
-			return err
-		}); err != nil {
-			cfg.Logger.Warn("record rollout batch failed", "rollout", cfg.ID, "err", err)
-		}
-		if cfg.Progress != nil {
-			mu.Lock()
-			p := Progress{Batch: &b, Done: done, Total: len(nodes)}
-			mu.Unlock()
-			cfg.Progress(p)
-		}
-	}
-	batchOf := batchIndexer(len(nodes), cfg.InitialBatch)
-	succeeded, batches, _, overBudget := slowStartBatchBudget(len(nodes), cfg.InitialBatch, cfg.MaxInFlight, allowed, onBatch, func(i int) error {
-		node := nodes[i]
-		nr, err := r.node(ctx, st, node, batchOf(i))
-		if err != nil {
-			mu.Lock()
-			if recordErr == nil {
-				recordErr = err
-			}
-			mu.Unlock()
-			if nr.Node == "" { // not acted on: the claim could not be recorded
-				nr = events.RolloutNodeResult{Node: node, Batch: batchOf(i)}
-			}
-			nr.OK, nr.Error = false, err.Error()
-		}
-		report(i, nr)
-		if !nr.OK {
-			return fmt.Errorf("node %s: %s", node, nr.Error)
-		}
-		return nil
-	})
-	res.Batches = append(res.Batches, batches...)
-	res.Succeeded = succeeded
-	res.NotStarted = len(nodes) - done
-	slices.SortFunc(failed, func(a, b indexedFailure) int { return a.i - b.i })
-	for _, f := range failed {
-		res.Failed = append(res.Failed, f.err)
-	}
-	for i := range held {
-		if have[i] {
-			res.Nodes = append(res.Nodes, held[i])
-		}
-	}
-	res.Duration = events.Duration{Duration: cfg.Clock().Sub(began)}
-	if recordErr != nil {
-		res.Error = recordErr.Error()
-	}
-	if ctx.Err() != nil {
-		return res, fmt.Errorf("rollout %s: %w", cfg.ID, ctx.Err())
-	}
-	res.StopReason = events.RolloutCompleted
-	if overBudget != nil { // the failures passed the budget: no batch started after
-		res.StopReason = events.RolloutMaxFailuresExceeded
-	}
-	// The finished record is the summary: each node's outcome is already a record of its own, and a
-	// thousand GC results would not fit in one message.
-	summary := res
-	summary.Nodes = nil
-	if err := retryTransient(ctx, func(ctx context.Context) error {
-		_, err := r.publish(ctx, events.RolloutSubject(cfg.ID, events.RolloutFinishedKind, ""), "finished."+r.owner, summary)
-		return err
-	}); err != nil {
-		return res, err
-	}
-	if recordErr != nil {
-		return res, recordErr
-	}
-	return res, nil
-}
-
 // DefaultMaxInFlight is RolloutConfig.MaxInFlight's default: nodes acted on at once inside a batch.
 const DefaultMaxInFlight = 1000
-
-// indexedFailure is a failed node with its place in the plan (Failed is reported in plan order).
-type indexedFailure struct {
-	i   int
-	err events.RolloutNodeError
-}

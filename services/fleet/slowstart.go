@@ -8,39 +8,22 @@ import (
 // SlowStartInitialBatchSize is the ReplicaSet controller's initial batch size (batches of 1, 2, 4, 8 ...).
 const SlowStartInitialBatchSize = 1
 
-// SlowStartBatch calls fn count times in batches that grow exponentially, exactly like the ReplicaSet
-// controller's slowStartBatch (pkg/controller/replicaset/replica_set.go): the first batch has
-// min(count, initialBatchSize) calls, each next one min(2*previous, remaining); the calls of a batch run
-// concurrently and the batch is waited for; if any call of a batch fails, no further batch starts and the
-// first error of that batch (the first to arrive) is returned with the number of successful calls.
-// fn gets the index of its call, 0..count-1, in batch order, so callers can map calls to items.
-// count 0 (or initialBatchSize 0) calls nothing and returns (0, nil).
-func SlowStartBatch(count, initialBatchSize int, fn func(i int) error) (int, error) {
-	successes, _, err := slowStartBatch(count, initialBatchSize, fn)
-	return successes, err
-}
-
-// slowStartBatch is SlowStartBatch that also returns the sizes of the batches it started.
-func slowStartBatch(count, initialBatchSize int, fn func(i int) error) (successes int, batches []int, err error) {
-	return slowStartBatchHook(count, initialBatchSize, 0, nil, fn)
-}
-
-// slowStartBatchHook is slowStartBatchBudget with no failure allowed: the ReplicaSet controller's rule.
-func slowStartBatchHook(count, initialBatchSize, maxInFlight int, onBatch func(start, size int), fn func(i int) error) (successes int, batches []int, err error) {
-	successes, batches, _, err = slowStartBatchBudget(count, initialBatchSize, maxInFlight, 0, onBatch, fn)
-	return successes, batches, err
-}
-
-// slowStartBatchBudget is slowStartBatch calling onBatch(first index, size) before each batch starts, with
-// at most maxInFlight calls of a batch running at once (0: all of them, as the ReplicaSet controller does),
-// and a failure budget: the next batch starts while the failed calls of all batches so far number at most
-// maxFailures (0: none may fail, the ReplicaSet controller's rule). The batch that takes the failures over
-// the budget is the last one; err is its first error (the first to arrive), and is nil whenever the
-// failures stayed within the budget, with failures counting them.
+// slowStartBatch calls fn count times in batches that grow exponentially, like the ReplicaSet controller's
+// slowStartBatch (pkg/controller/replicaset/replica_set.go): the first batch has min(count,
+// initialBatchSize) calls, each next one min(2*previous, remaining); the calls of a batch run concurrently
+// and the batch is waited for. fn gets the index of its call, 0..count-1, in batch order, so callers can map
+// calls to items; count 0 (or initialBatchSize 0) calls nothing. It returns the successful calls, the sizes
+// of the batches it started, and the failed calls.
+//
+// onBatch(first index, size), when set, is called before each batch starts. At most maxInFlight calls of a
+// batch run at once (0: all of them, as the ReplicaSet controller does). The next batch starts while the
+// failed calls of all batches so far number at most maxFailures (0: none may fail, the ReplicaSet
+// controller's rule). The batch that takes the failures over the budget is the last one; err is its first
+// error (the first to arrive), and is nil whenever the failures stayed within the budget.
 // The cap changes when a call runs, never whether: every call of a started batch still runs, even after one
 // of them failed, and the batch ends when all its calls have. The calls of a batch start in index order,
 // maxInFlight goroutines taking the next index as one finishes.
-func slowStartBatchBudget(count, initialBatchSize, maxInFlight, maxFailures int, onBatch func(start, size int), fn func(i int) error) (successes int, batches []int, failures int, err error) {
+func slowStartBatch(count, initialBatchSize, maxInFlight, maxFailures int, onBatch func(start, size int), fn func(i int) error) (successes int, batches []int, failures int, err error) {
 	remaining := count
 	next := 0
 	for batchSize := min(remaining, initialBatchSize); batchSize > 0; batchSize = min(2*batchSize, remaining) {
@@ -92,7 +75,7 @@ func slowStartBatchBudget(count, initialBatchSize, maxInFlight, maxFailures int,
 	return successes, batches, failures, nil
 }
 
-// PlanBatches returns the batch sizes SlowStartBatch uses for count calls when every call succeeds.
+// PlanBatches returns the batch sizes slowStartBatch uses for count calls when every call succeeds.
 func PlanBatches(count, initialBatchSize int) []int {
 	var out []int
 	remaining := count

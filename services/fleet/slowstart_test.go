@@ -42,7 +42,7 @@ func TestSlowStartBatch(t *testing.T) {
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			callCnt = 0
-			successes, batches, err := slowStartBatch(tc.count, SlowStartInitialBatchSize, fn(tc.callLimit))
+			successes, batches, _, err := slowStartBatch(tc.count, SlowStartInitialBatchSize, 0, 0, nil, fn(tc.callLimit))
 			if successes != tc.wantSuccesses {
 				t.Errorf("successes = %d, want %d", successes, tc.wantSuccesses)
 			}
@@ -54,12 +54,6 @@ func TestSlowStartBatch(t *testing.T) {
 			}
 			if !slices.Equal(batches, tc.wantBatches) {
 				t.Errorf("batches = %v, want %v", batches, tc.wantBatches)
-			}
-			// The exported form agrees.
-			callCnt = 0
-			s2, err2 := SlowStartBatch(tc.count, SlowStartInitialBatchSize, fn(tc.callLimit))
-			if s2 != successes || (err2 == nil) != (err == nil) {
-				t.Errorf("SlowStartBatch = %d, %v; slowStartBatch = %d, %v", s2, err2, successes, err)
 			}
 		})
 	}
@@ -78,14 +72,14 @@ func TestSlowStartBatchIndicesAndConcurrency(t *testing.T) {
 			gate[i] = wg
 		}
 	}
-	n, err := SlowStartBatch(count, 1, func(i int) error {
+	n, _, _, err := slowStartBatch(count, 1, 0, 0, nil, func(i int) error {
 		seen[i].Add(1)
 		gate[i].Done()
 		gate[i].Wait()
 		return nil
 	})
 	if n != count || err != nil {
-		t.Fatalf("SlowStartBatch = %d, %v", n, err)
+		t.Fatalf("slowStartBatch = %d, %v", n, err)
 	}
 	for i := range seen {
 		if seen[i].Load() != 1 {
@@ -165,7 +159,7 @@ func TestSlowStartBatchMaxInFlight(t *testing.T) {
 				}
 				return nil
 			}
-			successes, batches, err := slowStartBatchHook(tc.count, 1, tc.max, nil, fn)
+			successes, batches, _, err := slowStartBatch(tc.count, 1, tc.max, 0, nil, fn)
 			if (err != nil) != (tc.failAt >= 0) {
 				t.Errorf("err = %v", err)
 			}
@@ -187,7 +181,7 @@ func TestSlowStartBatchMaxInFlight(t *testing.T) {
 
 // TestSlowStartBatchBudget: with a failure budget, the next batch starts while the failures of all batches
 // so far are within it; the batch that takes them over it is the last, and its first error is returned. A
-// budget of 0 is the ReplicaSet controller's rule (slowStartBatchHook), whatever the cap in flight.
+// budget of 0 is the ReplicaSet controller's rule, whatever the cap in flight.
 func TestSlowStartBatchBudget(t *testing.T) {
 	cases := []struct {
 		name          string
@@ -218,7 +212,7 @@ func TestSlowStartBatchBudget(t *testing.T) {
 				}
 				return nil
 			}
-			successes, batches, failures, err := slowStartBatchBudget(tc.count, 1, tc.maxInFlight, tc.budget, nil, fn)
+			successes, batches, failures, err := slowStartBatch(tc.count, 1, tc.maxInFlight, tc.budget, nil, fn)
 			if successes != tc.wantSuccesses || failures != tc.wantFailures || !slices.Equal(batches, tc.wantBatches) {
 				t.Errorf("successes %d, failures %d, batches %v; want %d, %d, %v", successes, failures, batches,
 					tc.wantSuccesses, tc.wantFailures, tc.wantBatches)
@@ -232,12 +226,6 @@ func TestSlowStartBatchBudget(t *testing.T) {
 			}
 			if int(calls.Load()) != ran {
 				t.Errorf("%d calls, want every call of the %v batches (%d)", calls.Load(), tc.wantBatches, ran)
-			}
-			if tc.budget == 0 { // the budget-less form agrees
-				s2, b2, err2 := slowStartBatchHook(tc.count, 1, tc.maxInFlight, nil, fn)
-				if s2 != successes || !slices.Equal(b2, batches) || (err2 == nil) != (err == nil) {
-					t.Errorf("slowStartBatchHook = %d, %v, %v", s2, b2, err2)
-				}
 			}
 		})
 	}
