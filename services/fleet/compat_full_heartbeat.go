@@ -5,6 +5,7 @@
 // period). The registry reads either: a full record found in the TTL bucket is taken whole.
 //
 // Remove when: no agent before thin heartbeats runs (docs/upgrading.md, "Compatibility paths").
+
 package fleet
 
 import (
@@ -18,6 +19,27 @@ type aliveRecord struct {
 	heartbeat time.Time
 	period    events.Duration
 	full      *events.NodeInfo // the previous release's record (it has Started)
+}
+
+// newAliveRecord reads a node's record in the TTL bucket: a thin one, or the previous release's full one
+// (it has Started), kept whole.
+func newAliveRecord(n events.NodeInfo) aliveRecord {
+	a := aliveRecord{heartbeat: n.Heartbeat, period: n.Period}
+	if !n.Started.IsZero() {
+		a.full = &n
+	}
+	return a
+}
+
+// thin reports whether the record is a thin heartbeat (the node's full record is in the last-seen bucket).
+func (a aliveRecord) thin() bool { return a.full == nil }
+
+// info is what the TTL bucket alone shows of node: its full record, or its thin one.
+func (a aliveRecord) info(node string) events.NodeInfo {
+	if a.full != nil {
+		return *a.full
+	}
+	return events.NodeInfo{Node: node, Heartbeat: a.heartbeat, Period: a.period}
 }
 
 // mergeAlive brings a node's last-seen record up to its latest heartbeat.

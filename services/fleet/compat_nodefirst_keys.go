@@ -9,6 +9,7 @@
 //
 // Remove when: no bucket holds a node-first key (`fleet where` of every image answers without re-keying)
 // and no node-first replica runs (docs/upgrading.md, "Compatibility paths").
+
 package fleet
 
 import (

@@ -30,17 +30,9 @@ func (s *Inventory) Part(_ context.Context, data []byte) (any, error) {
 	s.mu.Lock() // imageTotal may recompute a stale total
 	defer s.mu.Unlock()
 	part := events.InventoryPart{Replica: s.cfg.Replica}
-	partial := false // a partition indexed but not answered for: its placements are left out
 	var answered [events.InventoryPartitions]bool
-	for p, st := range s.own {
-		switch {
-		case st == partReady && s.owners.valid(p):
-			part.Partitions = append(part.Partitions, p)
-			answered[p] = true
-		case st != partNone:
-			partial = true
-		}
-	}
+	var partial bool // a partition indexed but not answered for: its placements are left out
+	part.Partitions, answered, partial = s.answered()
 	in := func(node string) bool { return !partial || answered[events.InventoryPartition(node)] }
 	var err error
 	switch {
@@ -63,24 +55,7 @@ func (s *Inventory) Part(_ context.Context, data []byte) (any, error) {
 	case q.What == events.InventoryImages && !partial:
 		part.Reply.Images, part.Reply.Continue = s.imagesChunk(pq.After, pq.Chunk)
 	case q.What == events.InventoryImages:
-		// Some partitions are indexed but not answered for: the totals of the answered ones' placements.
-		var rep events.InventoryReply
-		rep, err = answer(events.InventoryQuery{What: events.InventoryImages}, func(yield func(events.Placement)) {
-			for _, nodes := range s.index {
-				for _, p := range nodes {
-					if !p.Gone && p.ID > pq.After && in(p.Node) {
-						yield(p.Placement)
-					}
-				}
-			}
-		})
-		list := rep.Images
-		sort.Slice(list, func(i, j int) bool { return list[i].ID < list[j].ID })
-		if pq.Chunk > 0 && len(list) > pq.Chunk {
-			list = list[:pq.Chunk]
-			part.Reply.Continue = list[len(list)-1].ID
-		}
-		part.Reply.Images = list
+		part.Reply.Images, part.Reply.Continue, err = s.partialImagesChunk(pq.After, pq.Chunk, in)
 	case q.What == events.InventoryNodes:
 		list := make([]events.InventoryNode, 0, len(s.nodes))
 		for _, n := range s.nodes {
@@ -94,6 +69,43 @@ func (s *Inventory) Part(_ context.Context, data []byte) (any, error) {
 		return nil, err
 	}
 	return part, nil
+}
+
+// answered returns the partitions this replica answers for (ready, and its lease on them valid), as a list
+// and as a set, and whether it holds another partition it does not answer for (partial) (s.mu held).
+func (s *Inventory) answered() (parts []int, answered [events.InventoryPartitions]bool, partial bool) {
+	for p, st := range s.own {
+		switch {
+		case st == partReady && s.owners.valid(p):
+			parts = append(parts, p)
+			answered[p] = true
+		case st != partNone:
+			partial = true
+		}
+	}
+	return parts, answered, partial
+}
+
+// partialImagesChunk is imagesChunk when some partitions are indexed but not answered for: the totals of
+// the placements of the answered ones (in), computed from the index (s.mu held).
+func (s *Inventory) partialImagesChunk(after string, chunk int, in func(node string) bool) ([]events.InventoryImage, string, error) {
+	rep, err := answer(events.InventoryQuery{What: events.InventoryImages}, func(yield func(events.Placement)) {
+		for _, nodes := range s.index {
+			for _, p := range nodes {
+				if !p.Gone && p.ID > after && in(p.Node) {
+					yield(p.Placement)
+				}
+			}
+		}
+	})
+	list := rep.Images
+	sort.Slice(list, func(i, j int) bool { return list[i].ID < list[j].ID })
+	cont := ""
+	if chunk > 0 && len(list) > chunk {
+		list = list[:chunk]
+		cont = list[len(list)-1].ID
+	}
+	return list, cont, err
 }
 
 // imagesChunk returns the first chunk (0: all) of the indexed images with IDs after after, in ID order,

@@ -255,7 +255,30 @@ func (o *owners) member(ctx context.Context) {
 
 // round renews the leases held, then takes or gives up partitions toward this replica's share.
 func (o *owners) round(ctx context.Context) {
-	var lost []int
+	if lost := o.renew(ctx); len(lost) > 0 {
+		o.drop(lost)
+		o.change(nil, lost)
+	}
+	if ctx.Err() != nil {
+		return
+	}
+	share := o.share()
+	held := o.heldSorted()
+	if len(held) > share {
+		extra := held[share:]
+		gone := o.drop(extra)
+		o.change(nil, extra)
+		o.release(ctx, gone)
+		return
+	}
+	if got := o.acquire(ctx, share-len(held)); len(got) > 0 {
+		o.change(got, nil)
+	}
+}
+
+// renew renews the leases this replica holds and returns the partitions it lost: expired unrenewed, or
+// taken by another replica.
+func (o *owners) renew(ctx context.Context) (lost []int) {
 	for _, p := range o.heldSorted() {
 		o.mu.Lock()
 		l := o.held[p]
@@ -296,26 +319,15 @@ func (o *owners) round(ctx context.Context) {
 			}
 		}
 	}
-	if len(lost) > 0 {
-		o.drop(lost)
-		o.change(nil, lost)
-	}
-	if ctx.Err() != nil {
-		return
-	}
-	share := o.share()
-	held := o.heldSorted()
-	if len(held) > share {
-		extra := held[share:]
-		gone := o.drop(extra)
-		o.change(nil, extra)
-		o.release(ctx, gone)
-		return
-	}
-	var got []int
+	return lost
+}
+
+// acquire takes up to want free partitions (or leases in this replica's own name from before a restart)
+// and returns those it took.
+func (o *owners) acquire(ctx context.Context, want int) (got []int) {
 	for _, c := range o.free() {
 		p := c.p
-		if len(held)+len(got) >= share {
+		if len(got) >= want {
 			break
 		}
 		sent := o.now()
@@ -340,9 +352,7 @@ func (o *owners) round(ctx context.Context) {
 		o.mu.Unlock()
 		got = append(got, p)
 	}
-	if len(got) > 0 {
-		o.change(got, nil)
-	}
+	return got
 }
 
 // share is ceil(partitions / live replicas), this one counted.

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"sort"
 	"sync"
+	"time"
 
 	"golang.org/x/sync/errgroup"
 	"k8s.io/apimachinery/pkg/labels"
@@ -57,48 +58,13 @@ func (r *Registry) List(ctx context.Context, q NodeQuery) (NodePage, error) {
 	g, gctx := errgroup.WithContext(ctx)
 	alive := map[string]aliveRecord{}
 	if aliveKV != nil {
-		g.Go(func() error {
-			err := aliveKV.Range(gctx, ">", func(e bus.Entry) bool {
-				var n events.NodeInfo
-				if err := json.Unmarshal(e.Value, &n); err != nil {
-					return true // a foreign or damaged value is not a node
-				}
-				if n.Node == "" {
-					n.Node = events.NodeFromToken(e.Key)
-				}
-				a := aliveRecord{heartbeat: n.Heartbeat, period: n.Period}
-				if !n.Started.IsZero() {
-					a.full = &n
-				}
-				alive[n.Node] = a
-				return true
-			})
-			if err != nil {
-				return fmt.Errorf("list live nodes: %w", err)
-			}
-			return nil
-		})
+		g.Go(func() error { return rangeAlive(gctx, aliveKV, alive) })
 	}
-	pg := pager{limit: q.Limit, after: q.Continue}
-	seenNodes := map[string]bool{}
-	addSeen := func(node string, raw []byte) {
-		seenNodes[node] = true
-		if q.Selector != nil && !q.Selector.Empty() {
-			var l struct {
-				Labels map[string]string `json:"labels"`
-			}
-			if json.Unmarshal(raw, &l) != nil || !q.Selector.Matches(labels.Set(l.Labels)) {
-				return
-			}
-		}
-		if pg.wants(node) {
-			pg.add(pageItem{node: node, raw: raw}) // decoded once on the page
-		}
-	}
+	l := listing{q: q, pg: pager{limit: q.Limit, after: q.Continue}, seen: map[string]bool{}}
 	if seenKV != nil {
 		g.Go(func() error {
 			err := seenKV.Range(gctx, ">", func(e bus.Entry) bool {
-				addSeen(events.NodeFromToken(e.Key), e.Value)
+				l.add(events.NodeFromToken(e.Key), e.Value)
 				return true
 			})
 			if err != nil {
@@ -117,7 +83,7 @@ func (r *Registry) List(ctx context.Context, q NodeQuery) (NodePage, error) {
 	// labels, runtime and workers nor left out by a selector.
 	var thin []string
 	for node, a := range alive {
-		if !seenNodes[node] && a.full == nil {
+		if !l.seen[node] && a.thin() {
 			thin = append(thin, node)
 		}
 	}
@@ -126,27 +92,78 @@ func (r *Registry) List(ctx context.Context, q NodeQuery) (NodePage, error) {
 		return page, err
 	}
 	for node, raw := range late {
-		addSeen(node, raw)
+		l.add(node, raw)
 	}
-	page.Total = len(seenNodes)
-	// A node only in the TTL bucket (forgotten while it still runs, until its next full record; or a
-	// previous-release agent's full record): shown with what the TTL bucket holds.
+	page.Total = len(l.seen) + l.addAliveOnly(alive)
+	page.Nodes, page.Continue = l.statuses(alive, r.clock(), r.lostAfter)
+	return page, nil
+}
+
+// rangeAlive reads the TTL bucket's records into alive (node -> record).
+func rangeAlive(ctx context.Context, kv *bus.KV, alive map[string]aliveRecord) error {
+	err := kv.Range(ctx, ">", func(e bus.Entry) bool {
+		var n events.NodeInfo
+		if err := json.Unmarshal(e.Value, &n); err != nil {
+			return true // a foreign or damaged value is not a node
+		}
+		if n.Node == "" {
+			n.Node = events.NodeFromToken(e.Key)
+		}
+		alive[n.Node] = newAliveRecord(n)
+		return true
+	})
+	if err != nil {
+		return fmt.Errorf("list live nodes: %w", err)
+	}
+	return nil
+}
+
+// listing is one List's page as the last-seen records stream through it.
+type listing struct {
+	q    NodeQuery
+	pg   pager
+	seen map[string]bool // the nodes with a last-seen record
+}
+
+// add takes node's last-seen record: counted, matched against the selector (its labels decoded alone) and,
+// if it can be on the page, kept raw (decoded once the page is known).
+func (l *listing) add(node string, raw []byte) {
+	l.seen[node] = true
+	if l.q.Selector != nil && !l.q.Selector.Empty() {
+		var lb struct {
+			Labels map[string]string `json:"labels"`
+		}
+		if json.Unmarshal(raw, &lb) != nil || !l.q.Selector.Matches(labels.Set(lb.Labels)) {
+			return
+		}
+	}
+	if l.pg.wants(node) {
+		l.pg.add(pageItem{node: node, raw: raw})
+	}
+}
+
+// addAliveOnly takes the nodes only in the TTL bucket (forgotten while they still run, until their next
+// full record; or a previous-release agent's full record), shown with what the TTL bucket holds, and
+// returns how many there are.
+func (l *listing) addAliveOnly(alive map[string]aliveRecord) int {
+	n := 0
 	for node, a := range alive {
-		if seenNodes[node] {
+		if l.seen[node] {
 			continue
 		}
-		page.Total++
-		n := events.NodeInfo{Node: node, Heartbeat: a.heartbeat, Period: a.period}
-		if a.full != nil {
-			n = *a.full
-		}
-		if (q.Selector == nil || q.Selector.Matches(labels.Set(n.Labels))) && pg.wants(node) {
-			pg.add(pageItem{node: node, info: &n})
+		n++
+		info := a.info(node)
+		if (l.q.Selector == nil || l.q.Selector.Matches(labels.Set(info.Labels))) && l.pg.wants(node) {
+			l.pg.add(pageItem{node: node, info: &info})
 		}
 	}
-	items, cont := pg.result()
-	now := r.clock()
-	page.Nodes = make([]events.NodeStatus, 0, len(items))
+	return n
+}
+
+// statuses decodes the page's records, brings each up to its latest heartbeat and computes its state.
+func (l *listing) statuses(alive map[string]aliveRecord, now time.Time, lostAfter time.Duration) ([]events.NodeStatus, string) {
+	items, cont := l.pg.result()
+	out := make([]events.NodeStatus, 0, len(items))
 	for _, it := range items {
 		var n events.NodeInfo
 		if it.info != nil {
@@ -158,10 +175,9 @@ func (r *Registry) List(ctx context.Context, q NodeQuery) (NodePage, error) {
 		if isAlive {
 			n = mergeAlive(n, a)
 		}
-		page.Nodes = append(page.Nodes, nodeStatus(n, isAlive, now, r.lostAfter))
+		out = append(out, nodeStatus(n, isAlive, now, lostAfter))
 	}
-	page.Continue = cont
-	return page, nil
+	return out, cont
 }
 
 // fullRecords reads the last-seen records of nodes, leaving out those it has none of.
