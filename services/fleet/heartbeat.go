@@ -264,15 +264,6 @@ func EnsureBuckets(ctx context.Context, b *bus.Bus, replicas int) error {
 	return EnsureRolloutStream(ctx, b, replicas)
 }
 
-// Beat sends one heartbeat now and returns it.
-func (h *Heartbeat) Beat(ctx context.Context) (events.NodeInfo, error) {
-	alive, seen, err := h.buckets(ctx)
-	if err != nil {
-		return events.NodeInfo{}, err
-	}
-	return h.beat(ctx, alive, seen)
-}
-
 // Info reads the runtime and builds the heartbeat (runtime problems go into Error, not into err).
 func (h *Heartbeat) Info(ctx context.Context) events.NodeInfo {
 	info := events.NodeInfo{Node: h.cfg.Node, Labels: h.cfg.Labels, AgentVersion: h.cfg.AgentVersion,

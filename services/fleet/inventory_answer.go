@@ -8,25 +8,6 @@ import (
 	"github.com/imagefleet/imagefleet/events"
 )
 
-// Answer computes an inventory reply from live placements (a pure function: where scans them all).
-func Answer(q events.InventoryQuery, placements []events.Placement) (events.InventoryReply, error) {
-	if q.What == events.InventoryWhere {
-		m := newImageMatcher(q.Image)
-		return answer(q, func(yield func(events.Placement)) {
-			for _, p := range placements {
-				if m.matches(p) {
-					yield(p)
-				}
-			}
-		})
-	}
-	return answer(q, func(yield func(events.Placement)) {
-		for _, p := range placements {
-			yield(p)
-		}
-	})
-}
-
 // answer aggregates the placements each yields (for where: the matching ones) into a reply, sorted, and
 // keeps the page after q.Continue of at most q.Limit entries. Total and TotalBytes count every page.
 func answer(q events.InventoryQuery, each func(yield func(events.Placement))) (events.InventoryReply, error) {

@@ -4,8 +4,6 @@ import (
 	"strings"
 
 	"github.com/distribution/reference"
-
-	"github.com/imagefleet/imagefleet/events"
 )
 
 // imageMatcher matches an image by ID, unique-enough ID prefix, tag or digest reference (normalized the
@@ -33,20 +31,6 @@ func isHex(s string) bool {
 		}
 	}
 	return true
-}
-
-func (m imageMatcher) matches(p events.Placement) bool {
-	if p.ID == m.raw || (m.idPrefix != "" && strings.HasPrefix(p.ID, m.idPrefix)) {
-		return true
-	}
-	for _, refs := range [][]string{p.RepoTags, p.RepoDigests} {
-		for _, r := range refs {
-			if r == m.raw || (m.normalized != "" && r == m.normalized) {
-				return true
-			}
-		}
-	}
-	return false
 }
 
 // isFullID reports whether image is a whole sha256 image ID (a where of it needs no resolving).

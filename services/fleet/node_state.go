@@ -1,7 +1,6 @@
 package fleet
 
 import (
-	"sort"
 	"time"
 
 	"github.com/imagefleet/imagefleet/events"
@@ -13,20 +12,10 @@ const DefaultLostAfterPeriods = 3
 // DefaultHeartbeatPeriod is how often an agent heartbeats unless told otherwise.
 const DefaultHeartbeatPeriod = 10 * time.Second
 
-// NodeStates computes each node's state from its last heartbeat (seen, kept forever), whether its key is
-// still in the TTL bucket (alive), and now. A node is Ready when its heartbeat key has not expired and its
-// last heartbeat is at most lostAfter old (0: DefaultLostAfterPeriods of the node's own period); otherwise
-// it is Lost. The TTL is the server's clock, the age the node's: either one noticing silence is enough.
-// The result is sorted by node name.
-func NodeStates(seen []events.NodeInfo, alive map[string]bool, now time.Time, lostAfter time.Duration) []events.NodeStatus {
-	out := make([]events.NodeStatus, 0, len(seen))
-	for _, n := range seen {
-		out = append(out, nodeStatus(n, alive[n.Node], now, lostAfter))
-	}
-	sort.Slice(out, func(i, j int) bool { return out[i].Node < out[j].Node })
-	return out
-}
-
+// nodeStatus computes a node's state from its last heartbeat (n, kept forever), whether its key is still in
+// the TTL bucket (alive), and now. A node is Ready when its heartbeat key has not expired and its last
+// heartbeat is at most lostAfter old (0: DefaultLostAfterPeriods of the node's own period); otherwise it is
+// Lost. The TTL is the server's clock, the age the node's: either one noticing silence is enough.
 func nodeStatus(n events.NodeInfo, alive bool, now time.Time, lostAfter time.Duration) events.NodeStatus {
 	limit := lostAfter
 	if limit <= 0 {

@@ -124,8 +124,5 @@ func NewRollout(cfg RolloutConfig, b *bus.Bus, act NodeAction) (*Rollout, error)
 	return &Rollout{cfg: cfg, b: b, act: act, owner: hex.EncodeToString(tok[:])}, nil
 }
 
-// ID returns the rollout's id.
-func (r *Rollout) ID() string { return r.cfg.ID }
-
 // DefaultMaxInFlight is RolloutConfig.MaxInFlight's default: nodes acted on at once inside a batch.
 const DefaultMaxInFlight = 1000
