@@ -30,7 +30,7 @@ func TestPublishIsDeduplicatedAndCarriesCloudEventsHeaders(t *testing.T) {
 		}
 	}
 	var got []bus.StreamMsg
-	if err := b.ReadStream(ctx, events.EventsStream, "", 0, func(m bus.StreamMsg) bool { got = append(got, m); return true }); err != nil {
+	if err := b.Read(ctx, events.EventsStream, "", func(m bus.StreamMsg) error { got = append(got, m); return nil }); err != nil {
 		t.Fatal(err)
 	}
 	if len(got) != 1 {
@@ -224,9 +224,9 @@ func TestStartServerOnAPortInUseFailsAtOnce(t *testing.T) {
 	}
 }
 
-// TestTailReportsPending: each message Tail delivers says how many matching messages followed it then (the
+// TestReadReportsPending: each message Read delivers says how many matching messages followed it then (the
 // pod index's backlog), counting only the filter's subjects.
-func TestTailReportsPending(t *testing.T) {
+func TestReadReportsPending(t *testing.T) {
 	_, b := bustest.Start(t)
 	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second) // a missing message fails, not hangs
 	defer cancel()
@@ -243,13 +243,13 @@ func TestTailReportsPending(t *testing.T) {
 		t.Fatal(err)
 	}
 	var pending []uint64
-	err := b.Tail(ctx, events.EventsStream, events.PodEventSubjects("tail-a"), 0, func(m bus.StreamMsg) error {
+	err := b.Read(ctx, events.EventsStream, events.PodEventSubjects("tail-a"), func(m bus.StreamMsg) error {
 		pending = append(pending, m.Pending)
 		if len(pending) == 3 {
 			cancel()
 		}
 		return nil
-	})
+	}, bus.Follow())
 	if err != nil {
 		t.Fatal(err)
 	}

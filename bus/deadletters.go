@@ -81,7 +81,7 @@ func (b *Bus) ReplayDeadLetter(ctx context.Context, seq uint64, remove bool) (Re
 }
 
 // DeadLetterMsg keeps m (read from stream by consumer) in the dead-letter stream with reason, exactly as a
-// terminated message of Consume: consumers that track their own position (Tail) use it for poison messages.
+// terminated message of Consume: consumers that track their own position (Read) use it for poison messages.
 // The dead letter's Nats-Msg-Id is <stream>-<seq>, so a replay dead-letters a message once.
 func (b *Bus) DeadLetterMsg(ctx context.Context, stream, consumer string, m StreamMsg, reason error) error {
 	dm := deadLetterMsg(stream, consumer, m.Subject, m.Header, m.Data, 1, m.Seq, reason)
@@ -133,10 +133,10 @@ func (b *Bus) DeadLetters(ctx context.Context, filter string) ([]DeadLetter, err
 		subj = filter
 	}
 	var out []DeadLetter
-	err := b.ReadStream(ctx, events.DeadLetterStream, subj, 0, func(m StreamMsg) bool {
+	err := b.Read(ctx, events.DeadLetterStream, subj, func(m StreamMsg) error {
 		out = append(out, DeadLetter{Seq: m.Seq, Consumer: m.Subject, Subject: m.Header.Get(HeaderDLQSubject),
 			Reason: m.Header.Get(HeaderDLQReason), Deliveries: m.Header.Get(HeaderDLQDeliveries), Time: m.Time, Data: m.Data})
-		return true
+		return nil
 	})
 	return out, err
 }

@@ -129,9 +129,9 @@ func TestDeadLetterOfASourcedMessageReplays(t *testing.T) {
 	}
 	var orig bus.StreamMsg
 	bustest.WaitFor(t, "the pod event copied into "+events.PodsStream, func() bool {
-		if err := b.ReadStream(ctx, events.PodsStream, events.PodEventSubjects(node), 0, func(m bus.StreamMsg) bool {
+		if err := b.Read(ctx, events.PodsStream, events.PodEventSubjects(node), func(m bus.StreamMsg) error {
 			orig = m
-			return false
+			return bus.StopReading
 		}); err != nil {
 			t.Logf("read %s: %v", events.PodsStream, err)
 		}
@@ -163,10 +163,10 @@ func TestDeadLetterOfASourcedMessageReplays(t *testing.T) {
 func firstMsg(t *testing.T, b *bus.Bus, stream, filter string, seq uint64) bus.StreamMsg {
 	t.Helper()
 	var first bus.StreamMsg
-	if err := b.ReadStream(t.Context(), stream, filter, seq, func(m bus.StreamMsg) bool {
+	if err := b.Read(t.Context(), stream, filter, func(m bus.StreamMsg) error {
 		first = m
-		return false
-	}); err != nil {
+		return bus.StopReading
+	}, bus.From(seq)); err != nil {
 		t.Fatal(err)
 	}
 	return first

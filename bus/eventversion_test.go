@@ -58,7 +58,7 @@ func checkV2(t *testing.T, m bus.StreamMsg, ev events.Event) {
 func readNode(t *testing.T, b *bus.Bus, node string) []bus.StreamMsg {
 	t.Helper()
 	var got []bus.StreamMsg
-	if err := b.ReadStream(t.Context(), events.EventsStream, events.NodeEvents(node), 0, func(m bus.StreamMsg) bool { got = append(got, m); return true }); err != nil {
+	if err := b.Read(t.Context(), events.EventsStream, events.NodeEvents(node), func(m bus.StreamMsg) error { got = append(got, m); return nil }); err != nil {
 		t.Fatal(err)
 	}
 	return got

@@ -90,14 +90,14 @@ func newEvent(t testing.TB, node string, i int) events.Event {
 func storedIDs(t *testing.T, b *bus.Bus, node string) map[string]int {
 	t.Helper()
 	got := map[string]int{}
-	err := b.ReadStream(t.Context(), events.EventsStream, events.NodeEvents(node), 0, func(m bus.StreamMsg) bool {
+	err := b.Read(t.Context(), events.EventsStream, events.NodeEvents(node), func(m bus.StreamMsg) error {
 		ev, err := events.DecodeEvent(m.Data)
 		if err != nil {
 			t.Errorf("stored event %d: %v", m.Seq, err)
-			return true
+			return nil
 		}
 		got[ev.ID]++
-		return true
+		return nil
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -157,10 +157,10 @@ func TestJournalPublishesInOrderAndAdvancesTheCursor(t *testing.T) {
 	}
 	// Publish waits for the server's ack when NATS is up: everything is stored at once, in order.
 	var order []string
-	err := b.ReadStream(t.Context(), events.EventsStream, events.NodeEvents(node), 0, func(m bus.StreamMsg) bool {
+	err := b.Read(t.Context(), events.EventsStream, events.NodeEvents(node), func(m bus.StreamMsg) error {
 		ev, _ := events.DecodeEvent(m.Data)
 		order = append(order, ev.ID)
-		return true
+		return nil
 	})
 	if err != nil {
 		t.Fatal(err)

@@ -95,7 +95,7 @@ func initConsumerMetrics(consumer string) {
 }
 
 // initLostPullMetrics exports imagefleet_bus_pulls_lost_total of a pull loop at 0: a durable consumer's, or
-// tail:<stream> for the readers of Tail on stream.
+// tail:<stream> for the readers (Read) of stream.
 func initLostPullMetrics(consumer string) {
 	for _, reason := range lostReasons {
 		pullsLost.WithLabelValues(consumer, reason)

@@ -59,7 +59,7 @@ var lostReasons = []string{lostNoHeartbeat, lostNoResponders, lostLeaderChanged,
 	lostRefused, lostWatchdog, lostSequenceGap}
 
 // pullLoop pulls one consumer's messages for its handlers: a durable consumer's for Consume, an ordered
-// reader's for Tail. It speaks the pull protocol itself (pull requests to
+// reader's for Read. It speaks the pull protocol itself (pull requests to
 // $JS.API.CONSUMER.MSG.NEXT.<stream>.<consumer>, answered on an inbox of ours) rather than through nats.go's
 // iterators, whose bookkeeping (nats.go v1.55.0) lost pull requests:
 //   - Messages and Consume skip the next pull request while their pull goroutine has not yet marked the
@@ -85,13 +85,17 @@ type pullLoop struct {
 	// handlers is how many run at once. onlyWhenFree asks only while a handler is free (below, pull).
 	window, handlers int
 	onlyWhenFree     bool
-	// ordered is a stream's ordered reader (Tail): each open makes a consumer of its own (no acks, no state
+	// ordered is a stream's ordered reader (Read): each open makes a consumer of its own (no acks, no state
 	// at the server), starting after the last message taken. Its deliveries must follow each other: one that
 	// skips makes the consumer anew after the last message taken (nats.go's ordered consumer did the same).
 	// A request no consumer took (503), or the second lost in a row, makes it anew too: it holds no state
 	// worth waiting for, so no stall watchdog looks at its info, at no API cost while it is idle. What the
 	// handlers had not started when the loop stops is dropped, not handed back.
 	ordered bool
+	// endWhenIdle ends the loop (run returns errReadEnd) on an idle heartbeat while no message is queued or
+	// handled: the consumer has nothing left to deliver (a reader to the end whose last messages went before
+	// their delivery).
+	endWhenIdle bool
 	// open makes (or finds) the consumer, retrying while the server is not ready: at the start, and to make it
 	// anew (it was deleted, its server or leader is gone; an ordered reader's skipped a message). from is the
 	// stream sequence an ordered reader goes on from (0: where it started). It runs while run takes no message.
@@ -389,6 +393,9 @@ func (l *pullLoop) received(ctx context.Context, m *nats.Msg) error {
 	l.heard = time.Now()
 	descr := m.Header.Get("Description")
 	if status == "100" { // an idle heartbeat
+		if l.endWhenIdle && l.free == l.handlers && len(l.queue) == 0 {
+			return errReadEnd
+		}
 		return nil
 	}
 	// A request that ended as requests do (expired, its reply subject gone, a message over its byte limit)

@@ -17,36 +17,12 @@ type StreamMsg struct {
 	Time    time.Time
 	Header  nats.Header
 	Data    []byte
-	// Pending is, for a message read by Tail, how many messages matching its filter followed it in the
+	// Pending is, for a message Read delivered, how many messages matching its filter followed it in the
 	// stream when it was delivered (the reader's backlog then); 0 elsewhere.
 	Pending uint64
-	// Origin is, for a message read by Tail from a stream that sources another, its sequence in the stream
+	// Origin is, for a message Read delivered from a stream that sources another, its sequence in the stream
 	// it was copied from (the server's Nats-Stream-Source header); 0 when the message was not sourced.
 	Origin uint64
-}
-
-// ReadStream reads the stored messages of stream matching filter from startSeq (0: the first) and calls fn
-// for each until fn returns false or the end of the stream (as of the call) is reached.
-func (b *Bus) ReadStream(ctx context.Context, stream, filter string, startSeq uint64, fn func(StreamMsg) bool) error {
-	var info *jetstream.StreamInfo
-	err := b.retryTransientFor(ctx, "stream "+stream, kvRetryFor, func(actx context.Context) error {
-		s, err := b.js.Stream(actx, stream)
-		if err != nil {
-			return fmt.Errorf("stream %s: %w", stream, err)
-		}
-		info, err = s.Info(actx)
-		if err != nil {
-			return fmt.Errorf("stream %s info: %w", stream, err)
-		}
-		return nil
-	})
-	if err != nil {
-		return err
-	}
-	if info.State.Msgs == 0 {
-		return nil
-	}
-	return b.follow(ctx, stream, filter, startSeq, info.State.LastSeq, fn)
 }
 
 // ErrNoMessage is returned by LastMsg when no message of the stream has the subject.

@@ -253,17 +253,17 @@ func demoFeed(ctx context.Context, b *bus.Bus, node string, want []string) (map[
 		counts := map[string]int{}
 		var warnings []string
 		seen := map[string]bool{}
-		err := b.ReadStream(ctx, events.EventsStream, events.NodeEvents(node), 0, func(m bus.StreamMsg) bool {
+		err := b.Read(ctx, events.EventsStream, events.NodeEvents(node), func(m bus.StreamMsg) error {
 			ev, err := events.DecodeEventMsg(m.Header, m.Data)
 			if err != nil {
-				return true
+				return nil
 			}
 			seen[ev.ID] = true
 			counts[ev.Type]++
 			if ev.Severity == events.Warning {
 				warnings = append(warnings, ev.Reason+": "+ev.Message)
 			}
-			return true
+			return nil
 		})
 		if err != nil {
 			return nil, nil, err

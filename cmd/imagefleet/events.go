@@ -132,17 +132,17 @@ func (cl *cli) runEvents(cmd *cobra.Command, f eventsFlags) error {
 	if f.tail != 0 {
 		var ring []events.Event
 		rctx, cancel := cl.contextTimeout(ctx)
-		err := b.ReadStream(rctx, events.EventsStream, ef.subject(), 0, func(m bus.StreamMsg) bool {
+		err := b.Read(rctx, events.EventsStream, ef.subject(), func(m bus.StreamMsg) error {
 			last = m.Seq
 			ev, err := streamEvent(m)
 			if err != nil || !ef.match(ev) {
-				return true
+				return nil
 			}
 			ring = append(ring, ev)
 			if f.tail > 0 && int64(len(ring)) > f.tail {
 				ring = ring[1:]
 			}
-			return true
+			return nil
 		})
 		cancel()
 		if err != nil {
@@ -163,14 +163,14 @@ func (cl *cli) runEvents(cmd *cobra.Command, f eventsFlags) error {
 	if !f.follow {
 		return nil
 	}
-	err = b.Follow(ctx, events.EventsStream, ef.subject(), last+1, func(m bus.StreamMsg) bool {
+	err = b.Read(ctx, events.EventsStream, ef.subject(), func(m bus.StreamMsg) error {
 		if ev, err := streamEvent(m); err == nil && ef.match(ev) {
 			if cl.printEvent(out, ev) != nil {
-				return false
+				return bus.StopReading
 			}
 		}
-		return true
-	})
+		return nil
+	}, bus.Follow(), bus.From(last+1), bus.RetryFor(20*time.Second))
 	if ctx.Err() != nil {
 		return nil
 	}

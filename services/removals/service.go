@@ -91,9 +91,9 @@ func (s *Service) Ready() <-chan struct{} { return s.ready }
 // Run remembers the node's imagefleet removals still in the stream, then follows its image events until ctx
 // ends.
 func (s *Service) Run(ctx context.Context) error {
-	if err := s.bus.ReadStream(ctx, events.EventsStream, s.subject(events.ActionRemoved), 0, func(m bus.StreamMsg) bool {
+	if err := s.bus.Read(ctx, events.EventsStream, s.subject(events.ActionRemoved), func(m bus.StreamMsg) error {
 		s.noteRemoved(m.Header, m.Data)
-		return true
+		return nil
 	}); err != nil && ctx.Err() == nil {
 		return fmt.Errorf("removals: read past removals: %w", err)
 	}
@@ -169,11 +169,13 @@ func (s *Service) Handle(ctx context.Context, subject string, header map[string]
 	}
 	for {
 		found := false
-		err := s.bus.ReadStream(ctx, events.EventsStream, s.subject(events.ActionRemoved), seq, func(m bus.StreamMsg) bool {
+		err := s.bus.Read(ctx, events.EventsStream, s.subject(events.ActionRemoved), func(m bus.StreamMsg) error {
 			s.noteRemoved(m.Header, m.Data)
-			_, found = s.removed[rec.ID]
-			return !found
-		})
+			if _, found = s.removed[rec.ID]; found {
+				return bus.StopReading
+			}
+			return nil
+		}, bus.From(seq))
 		if err != nil {
 			return fmt.Errorf("read removals after %d: %w", seq, err)
 		}
