@@ -48,7 +48,7 @@ type RolloutSpec struct {
 	// +optional
 	Nodes NodeSelection `json:"nodes"`
 	// Waves are the slow start's sizes.
-	// +kubebuilder:default={}
+	// +kubebuilder:default={initialBatch: 1, maxInFlight: 1000}
 	// +kubebuilder:validation:XValidation:rule="self.initialBatch == oldSelf.initialBatch",message="waves.initialBatch is immutable"
 	// +optional
 	Waves Waves `json:"waves"`
@@ -66,7 +66,7 @@ type RolloutSpec struct {
 	// +kubebuilder:validation:XValidation:rule="duration(self) >= duration('1s')",message="nodeTimeout must be at least 1s"
 	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="nodeTimeout is immutable"
 	// +optional
-	NodeTimeout metav1.Duration `json:"nodeTimeout"`
+	NodeTimeout *metav1.Duration `json:"nodeTimeout,omitempty"`
 	// Paused keeps the next wave from starting (the running one ends). Set it back to false to go on.
 	// +optional
 	Paused bool `json:"paused,omitempty"`
@@ -92,19 +92,19 @@ type ImagePrePullSpec struct {
 	// +kubebuilder:validation:Enum=IfNotPresent;Always
 	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="pullPolicy is immutable"
 	// +optional
-	PullPolicy string `json:"pullPolicy"`
+	PullPolicy string `json:"pullPolicy,omitempty"`
 	// AllowPrivate lets the pull use the nodes' registry credentials (the agents' --node-keyring). Pulled
 	// without the kubelet, such an image has no kubelet pull record: every pod on the node may use it
 	// (docs/kubernetes.md). Off: a private image fails.
 	// +kubebuilder:default=false
 	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="allowPrivate is immutable"
 	// +optional
-	AllowPrivate bool `json:"allowPrivate"`
+	AllowPrivate bool `json:"allowPrivate,omitempty"`
 	// CompletionPolicy is Once: the planned nodes are warmed once and the object completes.
 	// +kubebuilder:default=Once
 	// +kubebuilder:validation:Enum=Once
 	// +optional
-	CompletionPolicy string `json:"completionPolicy"`
+	CompletionPolicy string `json:"completionPolicy,omitempty"`
 
 	RolloutSpec `json:",inline"`
 }
@@ -118,12 +118,12 @@ type ImageGCSpec struct {
 	// +kubebuilder:validation:Enum=KubeletPolicy;AllUnused
 	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="mode is immutable"
 	// +optional
-	Mode string `json:"mode"`
+	Mode string `json:"mode,omitempty"`
 	// DryRun reports, node by node, what would be removed and the bytes it would free, and removes nothing.
 	// +kubebuilder:default=false
 	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="dryRun is immutable"
 	// +optional
-	DryRun bool `json:"dryRun"`
+	DryRun bool `json:"dryRun,omitempty"`
 	// Policy overrides the nodes' own GC policy for this pass.
 	// +kubebuilder:default={}
 	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="policy is immutable"

@@ -246,7 +246,11 @@ func (in *RolloutSpec) DeepCopyInto(out *RolloutSpec) {
 	in.Nodes.DeepCopyInto(&out.Nodes)
 	out.Waves = in.Waves
 	out.FailureBudget = in.FailureBudget
-	out.NodeTimeout = in.NodeTimeout
+	if in.NodeTimeout != nil {
+		in, out := &in.NodeTimeout, &out.NodeTimeout
+		*out = new(v1.Duration)
+		**out = **in
+	}
 	if in.TTLSecondsAfterFinished != nil {
 		in, out := &in.TTLSecondsAfterFinished, &out.TTLSecondsAfterFinished
 		*out = new(int32)

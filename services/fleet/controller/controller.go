@@ -129,6 +129,9 @@ func (c *Controller) Run(ctx context.Context) error {
 		return err
 	}
 	log := logr.FromSlogHandler(c.cfg.Logger.With("worker", "controller").Handler())
+	// controller-runtime's packages log through its global logger too (and complain, with a stack, when it
+	// was never set).
+	setLogger.Do(func() { ctrl.SetLogger(log) })
 	skip := true
 	mgr, err := ctrl.NewManager(c.cfg.REST, ctrl.Options{
 		Scheme:                        scheme,
@@ -163,6 +166,8 @@ func (c *Controller) Run(ctx context.Context) error {
 	}
 	return nil
 }
+
+var setLogger sync.Once
 
 // readyRunnable closes Ready once the manager has synced its caches (it runs on every replica).
 type readyRunnable struct{ c *Controller }

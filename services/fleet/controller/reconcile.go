@@ -62,11 +62,13 @@ func (r *reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	}
 	if run == nil {
 		run = newRunner(r.base, r, obj)
+		run.update(obj) // before it runs: the rollout is planned with the spec
 		r.runners[req.Name] = run
 		go run.run()
+	} else {
+		run.update(obj)
 	}
 	r.mu.Unlock()
-	run.update(obj)
 	return ctrl.Result{}, nil
 }
 

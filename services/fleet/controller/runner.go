@@ -174,8 +174,12 @@ func (run *runner) once(id string) (res events.RolloutResult, restart bool, err 
 		}
 		selector = sel.String()
 	}
+	var timeout time.Duration // 0: the engine's default, the schema's
+	if spec.NodeTimeout != nil {
+		timeout = spec.NodeTimeout.Duration
+	}
 	cfg := fleet.RolloutConfig{ID: id, Kind: k.rollout, Selector: selector, InitialBatch: int(spec.Waves.InitialBatch),
-		NodeTimeout: spec.NodeTimeout.Duration, FailureBudget: budget, MaxInFlight: int(spec.Waves.MaxInFlight),
+		NodeTimeout: timeout, FailureBudget: budget, MaxInFlight: int(spec.Waves.MaxInFlight),
 		Replicas: run.r.cfg.StreamReplicas, Logger: run.r.log}
 	if err := fleet.EnsureRolloutStream(ctx, b, cfg.Replicas); err != nil {
 		return res, false, err
