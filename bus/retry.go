@@ -3,6 +3,7 @@ package bus
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"math/rand/v2"
 	"time"
 
@@ -91,23 +92,101 @@ func RetryWait(failingFor, prev, ceiling time.Duration) time.Duration {
 	return d/2 + rand.N(d/2+1)
 }
 
-// retryBackOff is RetryWait as a cenkalti BackOff: it stops when the next attempt would start past
-// maxElapsed (0: never).
+// retryBackOff is RetryWait (up to ceiling) as a cenkalti BackOff: it stops when the next attempt would start
+// past maxElapsed (0: never).
 type retryBackOff struct {
 	start      time.Time
 	prev       time.Duration
 	maxElapsed time.Duration
+	ceiling    time.Duration
 }
 
 func (r *retryBackOff) Reset() { r.start, r.prev = time.Now(), 0 }
 
 func (r *retryBackOff) NextBackOff() time.Duration {
 	elapsed := time.Since(r.start)
-	r.prev = RetryWait(elapsed, r.prev, maxRetryWait)
+	r.prev = RetryWait(elapsed, r.prev, r.ceiling)
 	if r.maxElapsed > 0 && elapsed+r.prev > r.maxElapsed {
 		return backoff.Stop
 	}
 	return r.prev
+}
+
+// RetryOption configures Retry.
+type RetryOption func(*retryConfig)
+
+type retryConfig struct {
+	maxElapsed, perAttempt, maxWait time.Duration
+	patient                         bool
+	log                             *slog.Logger
+	what                            string
+	closed                          func() bool
+}
+
+// MaxElapsed has Retry give up when the next attempt would start more than d after the first (the last
+// attempt's error is returned); 0, the default, retries until ctx ends.
+func MaxElapsed(d time.Duration) RetryOption { return func(c *retryConfig) { c.maxElapsed = d } }
+
+// PerAttempt bounds each attempt: op's context ends d after the attempt starts (default AttemptTimeout).
+func PerAttempt(d time.Duration) RetryOption { return func(c *retryConfig) { c.perAttempt = d } }
+
+// MaxWait caps the wait between two attempts (RetryWait's ceiling; default 5 s).
+func MaxWait(d time.Duration) RetryOption { return func(c *retryConfig) { c.maxWait = d } }
+
+// LogRetries logs the 1st, 2nd, 4th, 8th... transient failure on log: "NATS not ready; retrying" with what.
+func LogRetries(log *slog.Logger, what string) RetryOption {
+	return func(c *retryConfig) { c.log, c.what = log, what }
+}
+
+// patient grows an attempt that timed out: the next is given twice as long, up to maxAttemptTimeout
+// (retryPatient).
+func patient() RetryOption { return func(c *retryConfig) { c.patient = true } }
+
+// stopWhen gives up after a failed attempt when closed reports true (the bus's connection is closed).
+func stopWhen(closed func() bool) RetryOption { return func(c *retryConfig) { c.closed = closed } }
+
+// Retry runs op until it succeeds, fails for good, or ctx ends: a transient failure (IsTransient) is tried
+// again on RetryWait's schedule (200-300 ms apart within the ElectionWindow, then growing to MaxWait), each
+// attempt with a context of its own (PerAttempt), so a request whose answer was lost with a server is sent
+// again instead of holding the caller until its deadline. A permission violation or a closed connection is
+// not retried. When ctx ends during a wait, the error joins the last attempt's and ctx's. Only an op safe to
+// repeat may be retried (a write with a Nats-Msg-Id, a key-value put).
+func Retry(ctx context.Context, op func(attempt context.Context) error, opts ...RetryOption) error {
+	cfg := retryConfig{perAttempt: AttemptTimeout, maxWait: maxRetryWait}
+	for _, o := range opts {
+		o(&cfg)
+	}
+	bo := &retryBackOff{maxElapsed: cfg.maxElapsed, ceiling: cfg.maxWait}
+	attempt := 0
+	patience := cfg.perAttempt
+	var last error
+	err := backoff.Retry(func() error {
+		actx, cancel := context.WithTimeout(ctx, patience)
+		err := op(actx)
+		if cfg.patient && ctx.Err() == nil && errors.Is(actx.Err(), context.DeadlineExceeded) {
+			patience = min(2*patience, maxAttemptTimeout)
+		}
+		cancel()
+		// A closed connection (Close was called) never comes back: not worth a retry.
+		if err == nil || ctx.Err() != nil || errors.Is(err, ErrPermissionViolation) || !IsTransient(err) ||
+			errors.Is(err, nats.ErrConnectionClosed) || cfg.closed != nil && cfg.closed() {
+			if err != nil {
+				return backoff.Permanent(err)
+			}
+			return nil
+		}
+		last = err
+		attempt++
+		// Attempts 200-300 ms apart during an election: the 1st, 2nd, 4th, 8th... failures say as much.
+		if cfg.log != nil && attempt&(attempt-1) == 0 {
+			cfg.log.Warn("NATS not ready; retrying", "what", cfg.what, "attempt", attempt, "err", err)
+		}
+		return err
+	}, backoff.WithContext(bo, ctx))
+	if last != nil && err != nil && err == ctx.Err() {
+		return errors.Join(last, err)
+	}
+	return err
 }
 
 // retryTransientFor is retryTransient giving up after maxElapsed (0: only when ctx ends).
@@ -130,30 +209,11 @@ func (b *Bus) retryPatient(ctx context.Context, what string, maxElapsed time.Dur
 	return b.retry(ctx, what, maxElapsed, true, op)
 }
 
-func (b *Bus) retry(ctx context.Context, what string, maxElapsed time.Duration, patient bool, op func(attempt context.Context) error) error {
-	bo := &retryBackOff{maxElapsed: maxElapsed}
-	attempt := 0
-	patience := AttemptTimeout
-	return backoff.Retry(func() error {
-		actx, cancel := context.WithTimeout(ctx, patience)
-		err := op(actx)
-		if patient && ctx.Err() == nil && errors.Is(actx.Err(), context.DeadlineExceeded) {
-			patience = min(2*patience, maxAttemptTimeout)
-		}
-		cancel()
-		// A closed connection (Close was called) never comes back: not worth a retry.
-		if err == nil || ctx.Err() != nil || errors.Is(err, ErrPermissionViolation) || !IsTransient(err) ||
-			errors.Is(err, nats.ErrConnectionClosed) || b.nc.IsClosed() {
-			if err != nil {
-				return backoff.Permanent(err)
-			}
-			return nil
-		}
-		attempt++
-		// Attempts 200-300 ms apart during an election: the 1st, 2nd, 4th, 8th... failures say as much.
-		if attempt&(attempt-1) == 0 {
-			b.log.Warn("NATS not ready; retrying", "what", what, "attempt", attempt, "err", err)
-		}
-		return err
-	}, backoff.WithContext(bo, ctx))
+// retry is Retry logged on b's logger, giving up once b's connection is closed.
+func (b *Bus) retry(ctx context.Context, what string, maxElapsed time.Duration, patiently bool, op func(attempt context.Context) error) error {
+	opts := []RetryOption{MaxElapsed(maxElapsed), LogRetries(b.log, what), stopWhen(b.nc.IsClosed)}
+	if patiently {
+		opts = append(opts, patient())
+	}
+	return Retry(ctx, op, opts...)
 }

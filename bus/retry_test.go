@@ -2,8 +2,10 @@ package bus
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -161,4 +163,119 @@ func TestRetryPatientGrowsAfterTimeouts(t *testing.T) {
 			})
 		})
 	}
+}
+
+// TestRetry: Retry tries again what fails transiently, with a context per attempt (PerAttempt), waits at
+// most MaxWait apart, gives up after MaxElapsed or when ctx ends (saying both why), and returns at once
+// what no retry mends.
+func TestRetry(t *testing.T) {
+	transient := fmt.Errorf("put: %w", nats.ErrNoResponders)
+	permanent := errors.New("bad request")
+	for _, tc := range []struct {
+		name      string
+		opts      []RetryOption
+		failFirst int   // attempts that fail with fail before the rest succeed
+		fail      error // what they fail with
+		ctxAfter  time.Duration
+		wantErr   []error // what the error wraps (nil: no error)
+		// attempts made; first attempt's context's deadline; longest wait between attempts; time to return
+		attempts          int
+		deadline, maxWait time.Duration
+		within            time.Duration
+	}{
+		{name: "succeeds after transient failures", failFirst: 3, fail: transient,
+			attempts: 4, deadline: AttemptTimeout, maxWait: 300 * time.Millisecond, within: time.Second},
+		{name: "not transient", failFirst: 3, fail: permanent, wantErr: []error{permanent},
+			attempts: 1, deadline: AttemptTimeout, within: 0},
+		{name: "permission violation", failFirst: 3, fail: fmt.Errorf("%w: %w", ErrPermissionViolation, nats.ErrTimeout),
+			wantErr: []error{ErrPermissionViolation}, attempts: 1, deadline: AttemptTimeout},
+		{name: "closed connection", failFirst: 3, fail: nats.ErrConnectionClosed, wantErr: []error{nats.ErrConnectionClosed},
+			attempts: 1, deadline: AttemptTimeout},
+		{name: "PerAttempt", opts: []RetryOption{PerAttempt(time.Second)}, failFirst: 1, fail: transient,
+			attempts: 2, deadline: time.Second, maxWait: 300 * time.Millisecond, within: time.Second},
+		{name: "MaxElapsed", opts: []RetryOption{MaxElapsed(3 * time.Second)}, failFirst: 1000, fail: transient,
+			wantErr: []error{nats.ErrNoResponders}, deadline: AttemptTimeout, maxWait: 300 * time.Millisecond, within: 3 * time.Second},
+		{name: "MaxWait past the election window", opts: []RetryOption{MaxElapsed(time.Minute), MaxWait(time.Second)},
+			failFirst: 1000, fail: transient, wantErr: []error{nats.ErrNoResponders}, deadline: AttemptTimeout,
+			maxWait: time.Second, within: time.Minute},
+		{name: "ctx ends", failFirst: 1000, fail: transient, ctxAfter: 2 * time.Second,
+			wantErr: []error{nats.ErrNoResponders, context.DeadlineExceeded}, deadline: 2 * time.Second,
+			maxWait: 300 * time.Millisecond, within: 2 * time.Second},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				ctx := t.Context()
+				if tc.ctxAfter > 0 {
+					var cancel context.CancelFunc
+					ctx, cancel = context.WithTimeout(ctx, tc.ctxAfter)
+					defer cancel()
+				}
+				start := time.Now()
+				var starts []time.Time
+				var deadline time.Duration
+				err := Retry(ctx, func(actx context.Context) error {
+					if len(starts) == 0 {
+						d, _ := actx.Deadline()
+						deadline = time.Until(d)
+					}
+					starts = append(starts, time.Now())
+					if len(starts) <= tc.failFirst {
+						return tc.fail
+					}
+					return nil
+				}, tc.opts...)
+				took := time.Since(start)
+				if tc.wantErr == nil && err != nil {
+					t.Fatalf("Retry = %v, want nil", err)
+				}
+				if tc.wantErr != nil && err == nil {
+					t.Fatalf("Retry = nil, want %v", tc.wantErr)
+				}
+				for _, want := range tc.wantErr {
+					if !errors.Is(err, want) {
+						t.Errorf("Retry = %v, want it to wrap %v", err, want)
+					}
+				}
+				if tc.attempts > 0 && len(starts) != tc.attempts {
+					t.Errorf("%d attempts, want %d", len(starts), tc.attempts)
+				}
+				if deadline != tc.deadline {
+					t.Errorf("first attempt given %v, want %v", deadline, tc.deadline)
+				}
+				var longest time.Duration
+				for i := 1; i < len(starts); i++ {
+					longest = max(longest, starts[i].Sub(starts[i-1]))
+				}
+				if longest > tc.maxWait {
+					t.Errorf("attempts up to %v apart, want at most %v", longest, tc.maxWait)
+				}
+				if tc.maxWait >= time.Second && longest < tc.maxWait/2 {
+					t.Errorf("attempts at most %v apart past the election window, want waits growing to %v", longest, tc.maxWait)
+				}
+				if took > tc.within {
+					t.Errorf("Retry returned after %v, want within %v", took, tc.within)
+				}
+			})
+		})
+	}
+}
+
+// TestRetryLogs: LogRetries says so on the 1st, 2nd and 4th failure, with what is retried.
+func TestRetryLogs(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		var buf strings.Builder
+		n := 0
+		err := Retry(t.Context(), func(context.Context) error {
+			if n++; n <= 4 {
+				return nats.ErrNoResponders
+			}
+			return nil
+		}, LogRetries(slog.New(slog.NewTextHandler(&buf, nil)), "kv put"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := strings.Count(buf.String(), `msg="NATS not ready; retrying" what="kv put"`); got != 3 {
+			t.Errorf("%d log lines of 4 failures, want 3 (1st, 2nd, 4th):\n%s", got, buf.String())
+		}
+	})
 }

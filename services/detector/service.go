@@ -106,31 +106,13 @@ const (
 	detectTimeout = 30 * time.Second
 )
 
-// call runs op (a records write: safe to repeat) with a deadline per attempt, again after a transient
-// failure (a timeout, no responders, no leader yet) until retryFor has passed, on bus.RetryWait's schedule
-// (capped at maxCallWait): every 200-300 ms while the bucket may be electing a new leader, so the write, and
-// the detect command waiting for it, goes through within a fraction of a second of the election.
+// call runs op (a records write: safe to repeat) with bus.Retry: a deadline per attempt, again after a
+// transient failure (a timeout, no responders, no leader yet) until retryFor has passed, on bus.RetryWait's
+// schedule (capped at maxCallWait): every 200-300 ms while the bucket may be electing a new leader, so the
+// write, and the detect command waiting for it, goes through within a fraction of a second of the election.
 func call(ctx context.Context, n int, op func(context.Context) error) error {
-	var wait time.Duration
-	for start := time.Now(); ; {
-		actx, cancel := context.WithTimeout(ctx, attemptTimeout+time.Duration(n)*time.Millisecond)
-		err := op(actx)
-		cancel()
-		if err == nil || ctx.Err() != nil || !bus.IsTransient(err) {
-			return err
-		}
-		wait = bus.RetryWait(time.Since(start), wait, maxCallWait)
-		if time.Since(start)+wait > retryFor {
-			return err
-		}
-		timer := time.NewTimer(wait)
-		select {
-		case <-ctx.Done():
-			timer.Stop()
-			return err
-		case <-timer.C:
-		}
-	}
+	return bus.Retry(ctx, op, bus.PerAttempt(attemptTimeout+time.Duration(n)*time.Millisecond),
+		bus.MaxElapsed(retryFor), bus.MaxWait(maxCallWait))
 }
 
 // load reads the store into memory unless it is there; the caller holds the lock.
