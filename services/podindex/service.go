@@ -125,8 +125,8 @@ func New(cfg Config, b indexBus) (*Service, error) {
 		applied[a] = eventsApplied.WithLabelValues(cfg.Node, a)
 	}
 	s := &Service{cfg: cfg, bus: b, queries: b, pods: b, refs: b, dead: b, kv: b, state: NewState(),
-		log:      cfg.Logger.With("worker", "pod-index"),
-		flushNow: make(chan struct{}, 1), ready: make(chan struct{}), applied: applied}
+		log: cfg.Logger.With("worker", "pod-index"), flushNow: make(chan struct{}, 1), ready: make(chan struct{}),
+		applied: applied}
 	s.backlog.Store(math.MaxUint64)
 	return s, nil
 }
