@@ -207,7 +207,7 @@ func (s *Service) tailOnce(ctx context.Context) error {
 			}
 		}
 	}()
-	tailErr := s.bus.TailFrom(tctx, events.PodsStream, events.PodEventSubjects(s.cfg.Node), pos+1, onStart,
+	tailErr := s.bus.Read(tctx, events.PodsStream, events.PodEventSubjects(s.cfg.Node),
 		func(m bus.StreamMsg) error {
 			delivered.Add(1)
 			prev := lastSeq.Swap(m.Seq)
@@ -224,7 +224,7 @@ func (s *Service) tailOnce(ctx context.Context) error {
 			}
 			next = (next + 1) % n
 			return nil
-		})
+		}, bus.Follow(), bus.From(pos+1), bus.OnStart(onStart))
 	for k := range n {
 		close(in[k])
 	}
