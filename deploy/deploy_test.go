@@ -34,6 +34,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
 	"sigs.k8s.io/yaml"
 
 	"github.com/imagefleet/imagefleet/bus"
@@ -365,6 +366,8 @@ func decodeChart(t *testing.T, out string) chart {
 			obj = &batchv1.Job{}
 		case "PodDisruptionBudget":
 			obj = &policyv1.PodDisruptionBudget{}
+		case "CustomResourceDefinition":
+			obj = &apiextensionsv1.CustomResourceDefinition{}
 		case "ClusterRole", "Role":
 			obj = &rbacv1.ClusterRole{}
 		case "ClusterRoleBinding", "RoleBinding":
@@ -779,6 +782,18 @@ func checkRBAC(t *testing.T, c chart, callout bool) {
 	if agent, ok := flagOf(c.pod(t, "DaemonSet/imagefleet-agent").args(), "--pod-source"); ok && agent == "apiserver" {
 		want["ClusterRole/imagefleet-agent-pods"] = "pods:list,watch"
 		bound["ClusterRole/imagefleet-agent-pods"] = "imagefleet/imagefleet-agent"
+	}
+	for _, d := range c {
+		if d.kind+"/"+d.name != "Deployment/imagefleet-central" {
+			continue
+		}
+		if w, _ := flagOf(c.pod(t, "Deployment/imagefleet-central").args(), "--workers"); slices.Contains(strings.Split(w, ","), "controller") {
+			want["ClusterRole/imagefleet-central-controller"] = "imagefleet.io/imageprepulls:get,list,watch,delete imagefleet.io/imagegcs:get,list,watch,delete " +
+				"imagefleet.io/imageprepulls/status:patch imagefleet.io/imagegcs/status:patch events.k8s.io/events:create,patch"
+			bound["ClusterRole/imagefleet-central-controller"] = "imagefleet/imagefleet-central"
+			want["Role/imagefleet-central-leader"] = "coordination.k8s.io/leases:create coordination.k8s.io/leases[imagefleet-controller]:get,update"
+			bound["Role/imagefleet-central-leader"] = "imagefleet/imagefleet-central"
+		}
 	}
 	got, gotBound := map[string]string{}, map[string]string{}
 	for _, d := range c {

@@ -162,7 +162,7 @@ type RolloutStatus struct {
 	// ObservedGeneration is the generation the status describes.
 	// +optional
 	ObservedGeneration int64 `json:"observedGeneration,omitempty"`
-	// Phase is Pending, Running, Paused, Complete or Failed (the conditions say why).
+	// Phase is Running, Paused, Complete or Failed (the conditions say why).
 	// +optional
 	Phase string `json:"phase,omitempty"`
 	// Conditions are Progressing, Paused, Complete and Failed.
@@ -225,7 +225,6 @@ const (
 	ConditionComplete    = "Complete"
 	ConditionFailed      = "Failed"
 
-	PhasePending  = "Pending"
 	PhaseRunning  = "Running"
 	PhasePaused   = "Paused"
 	PhaseComplete = "Complete"
