@@ -1,21 +1,26 @@
 package bus
 
 import (
+	"errors"
+	"fmt"
+
 	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/imagefleet/imagefleet/bus/journal"
 	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/internal/promreg"
 )
 
-// Pipeline metrics. They are registered on prometheus.DefaultRegisterer when the package is loaded, beside
-// the kubelet metrics the workers register; the agent's metrics endpoint serves the default gatherer.
+// Pipeline metrics. The agent registers them (RegisterMetrics) on prometheus.DefaultRegisterer, beside the
+// kubelet metrics the workers register, and its metrics endpoint serves the default gatherer.
 // Labels are bounded: entity and action are the event type's, consumer is a durable name, reason one of
 // lostReasons, subject is the subject a worker serves (one per worker and node, not one per request).
 var (
-	eventsPublished = prometheus.NewCounterVec(prometheus.CounterOpts{
+	eventsPublished = publishedAtZero(prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "imagefleet_bus_events_published_total",
 		Help: "Events stored in the events stream (acked by the server), by entity and action.",
-	}, []string{"entity", "action"})
+	}, []string{"entity", "action"}))
 	msgsConsumed = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "imagefleet_bus_messages_consumed_total",
 		Help: "Messages delivered to a handler of a durable consumer.",
@@ -63,12 +68,38 @@ var (
 	})
 )
 
-func init() {
-	prometheus.MustRegister(eventsPublished, msgsConsumed, msgsAcked, msgsNaked, msgsTerminated, handlerErrors,
-		deadLetters, pullsLost, requestsServed, requestErrors, natsReconnects)
-	for _, t := range publishedTypes {
-		eventsPublished.WithLabelValues(t[0], t[1])
+// RegisterMetrics registers the bus's pipeline metrics and its event journal's on reg (the agent's: the
+// default registerer its metrics endpoint serves). Registering them on the same registry again is a no-op,
+// so each agent of a process (a test's, the demo's) may call it; the series are the process's, shared.
+func RegisterMetrics(reg prometheus.Registerer) error {
+	for _, c := range []prometheus.Collector{eventsPublished, msgsConsumed, msgsAcked, msgsNaked, msgsTerminated,
+		handlerErrors, deadLetters, pullsLost, requestsServed, requestErrors, natsReconnects} {
+		if err := registerOnce(reg, c); err != nil {
+			return fmt.Errorf("register bus metrics: %w", err)
+		}
 	}
+	return journal.RegisterMetrics(reg)
+}
+
+// registerOnce registers c on reg unless c itself is there already; another collector of the same
+// description is an error (c's counts would not be the ones served).
+func registerOnce(reg prometheus.Registerer, c prometheus.Collector) error {
+	got, err := promreg.RegisterOrReuse(reg, c)
+	if err != nil {
+		return err
+	}
+	if got != c {
+		return errors.New("another collector of the same name is registered")
+	}
+	return nil
+}
+
+// publishedAtZero exports cv's series of every event type the workers publish at 0.
+func publishedAtZero(cv *prometheus.CounterVec) *prometheus.CounterVec {
+	for _, t := range publishedTypes {
+		cv.WithLabelValues(t[0], t[1])
+	}
+	return cv
 }
 
 // publishedTypes are the entity and action of every event type the workers publish. Each series, and each

@@ -14,8 +14,12 @@ import (
 )
 
 // series returns the value of the counter name{labels} in the default gatherer, and whether it is exported.
+// The bus's metrics are registered there first, as the agent does.
 func series(t *testing.T, name string, labels map[string]string) (float64, bool) {
 	t.Helper()
+	if err := bus.RegisterMetrics(prometheus.DefaultRegisterer); err != nil {
+		t.Fatal(err)
+	}
 	mfs, err := prometheus.DefaultGatherer.Gather()
 	if err != nil {
 		t.Fatal(err)
@@ -101,5 +105,37 @@ func TestCountersExportedAtZero(t *testing.T) {
 		if err := <-done; err != nil && !errors.Is(err, context.Canceled) {
 			t.Error(err)
 		}
+	}
+}
+
+// TestRegisterMetrics: RegisterMetrics puts the bus's and the journal's metrics on the registry it is given
+// (and only there), again is a no-op, and refuses a registry where another collector has one of the names.
+func TestRegisterMetrics(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	for range 2 {
+		if err := bus.RegisterMetrics(reg); err != nil {
+			t.Fatalf("RegisterMetrics: %v", err)
+		}
+	}
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]bool{}
+	for _, mf := range mfs {
+		got[mf.GetName()] = true
+	}
+	// The series exported before any use: the others come with their first consumer, subject or loss.
+	for _, name := range []string{"imagefleet_bus_events_published_total", "imagefleet_nats_reconnects_total",
+		"imagefleet_journal_appended_total", "imagefleet_journal_pending_events", "imagefleet_journal_dropped_total",
+		"imagefleet_journal_failed_attempts_total"} {
+		if !got[name] {
+			t.Errorf("%s not on the registry given", name)
+		}
+	}
+	other := prometheus.NewRegistry()
+	other.MustRegister(prometheus.NewCounter(prometheus.CounterOpts{Name: "imagefleet_nats_reconnects_total", Help: "Reconnections to NATS."}))
+	if err := bus.RegisterMetrics(other); err == nil {
+		t.Error("RegisterMetrics on a registry holding another imagefleet_nats_reconnects_total: no error")
 	}
 }

@@ -20,6 +20,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/internal/promreg"
 )
 
 // The event journal: each event is appended to a local JSON-lines file before it is published, so events are
@@ -690,6 +691,17 @@ var (
 	})
 )
 
-func init() {
-	prometheus.MustRegister(metricAppended, metricPending, metricDropped, metricFailedAttempts)
+// RegisterMetrics registers the journal's metrics on reg (bus.RegisterMetrics does, for the agent). Registering
+// them on the same registry again is a no-op; another collector of the same description is an error.
+func RegisterMetrics(reg prometheus.Registerer) error {
+	for _, c := range []prometheus.Collector{metricAppended, metricPending, metricDropped, metricFailedAttempts} {
+		got, err := promreg.RegisterOrReuse(reg, c)
+		if err == nil && got != c {
+			err = errors.New("another collector of the same name is registered")
+		}
+		if err != nil {
+			return fmt.Errorf("register journal metrics: %w", err)
+		}
+	}
+	return nil
 }

@@ -38,6 +38,9 @@ type metricsServer struct {
 
 // notReady (nil: always ready) is nil once the agent's workers are ready, else why not.
 func newMetricsServer(addr string, b *bus.Bus, node string, notReady func() error, reg prometheus.Registerer, g prometheus.Gatherer) (*metricsServer, error) {
+	if err := bus.RegisterMetrics(reg); err != nil {
+		return nil, err
+	}
 	col := puller.NewQueueCollector(b, []string{node})
 	if err := reg.Register(col); err != nil {
 		return nil, fmt.Errorf("register pull queue metrics: %w", err)
