@@ -257,7 +257,7 @@ func TestControllerRunsObjects(t *testing.T) {
 }
 
 // applyCRDs creates the chart's CustomResourceDefinitions and waits until the API server serves them.
-func applyCRDs(t *testing.T, cl client.Client) {
+func applyCRDs(t testing.TB, cl client.Client) {
 	t.Helper()
 	paths, err := filepath.Glob("../deploy/helm/imagefleet/files/crds/*.yaml")
 	if err != nil || len(paths) == 0 {
@@ -294,17 +294,23 @@ func applyCRDs(t *testing.T, cl client.Client) {
 }
 
 // startController runs the agent's controller worker on the lab's admin kubeconfig, its Lease in default.
-func startController(t *testing.T, bin, url string, kc *kubelab.Cluster, name string) *proc {
+func startController(t testing.TB, bin, url string, kc *kubelab.Cluster, name string) *proc {
 	t.Helper()
 	return startProc(t, name, bin, "agent", "--node", name, "--workers", "controller", "--nats", url,
 		"--kubeconfig", kc.KubeconfigPath("admin"), "--controller-namespace", "default", "--data-dir", t.TempDir(), "--no-journal")
 }
 
 // waitCondition waits until o's condition is True and returns o's status then.
-func waitCondition(t *testing.T, cl client.Client, o client.Object, cond string) v1alpha1.RolloutStatus {
+func waitCondition(t testing.TB, cl client.Client, o client.Object, cond string) v1alpha1.RolloutStatus {
+	t.Helper()
+	return waitConditionWithin(t, cl, o, cond, 2*time.Minute)
+}
+
+// waitConditionWithin is waitCondition with its own timeout (a large fleet's rollout takes longer).
+func waitConditionWithin(t testing.TB, cl client.Client, o client.Object, cond string, timeout time.Duration) v1alpha1.RolloutStatus {
 	t.Helper()
 	var st *v1alpha1.RolloutStatus
-	bustest.Eventually(t, o.GetName()+" "+cond, 2*time.Minute, func() error {
+	bustest.Eventually(t, o.GetName()+" "+cond, timeout, func() error {
 		if err := cl.Get(t.Context(), client.ObjectKeyFromObject(o), o); err != nil {
 			return err
 		}
@@ -324,7 +330,7 @@ func waitCondition(t *testing.T, cl client.Client, o client.Object, cond string)
 
 // objectEvents returns the reasons of the Events about the cluster-scoped object name, oldest first, once
 // the last one is last (the recorder posts them in the background).
-func objectEvents(t *testing.T, kc *kubelab.Cluster, name, last string) []string {
+func objectEvents(t testing.TB, kc *kubelab.Cluster, name, last string) []string {
 	t.Helper()
 	cs, err := kc.Admin()
 	if err != nil {

@@ -20,12 +20,15 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 
+	"github.com/imagefleet/imagefleet/api/v1alpha1"
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
 	"github.com/imagefleet/imagefleet/integration/kubelab"
 	"github.com/imagefleet/imagefleet/integration/lab"
 	"github.com/imagefleet/imagefleet/internal/testport"
+	"github.com/imagefleet/imagefleet/services/fleet/controller"
 )
 
 // installNS is the namespace the chart is installed into, as docs/install.md does.
@@ -200,7 +203,7 @@ func startInstallLab(t *testing.T) *installLab {
 	ctx := t.Context()
 	l := &installLab{t: t, dir: t.TempDir()}
 	l.reg = lab.StartRegistry(t, lab.RegistryOptions{})
-	for _, ref := range []string{"lab/pause:1", "lab/app:1", "lab/extra:1", "lab/keep:1", "lab/slow:1"} {
+	for _, ref := range []string{"lab/pause:1", "lab/app:1", "lab/extra:1", "lab/keep:1", "lab/slow:1", "lab/warm:1"} {
 		lab.PushBusybox(t, l.reg.Host(), ref, lab.WithLabel("ref", ref))
 	}
 	l.ctr = lab.StartContainerd(t, lab.Options{SandboxImage: l.reg.Ref("lab/pause:1"), TmpfsSize: "768m"})
@@ -424,6 +427,27 @@ func TestInstallOnTheKubeLab(t *testing.T) {
 	rss2, cpu2 := l.agentUsage()
 	t.Logf("agent after a pull and a GC: %.0f MiB resident, %.2f CPU seconds more", rss2, cpu2-cpu)
 
+	// 5b. An ImagePrePull with only its images, run by the central Deployment's controller under the chart's
+	// RBAC: Complete on node-1, the image in the runtime.
+	scheme, err := controller.Scheme()
+	if err != nil {
+		t.Fatal(err)
+	}
+	kcl, err := client.New(l.c.AdminConfig(), client.Options{Scheme: scheme})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ipp := &v1alpha1.ImagePrePull{ObjectMeta: metav1.ObjectMeta{Name: "warm"}, Spec: v1alpha1.ImagePrePullSpec{Images: []string{l.reg.Ref("lab/warm:1")}}}
+	if err := kcl.Create(ctx, ipp); err != nil {
+		t.Fatal(err)
+	}
+	if st := waitCondition(t, kcl, ipp, v1alpha1.ConditionComplete); st.Succeeded != 1 || st.Desired != 1 {
+		t.Errorf("ImagePrePull warm: %+v", st)
+	}
+	if !present(t, l, "lab/warm:1") {
+		t.Error("lab/warm:1 is not in the runtime after the ImagePrePull completed")
+	}
+
 	// 6. containerd, then the kubelet, restart: the agent answers again and a pull works.
 	l.ctr.Restart()
 	if err := l.c.RestartKubelet(ctx, 30*time.Second); err != nil {
@@ -478,6 +502,9 @@ func TestInstallOnTheKubeLab(t *testing.T) {
 	}
 	if _, err := l.admin.CoreV1().Secrets(installNS).Get(ctx, "imagefleet-nats-keys", metav1.GetOptions{}); err != nil {
 		t.Errorf("the Secret imagefleet-nats-keys, which docs/install.md says stays: %v", err)
+	}
+	if err := kcl.Get(ctx, client.ObjectKeyFromObject(ipp), ipp); err != nil {
+		t.Errorf("the ImagePrePull warm, which docs/install.md says stays with its CRD: %v", err)
 	}
 	if _, err := os.Stat(filepath.Join(l.dataDir, "journal")); err != nil {
 		t.Errorf("the agent's state directory, which docs/install.md says stays on the host: %v", err)
