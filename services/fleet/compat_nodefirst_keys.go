@@ -30,6 +30,15 @@ type legacyEntry struct {
 	p   events.Placement
 }
 
+// nodeFirstKey is p's key in the previous release's node-first layout.
+func nodeFirstKey(p events.Placement) string { return events.InventoryNodeFirstKey(p.Node, p.ID) }
+
+// queueRekey queues node-first key e, holding p, for the re-keyer: one seen after the initial load (by the
+// watch, or by the range of a partition taken over).
+func (s *Inventory) queueRekey(e bus.Entry, p events.Placement) {
+	s.rekeyLive.push(legacyEntry{key: e.Key, rev: e.Revision, p: p})
+}
+
 // rekeyWorkers is how many node-first keys a replica re-keys at once.
 const rekeyWorkers = 4
 
@@ -50,7 +59,7 @@ func (s *Inventory) rekeyAll(ctx context.Context) error {
 	}
 	err := s.kv.Range(ctx, ">", func(e bus.Entry) bool {
 		var p events.Placement
-		if json.Unmarshal(e.Value, &p) != nil || p.Node == "" || p.ID == "" || e.Key != events.InventoryNodeFirstKey(p.Node, p.ID) {
+		if json.Unmarshal(e.Value, &p) != nil || p.Node == "" || p.ID == "" || e.Key != nodeFirstKey(p) {
 			return true
 		}
 		select {

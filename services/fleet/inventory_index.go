@@ -46,7 +46,7 @@ func (s *Inventory) indexEntry(e bus.Entry) (legacy events.Placement, ok bool) {
 func (s *Inventory) indexPlacement(key string, p events.Placement, rev uint64) (legacy events.Placement, ok bool) {
 	switch key {
 	case events.InventoryKey(p.ID, p.Node):
-	case events.InventoryNodeFirstKey(p.Node, p.ID):
+	case nodeFirstKey(p):
 		ok = true
 	default:
 		return legacy, false

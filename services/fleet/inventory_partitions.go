@@ -166,7 +166,7 @@ func (s *Inventory) loadPartitions(ps []int, gens [events.InventoryPartitions]ui
 				// A node-first key written after this replica's start by a replica of the previous release:
 				// the watch passed it over (not this replica's partition then), and the owner that would
 				// have re-keyed it is gone.
-				s.rekeyLive.push(legacyEntry{key: e.Key, rev: e.Revision, p: p})
+				s.queueRekey(e, p)
 			}
 			return true
 		})

@@ -90,7 +90,7 @@ func (s *Inventory) watch(ctx context.Context, indexed chan<- struct{}, atStart 
 		case !loadedAll:
 			atStart.Store(true)
 		default:
-			s.rekeyLive.push(legacyEntry{key: e.Key, rev: e.Revision, p: p})
+			s.queueRekey(e, p)
 		}
 	})
 }
