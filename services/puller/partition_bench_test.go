@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
 	"github.com/imagefleet/imagefleet/internal/testport"
 )
@@ -161,8 +162,8 @@ func BenchmarkPullConsumersCluster(b *testing.B) {
 	}{{"r3-file", 1000}, {"r3-memory", 1000}, {"r1-limits", 1000}, {"r1-limits", 10000}} {
 		b.Run(fmt.Sprintf("%s/consumers=%d", c.layout, c.n), func(b *testing.B) {
 			for range b.N {
-				cl := startNATSCluster(b, 3)
-				bb := cl.connect("bench")
+				cl := bustest.StartCluster(b, 3, bustest.ClusterName("pull"))
+				bb := connectCluster(b, cl, "bench")
 				mk := func(node string) bus.ConsumerConfig {
 					cc := pullerConsumer(b, node)
 					cc.MemoryStorage = c.layout == "r3-memory"

@@ -15,8 +15,8 @@ import (
 // with --stream-replicas 3 leaves the partitions R1, a node's pull consumer is made on one, and an explicit
 // --pull-replicas 3 brings them back to R3.
 func TestPullReplicasKeptByAgents(t *testing.T) {
-	c := startNATSCluster(t, 3)
-	b := c.connect("operator") // every stream R3
+	c := bustest.StartCluster(t, 3, bustest.ClusterName("pull"))
+	b := connectCluster(t, c, "operator") // every stream R3
 	ensure := func(cfg bus.StreamsConfig) {
 		t.Helper()
 		bustest.Eventually(t, "the streams", time.Minute, func() error {
