@@ -7,9 +7,6 @@ import (
 	"log/slog"
 	"net/http"
 	"os"
-	"os/exec"
-	"path/filepath"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -17,76 +14,29 @@ import (
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
-	"github.com/imagefleet/imagefleet/internal/testport"
 	"github.com/imagefleet/imagefleet/services/cri"
 	"github.com/imagefleet/imagefleet/services/cri/critest"
 	"github.com/imagefleet/imagefleet/services/detector"
 )
 
-// serverConfEnv, set, makes the test binary a nats-server with that config file (see TestMain): a server
-// the test can kill with SIGKILL, as CI's fleet test kills nats-1, which an in-process Shutdown is not (it
-// hands its leaderships over first).
-const serverConfEnv = "DETECTOR_TEST_NATS_CONF"
-
+// TestMain: the cluster test runs its servers as child processes (bustest.Processes), this test binary
+// started as a nats-server: a server the test can kill with SIGKILL, as CI's fleet test kills nats-1, which
+// an in-process Shutdown is not (it hands its leaderships over first).
 func TestMain(m *testing.M) {
-	if conf := os.Getenv(serverConfEnv); conf != "" {
-		if _, err := bus.StartServer(bus.ServerConfig{ConfigFile: conf}); err != nil {
-			fmt.Fprintln(os.Stderr, err)
-			os.Exit(1)
-		}
-		select {}
-	}
+	bustest.ServeIfChild()
 	os.Exit(m.Run())
 }
 
-// natsProc is a nats-server of the cluster, in a child process.
-type natsProc struct {
-	name, url string
-	monitor   string // the HTTP monitoring endpoint (its /jsz names the JetStream meta leader)
-	cmd       *exec.Cmd
-}
-
-// cluster starts three nats-servers in one JetStream cluster, in child processes, from the deploy configs'
-// shape.
-func cluster(t *testing.T) []*natsProc {
+// cluster starts three nats-servers in one JetStream cluster, in child processes, with their monitoring
+// endpoints.
+func cluster(t *testing.T) *bustest.Cluster {
 	t.Helper()
-	dir := t.TempDir()
-	var client, routes, monitor []int
-	for range 3 {
-		client, routes, monitor = append(client, testport.Free(t)), append(routes, testport.Free(t)), append(monitor, testport.Free(t))
-	}
-	var rs []string
-	for _, p := range routes {
-		rs = append(rs, fmt.Sprintf("nats-route://127.0.0.1:%d", p))
-	}
-	var procs []*natsProc
-	for i := range 3 {
-		name := fmt.Sprintf("d-%d", i+1)
-		conf := fmt.Sprintf(`server_name: %s
-listen: 127.0.0.1:%d
-http: 127.0.0.1:%d
-jetstream { store_dir: %q }
-cluster { name: d, listen: 127.0.0.1:%d, routes: [%s], connect_retries: 120 }
-`, name, client[i], monitor[i], filepath.Join(dir, "store-"+name), routes[i], strings.Join(rs, ", "))
-		p := filepath.Join(dir, name+".conf")
-		if err := os.WriteFile(p, []byte(conf), 0o600); err != nil {
-			t.Fatal(err)
-		}
-		cmd := exec.Command(os.Args[0], "-test.run=^$")
-		cmd.Env = append(os.Environ(), serverConfEnv+"="+p)
-		if err := cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
-		procs = append(procs, &natsProc{name: name, url: fmt.Sprintf("nats://127.0.0.1:%d", client[i]),
-			monitor: fmt.Sprintf("http://127.0.0.1:%d", monitor[i]), cmd: cmd})
-	}
-	return procs
+	return bustest.StartCluster(t, 3, bustest.Processes(), bustest.Monitoring(), bustest.ClusterName("d"))
 }
 
-// metaLeader is the JetStream meta leader as srv's monitoring endpoint names it ("" for none yet).
-func metaLeader(ctx context.Context, srv *natsProc) (string, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, srv.monitor+"/jsz", nil)
+// metaLeader is the JetStream meta leader as the monitoring endpoint at monitor names it ("" for none yet).
+func metaLeader(ctx context.Context, monitor string) (string, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, monitor+"/jsz", nil)
 	if err != nil {
 		return "", err
 	}
@@ -155,12 +105,8 @@ func TestDetectorAnswersWithin10sOfAServerLoss(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			srvs := cluster(t)
-			var urls []string
-			for _, s := range srvs {
-				urls = append(urls, s.url)
-			}
 			quiet := slog.New(slog.DiscardHandler)
-			admin, err := bus.Connect(t.Context(), strings.Join(urls, ","), bus.Options{Name: "admin", Replicas: 3, Logger: quiet})
+			admin, err := bus.Connect(t.Context(), srvs.URLs(), bus.Options{Name: "admin", Replicas: 3, Logger: quiet})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -181,7 +127,7 @@ func TestDetectorAnswersWithin10sOfAServerLoss(t *testing.T) {
 				if err != nil {
 					return err
 				}
-				if meta, err = metaLeader(ctx, srvs[0]); err != nil {
+				if meta, err = metaLeader(ctx, srvs.MonitorURL(0)); err != nil {
 					return err
 				}
 				if recordsLeader = st.Leader; recordsLeader == "" || meta == "" {
@@ -189,32 +135,27 @@ func TestDetectorAnswersWithin10sOfAServerLoss(t *testing.T) {
 				}
 				return nil
 			})
-			var victim, own, asker *natsProc
-			for _, s := range srvs {
-				if s.name == tc.victim(recordsLeader, meta) {
-					victim = s
-				}
-			}
-			if victim == nil {
+			victim, own, asker := srvs.Index(tc.victim(recordsLeader, meta)), -1, -1
+			if victim < 0 {
 				t.Fatalf("leaders records %q, meta %q: none of the servers", recordsLeader, meta)
 			}
-			for _, s := range srvs {
+			for s := range srvs.N() {
 				switch {
-				case tc.onVictim && s == victim, !tc.onVictim && s != victim && own == nil:
+				case tc.onVictim && s == victim, !tc.onVictim && s != victim && own < 0:
 					own = s
 				case s != victim:
 					asker = s
 				}
 			}
 			t.Logf("killing %s (records leader %s, meta leader %s); the detector on %s, the asks from %s",
-				victim.name, recordsLeader, meta, own.name, asker.name)
+				srvs.Name(victim), recordsLeader, meta, srvs.Name(own), srvs.Name(asker))
 
-			b, err := bus.Connect(t.Context(), own.url, bus.Options{Name: "detector", Replicas: 3, Logger: quiet})
+			b, err := bus.Connect(t.Context(), srvs.URL(own), bus.Options{Name: "detector", Replicas: 3, Logger: quiet})
 			if err != nil {
 				t.Fatal(err)
 			}
 			defer b.Close()
-			q, err := bus.Connect(t.Context(), asker.url, bus.Options{Name: "asker", Logger: quiet})
+			q, err := bus.Connect(t.Context(), srvs.URL(asker), bus.Options{Name: "asker", Logger: quiet})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -243,11 +184,9 @@ func TestDetectorAnswersWithin10sOfAServerLoss(t *testing.T) {
 
 			// The loss, and at once a detection with a record to add (as a pull.pulled event would start it).
 			set(rt, []cri.Image{{ID: "sha256:a", Size: 1}, {ID: "sha256:b", Size: 2}}, running, nil)
-			if err := victim.cmd.Process.Kill(); err != nil {
-				t.Fatal(err)
-			}
+			srvs.Kill(victim)
 			lost := time.Now()
-			elected := watchLeader(t, q, "KV_"+events.RecordsBucket, victim.name, lost)
+			elected := watchLeader(t, q, "KV_"+events.RecordsBucket, srvs.Name(victim), lost)
 			bustest.Eventually(t, "a detect command answered after the loss", time.Minute, func() error { return ask(2 * time.Second) })
 			answered := time.Since(lost)
 			if rep.Records != 2 {
