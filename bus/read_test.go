@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"log/slog"
+	"runtime"
 	"slices"
 	"strings"
 	"testing"
@@ -456,6 +457,32 @@ func TestReadWrappers(t *testing.T) {
 		cancel()
 		if err != nil || !slices.Equal(got, []uint64{2, 3}) {
 			t.Fatalf("Tail from 2 = %v, %v; want [2 3], nil", got, err)
+		}
+	}
+}
+
+// TestReadCallsBackOnItsCaller: Read runs its callback on the caller's goroutine, as a plain loop would: a
+// test's t.Fatal in it (runtime.Goexit) ends the goroutine that called Read, and the reader stops after it,
+// leaving no goroutine behind.
+func TestReadCallsBackOnItsCaller(t *testing.T) {
+	bustest.VerifyNoLeaks(t)
+	var logs bustest.SyncBuffer
+	_, _, b := tailBus(t, &logs)
+	publishN(t, b, 2)
+	for _, opts := range [][]bus.ReadOption{nil, {bus.Follow()}} {
+		exited := make(chan struct{})
+		go func() {
+			defer close(exited)
+			_ = b.Read(t.Context(), "T", "", func(bus.StreamMsg) error {
+				runtime.Goexit()
+				return nil
+			}, opts...)
+			t.Error("Read returned after its callback's Goexit")
+		}()
+		select {
+		case <-exited:
+		case <-time.After(30 * time.Second):
+			t.Fatal("the callback's Goexit did not end the goroutine that called Read: the callback runs on another")
 		}
 	}
 }

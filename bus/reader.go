@@ -147,16 +147,25 @@ func (b *Bus) Read(ctx context.Context, stream, filter string, fn func(StreamMsg
 		}
 		return cons, nil
 	}
-	l.handle = func(_ context.Context, d *delivery) error {
+	// fn runs on the caller's goroutine, as a callback of a plain loop would (a test's t.Fatal in it ends the
+	// test, not a goroutine of the loop's): the loop's handler hands each message over and waits for fn's
+	// answer, or for the loop's end.
+	calls := make(chan StreamMsg)
+	answers := make(chan error, 1)
+	l.handle = func(hctx context.Context, d *delivery) error {
 		m := StreamMsg{Subject: d.m.Subject, Header: d.m.Header, Data: d.m.Data, Seq: d.streamSeq, Time: d.time,
 			Pending: d.pending, Origin: originSeq(d.m.Header.Get(headerStreamSource))}
-		if err := fn(m); err != nil {
+		select {
+		case calls <- m:
+		case <-hctx.Done():
+			return nil
+		}
+		select {
+		case err := <-answers:
 			return err
+		case <-hctx.Done():
+			return nil
 		}
-		if !cfg.follow && (m.Seq >= stopSeq || m.Pending == 0) {
-			return errReadEnd
-		}
-		return nil
 	}
 	cons, err := l.open(ctx, 0)
 	if err != nil {
@@ -173,7 +182,23 @@ func (b *Bus) Read(ctx context.Context, stream, filter string, fn func(StreamMsg
 		return nil
 	}
 	l.use(cons)
-	err = l.run(ctx)
+	// Ended when Read returns, whichever way (fn's Goexit or panic included): the loop then stops.
+	rctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- l.run(rctx) }()
+	for running := true; running; {
+		select {
+		case m := <-calls:
+			aerr := fn(m)
+			if aerr == nil && !cfg.follow && (m.Seq >= stopSeq || m.Pending == 0) {
+				aerr = errReadEnd
+			}
+			answers <- aerr // never blocks: one message at a time, its handler waiting (or gone with the loop)
+		case err = <-done:
+			running = false
+		}
+	}
 	switch {
 	case errors.Is(err, StopReading), errors.Is(err, errReadEnd):
 		return nil

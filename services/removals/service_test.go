@@ -31,13 +31,13 @@ func publish(t *testing.T, b *bus.Bus, action string, data any) {
 func warnings(t *testing.T, b *bus.Bus) []events.Event {
 	t.Helper()
 	var out []events.Event
-	err := b.ReadStream(t.Context(), events.EventsStream, events.EventSubject(node, events.EntityNode, events.ActionWarning), 0, func(m bus.StreamMsg) bool {
+	err := b.Read(t.Context(), events.EventsStream, events.EventSubject(node, events.EntityNode, events.ActionWarning), func(m bus.StreamMsg) error {
 		ev, err := events.DecodeEvent(m.Data)
 		if err != nil {
 			t.Fatal(err)
 		}
 		out = append(out, ev)
-		return true
+		return nil
 	})
 	if err != nil {
 		t.Fatal(err)

@@ -24,9 +24,9 @@ func TestForeignRemovalsMixedVersions(t *testing.T) {
 	publish(t, b2, events.ActionVanished, events.ImageRecord{ID: "sha256:aa", Size: 10})
 	publish(t, b2, events.ActionVanished, events.ImageRecord{ID: "sha256:bb", RepoTags: []string{"r/b:1"}, Size: 20})
 	var types []string
-	if err := b.ReadStream(t.Context(), events.EventsStream, events.NodeEvents(node), 0, func(m bus.StreamMsg) bool {
+	if err := b.Read(t.Context(), events.EventsStream, events.NodeEvents(node), func(m bus.StreamMsg) error {
 		types = append(types, m.Header.Get(events.HeaderType))
-		return true
+		return nil
 	}); err != nil {
 		t.Fatal(err)
 	}
