@@ -2,6 +2,7 @@ package events
 
 import (
 	"fmt"
+	"strings"
 	"time"
 )
 
@@ -44,7 +45,7 @@ type ImageRemoved struct {
 	ID       string   `json:"id"`
 	RepoTags []string `json:"repoTags,omitempty"`
 	Size     int64    `json:"size"`
-	Reason   string   `json:"reason"` // space | age | unused
+	Reason   string   `json:"reason"` // space | age | unused | named
 }
 
 // DetectRequest is the body of imagefleet.cmd.<node>.detect.
@@ -126,7 +127,15 @@ type GCRequest struct {
 	// Trigger names why the pass is asked for (default manual; the puller sends pull when it makes room
 	// before a pull). Added field.
 	Trigger string `json:"trigger,omitempty"`
+	// Images, when set, makes the pass remove every unused image named by one of these, whatever the usage
+	// and the minimum age (Eraser's ImageList; an ImageGC's spec.images): a reference ("busybox:1.37",
+	// normalized as --pinned-images are), an image ID or repo digest, or a glob ('*' any run of characters,
+	// '/' included; '?' one). Pinned and in-use images are kept. At most MaxGCImages. Added field.
+	Images []string `json:"images,omitempty"`
 }
+
+// MaxGCImages bounds GCRequest.Images.
+const MaxGCImages = 64
 
 // Validate checks the overrides with the kubelet's image GC policy messages.
 func (r GCRequest) Validate() error {
@@ -144,6 +153,17 @@ func (r GCRequest) Validate() error {
 	}
 	if r.MaxAge != nil && r.MaxAge.Duration < 0 {
 		return fmt.Errorf("imageMaximumGCAge %v must not be negative", r.MaxAge.Duration)
+	}
+	if len(r.Images) > MaxGCImages {
+		return fmt.Errorf("gc request names %d images, more than %d", len(r.Images), MaxGCImages)
+	}
+	for _, im := range r.Images {
+		if im == "" || len(im) > 512 || strings.ContainsAny(im, " \t\n") {
+			return fmt.Errorf("gc request image %q must be 1-512 characters without spaces", im)
+		}
+	}
+	if len(r.Images) > 0 && r.AllUnused {
+		return fmt.Errorf("gc request: images and allUnused exclude each other")
 	}
 	switch r.Trigger {
 	case "", GCTriggerManual, GCTriggerPull:
@@ -166,7 +186,7 @@ type GCRemoved struct {
 	ID       string   `json:"id"`
 	RepoTags []string `json:"repoTags,omitempty"`
 	Size     int64    `json:"size"`
-	Reason   string   `json:"reason"` // space | age | unused
+	Reason   string   `json:"reason"` // space | age | unused | named
 	Error    string   `json:"error,omitempty"`
 }
 

@@ -63,13 +63,31 @@ func TestControllerRunsObjects(t *testing.T) {
 			t.Fatal(err)
 		}
 		s := o.Spec
-		if s.Mode != "KubeletPolicy" || s.DryRun || s.Waves.InitialBatch != 1 || s.Waves.MaxInFlight != 1000 || s.NodeTimeout == nil || s.NodeTimeout.Duration != time.Minute ||
+		if s.Mode != "" || controller.GCMode(s) != "KubeletPolicy" || s.DryRun || s.Waves.InitialBatch != 1 || s.Waves.MaxInFlight != 1000 || s.NodeTimeout == nil || s.NodeTimeout.Duration != time.Minute ||
 			s.FailureBudget != intstr.FromInt32(0) || s.Nodes.Selector != nil || len(s.Nodes.Names) != 0 {
 			t.Errorf("defaults: %+v", s)
 		}
 		st := waitCondition(t, cl, o, v1alpha1.ConditionComplete)
 		if st.Desired != nodes || st.Succeeded != nodes || st.Failed != 0 || st.BytesFreed != 0 || st.Progress != "6/6" || st.Phase != v1alpha1.PhaseComplete {
 			t.Errorf("status: %+v", st)
+		}
+	})
+
+	t.Run("an ImageGC with only images removes them from every node", func(t *testing.T) {
+		o := &v1alpha1.ImageGC{ObjectMeta: metav1.ObjectMeta{Name: "gc-named"},
+			Spec: v1alpha1.ImageGCSpec{Images: []string{"registry.local/hollow/app0:v1"}}}
+		if err := cl.Create(ctx, o); err != nil {
+			t.Fatal(err)
+		}
+		st := waitCondition(t, cl, o, v1alpha1.ConditionComplete)
+		if st.Succeeded != nodes || st.ImagesRemoved != nodes || st.BytesFreed != nodes*10<<20 {
+			t.Errorf("status: %+v", st)
+		}
+		// Named goes with images: the API server refuses a mode that does not.
+		bad := &v1alpha1.ImageGC{ObjectMeta: metav1.ObjectMeta{Name: "gc-named-bad"},
+			Spec: v1alpha1.ImageGCSpec{Mode: "AllUnused", Images: []string{"x"}}}
+		if err := cl.Create(ctx, bad); !apierrors.IsInvalid(err) || !strings.Contains(err.Error(), "mode Named goes with images") {
+			t.Errorf("AllUnused with images: %v", err)
 		}
 	})
 
@@ -84,8 +102,8 @@ func TestControllerRunsObjects(t *testing.T) {
 		}
 		st := waitCondition(t, cl, o, v1alpha1.ConditionComplete)
 		c := meta.FindStatusCondition(st.Conditions, v1alpha1.ConditionComplete)
-		if st.Desired != nodes || st.Succeeded != nodes || st.Failed != 0 || st.Active != 0 || st.ImagesRemoved != nodes*images ||
-			st.BytesFreed != nodes*images*10<<20 || !slices.Equal(st.Waves, []int32{1, 2, 3}) || st.CurrentWave != 3 ||
+		if st.Desired != nodes || st.Succeeded != nodes || st.Failed != 0 || st.Active != 0 || st.ImagesRemoved != nodes*(images-1) ||
+			st.BytesFreed != nodes*(images-1)*10<<20 || !slices.Equal(st.Waves, []int32{1, 2, 3}) || st.CurrentWave != 3 ||
 			st.ObservedGeneration != 1 || st.StartTime == nil || st.CompletionTime == nil || st.RolloutID != "gc-"+string(o.UID) ||
 			c.Reason != "Completed" || c.Message != "6 of 6 nodes succeeded, 0 failed" ||
 			meta.IsStatusConditionTrue(st.Conditions, v1alpha1.ConditionProgressing) {
@@ -296,8 +314,9 @@ func applyCRDs(t testing.TB, cl client.Client) {
 // startController runs the agent's controller worker on the lab's admin kubeconfig, its Lease in default.
 func startController(t testing.TB, bin, url string, kc *kubelab.Cluster, name string) *proc {
 	t.Helper()
-	return startProc(t, name, bin, "agent", "--node", name, "--workers", "controller", "--nats", url,
+	runningController = startProc(t, name, bin, "agent", "--node", name, "--workers", "controller", "--nats", url,
 		"--kubeconfig", kc.KubeconfigPath("admin"), "--controller-namespace", "default", "--data-dir", t.TempDir(), "--no-journal")
+	return runningController
 }
 
 // waitCondition waits until o's condition is True and returns o's status then.
@@ -310,23 +329,37 @@ func waitCondition(t testing.TB, cl client.Client, o client.Object, cond string)
 func waitConditionWithin(t testing.TB, cl client.Client, o client.Object, cond string, timeout time.Duration) v1alpha1.RolloutStatus {
 	t.Helper()
 	var st *v1alpha1.RolloutStatus
-	bustest.Eventually(t, o.GetName()+" "+cond, timeout, func() error {
-		if err := cl.Get(t.Context(), client.ObjectKeyFromObject(o), o); err != nil {
-			return err
+	var last error
+	for deadline := time.Now().Add(timeout); ; {
+		last = cl.Get(t.Context(), client.ObjectKeyFromObject(o), o)
+		if last == nil {
+			switch x := o.(type) {
+			case *v1alpha1.ImageGC:
+				st = &x.Status
+			case *v1alpha1.ImagePrePull:
+				st = &x.Status
+			}
+			if meta.IsStatusConditionTrue(st.Conditions, cond) {
+				return *st
+			}
+			last = fmt.Errorf("phase %q, progress %q, failed nodes %v, conditions %+v", st.Phase, st.Progress, st.FailedNodes, st.Conditions)
 		}
-		switch x := o.(type) {
-		case *v1alpha1.ImageGC:
-			st = &x.Status
-		case *v1alpha1.ImagePrePull:
-			st = &x.Status
+		if time.Now().After(deadline) {
+			break
 		}
-		if meta.IsStatusConditionTrue(st.Conditions, cond) {
-			return nil
-		}
-		return fmt.Errorf("phase %q, progress %q, conditions %+v", st.Phase, st.Progress, st.Conditions)
-	})
-	return *st
+		time.Sleep(100 * time.Millisecond) // polling the API server, as waiting on a watch would
+	}
+	// What the controller was doing: its goroutines in the log.
+	if tt, ok := t.(*testing.T); ok && runningController != nil {
+		dumpAgent(tt, runningController)
+	}
+	t.Fatalf("%s not %s after %s: %v", o.GetName(), cond, timeout, last)
+	return v1alpha1.RolloutStatus{}
 }
+
+// runningController is the controller the test started last: waitConditionWithin dumps its goroutines
+// when it waits in vain.
+var runningController *proc
 
 // objectEvents returns the reasons of the Events about the cluster-scoped object name, oldest first, once
 // the last one is last (the recorder posts them in the background).

@@ -110,15 +110,28 @@ type ImagePrePullSpec struct {
 }
 
 // ImageGCSpec is what an ImageGC runs, where.
+//
+// +kubebuilder:validation:XValidation:rule="!has(self.mode) || (self.mode == 'Named') == has(self.images)",message="mode Named goes with images, and images with mode Named"
+// +kubebuilder:validation:XValidation:rule="has(self.mode) == has(oldSelf.mode) && has(self.images) == has(oldSelf.images)",message="mode and images are immutable"
 type ImageGCSpec struct {
 	// Mode is KubeletPolicy (the kubelet's pass: free down to the low threshold, oldest unused first, and
-	// every unused image past its maximum age) or AllUnused (every eligible unused image, the kubelet's
-	// DeleteUnusedImages).
-	// +kubebuilder:default=KubeletPolicy
-	// +kubebuilder:validation:Enum=KubeletPolicy;AllUnused
+	// every unused image past its maximum age), AllUnused (every eligible unused image, the kubelet's
+	// DeleteUnusedImages) or Named (every unused image that images names, however young). Unset: Named with
+	// images, else KubeletPolicy.
+	// +kubebuilder:validation:Enum=KubeletPolicy;AllUnused;Named
 	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="mode is immutable"
 	// +optional
 	Mode string `json:"mode,omitempty"`
+	// Images are removed from every node where no container uses them (and no pin keeps them), whatever
+	// their age and the disk's usage: references ("registry.example/app:1.2"), image IDs or digests
+	// ("sha256:..."), or globs ('*' any run of characters, '/' included; '?' one).
+	// +kubebuilder:validation:MaxItems=64
+	// +kubebuilder:validation:items:MinLength=1
+	// +kubebuilder:validation:items:MaxLength=512
+	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="images are immutable"
+	// +listType=atomic
+	// +optional
+	Images []string `json:"images,omitempty"`
 	// DryRun reports, node by node, what would be removed and the bytes it would free, and removes nothing.
 	// +kubebuilder:default=false
 	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="dryRun is immutable"
@@ -270,6 +283,7 @@ type ImagePrePullList struct {
 // +kubebuilder:printcolumn:name="Failed",type=integer,JSONPath=`.status.failed`
 // +kubebuilder:printcolumn:name="Freed",type=integer,JSONPath=`.status.bytesFreed`
 // +kubebuilder:printcolumn:name="Mode",type=string,JSONPath=`.spec.mode`,priority=1
+// +kubebuilder:printcolumn:name="Images",type=string,JSONPath=`.spec.images`,priority=1
 // +kubebuilder:printcolumn:name="Dry-Run",type=boolean,JSONPath=`.spec.dryRun`,priority=1
 // +kubebuilder:printcolumn:name="Rollout",type=string,JSONPath=`.status.rolloutID`,priority=1
 // +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`

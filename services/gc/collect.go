@@ -289,6 +289,39 @@ func (c *collector) deleteUnusedImages(ctx context.Context, p *pass) error {
 	return err
 }
 
+// deleteNamedImages removes every unused image one of patterns names, whatever the usage and the minimum
+// age (Eraser's ImageList): the fleet's way to remove one image everywhere it is not in use. In-use and
+// pinned images that match are reported as skipped; images that do not match are not reported.
+func (c *collector) deleteNamedImages(ctx context.Context, p *pass, patterns []string) error {
+	m, err := newRefMatcher(patterns, true)
+	if err != nil {
+		return fmt.Errorf("gc request images: %w", err)
+	}
+	c.log.Info("attempting to delete named images", "dry_run", p.dryRun, "images", len(patterns))
+	freeTime := c.now()
+	p.res.Started = freeTime
+	recs, err := c.records.Detect(ctx, freeTime)
+	if err != nil {
+		return err
+	}
+	cands, skipped := c.order(ctx, recs)
+	for _, s := range skipped {
+		if r, ok := recs[s.ID]; ok && m.match(r) {
+			p.res.Skipped = append(p.res.Skipped, s)
+		}
+	}
+	var named []candidate
+	for _, cd := range cands {
+		if m.match(cd.ImageRecord) {
+			named = append(named, cd)
+			p.res.AmountToFree += cd.Size
+		}
+	}
+	p.policy.MinAge = 0 // named: removed however young
+	_, err = c.freeSpace(ctx, p, math.MaxInt64, freeTime, named, ReasonNamed)
+	return err
+}
+
 // freeOldImages is the kubelet's MaxAge pass with two fixes (W-B): age is measured from
 // max(lastUsed, firstDetected), so an image pulled but not yet used is as young as its detection, and an
 // image younger than MinAge is kept. Like the kubelet, nothing happens until MaxAge has passed since beganGC.

@@ -386,7 +386,8 @@ func (l *leaser) wait(ctx context.Context, held leaseValue, deadline time.Time, 
 
 // shareable reports whether a request may be answered with the result of the pass held: a pull-triggered
 // request takes any pass run with the node's policy (it measures the room again after); a manual one a pass
-// of the same kind (gc or --all-unused) with the node's policy. A request with policy overrides runs its own.
+// of the same kind (gc or --all-unused) with the node's policy. A request with policy overrides or named
+// images runs its own.
 func shareable(req events.GCRequest, trigger string, held leaseValue) bool {
 	if held.Overrides || hasOverrides(req) {
 		return false
@@ -395,5 +396,6 @@ func shareable(req events.GCRequest, trigger string, held leaseValue) bool {
 }
 
 func hasOverrides(req events.GCRequest) bool {
-	return req.HighThresholdPercent != nil || req.LowThresholdPercent != nil || req.MinAge != nil || req.MaxAge != nil
+	return req.HighThresholdPercent != nil || req.LowThresholdPercent != nil || req.MinAge != nil || req.MaxAge != nil ||
+		len(req.Images) > 0
 }

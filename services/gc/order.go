@@ -24,6 +24,7 @@ const (
 	ReasonSpace  = "space"  // freed to bring usage down to the low threshold
 	ReasonAge    = "age"    // unused for longer than MaxAge
 	ReasonUnused = "unused" // DeleteUnusedImages (--all-unused)
+	ReasonNamed  = "named"  // named by the request (GCRequest.Images: an ImageGC's spec.images)
 )
 
 // candidate is the kubelet's evictionInfo: an image GC may remove, with its record.

@@ -379,9 +379,12 @@ func (s *Service) runPassCtx(pctx, ctx context.Context, req events.GCRequest, tr
 	var err error
 	p := &pass{policy: policy, dryRun: req.DryRun, res: events.GCResult{Node: s.cfg.Node, DryRun: req.DryRun, Trigger: trigger}}
 	start := time.Now()
-	if req.AllUnused {
+	switch {
+	case len(req.Images) > 0:
+		err = s.c.deleteNamedImages(pctx, p, req.Images)
+	case req.AllUnused:
 		err = s.c.deleteUnusedImages(pctx, p)
-	} else {
+	default:
 		err = s.c.garbageCollect(pctx, p, s.beganGC)
 	}
 	if err != nil && context.Cause(pctx) == errLeaseLost && ctx.Err() == nil {

@@ -106,7 +106,13 @@ func preparePull(ctx context.Context, b *bus.Bus, obj client.Object, cfg *fleet.
 // names it.
 func prepareGC(_ context.Context, b *bus.Bus, obj client.Object, cfg *fleet.RolloutConfig, _ map[string]string) (fleet.NodeAction, func(), error) {
 	o := obj.(*v1alpha1.ImageGC)
-	req := events.GCRequest{ID: cfg.ID, DryRun: o.Spec.DryRun, AllUnused: o.Spec.Mode == "AllUnused"}
+	req := events.GCRequest{ID: cfg.ID, DryRun: o.Spec.DryRun}
+	switch GCMode(o.Spec) {
+	case "AllUnused":
+		req.AllUnused = true
+	case "Named":
+		req.Images = o.Spec.Images
+	}
 	p := o.Spec.Policy
 	if p.HighThresholdPercent != nil {
 		v := int(*p.HighThresholdPercent)
@@ -134,3 +140,14 @@ func prepareGC(_ context.Context, b *bus.Bus, obj client.Object, cfg *fleet.Roll
 type permanent struct{ error }
 
 func (p permanent) Unwrap() error { return p.error }
+
+// GCMode is the mode an ImageGC runs in: spec.mode, or unset, Named with images and KubeletPolicy without.
+func GCMode(spec v1alpha1.ImageGCSpec) string {
+	switch {
+	case spec.Mode != "":
+		return spec.Mode
+	case len(spec.Images) > 0:
+		return "Named"
+	}
+	return "KubeletPolicy"
+}
