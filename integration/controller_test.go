@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -251,6 +252,26 @@ func TestControllerRunsObjects(t *testing.T) {
 		reasons := objectEvents(t, kc, o.Name, "FailureBudgetExceeded")
 		if !slices.Contains(reasons, "NodeFailed") {
 			t.Errorf("events %v", reasons)
+		}
+	})
+
+	t.Run("fleet gc --object hands the rollout to the controller", func(t *testing.T) {
+		// No NATS credentials: the command reaches only the API server.
+		cmd := exec.Command(bin, "fleet", "gc", "--object", "gc-cli", "--kubeconfig", kc.KubeconfigPath("admin"), "--dry-run",
+			"--nodes", all[0]+","+all[1], "--max-failures", "50%", "--node-timeout", "30s")
+		out, err := cmd.CombinedOutput()
+		if err != nil || !strings.Contains(string(out), "imagegc.imagefleet.io/gc-cli created") {
+			t.Fatalf("fleet gc --object: %v\n%s", err, out)
+		}
+		o := &v1alpha1.ImageGC{ObjectMeta: metav1.ObjectMeta{Name: "gc-cli"}}
+		st := waitCondition(t, cl, o, v1alpha1.ConditionComplete)
+		if st.Desired != 2 || st.Succeeded != 2 || !o.Spec.DryRun || o.Spec.FailureBudget != intstr.FromString("50%") ||
+			o.Spec.NodeTimeout.Duration != 30*time.Second || !slices.Equal(o.Spec.Nodes.Names, all[:2]) {
+			t.Errorf("spec %+v, status %+v", o.Spec, st)
+		}
+		out, err = exec.Command(bin, "fleet", "gc", "--object", "gc-cli-id", "--id", "x", "--kubeconfig", kc.KubeconfigPath("admin")).CombinedOutput()
+		if err == nil || !strings.Contains(string(out), "--id and --object exclude each other") {
+			t.Errorf("--id with --object: %v\n%s", err, out)
 		}
 	})
 

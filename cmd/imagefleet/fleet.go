@@ -9,6 +9,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/imagefleet/imagefleet/api/v1alpha1"
 	"github.com/imagefleet/imagefleet/events"
 	"github.com/imagefleet/imagefleet/services/fleet"
 )
@@ -133,11 +134,27 @@ func newFleetWhereCmd(cl *cli) *cobra.Command {
 
 func newFleetGCCmd(cl *cli) *cobra.Command {
 	var f rolloutFlags
+	var o objectFlags
 	var dryRun, allUnused bool
+	var images []string
 	cmd := &cobra.Command{
-		Use:   "gc [--selector k=v] [--initial-batch 1] [--max-failures 0|N|P%] [--dry-run] [--node-timeout 60s]",
+		Use:   "gc [--selector k=v] [--initial-batch 1] [--max-failures 0|N|P%] [--dry-run] [--all-unused | --images REF,...] [--node-timeout 60s] [--object NAME]",
 		Short: "Run image GC on the chosen nodes in slow-start batches (1, 2, 4 ...), stopping after a batch takes the failures past --max-failures",
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if allUnused && len(images) > 0 {
+				return errors.New("--all-unused and --images exclude each other")
+			}
+			if o.name != "" {
+				spec, err := f.spec(cmd)
+				if err != nil {
+					return err
+				}
+				gc := &v1alpha1.ImageGC{Spec: v1alpha1.ImageGCSpec{DryRun: dryRun, Images: images, RolloutSpec: spec}}
+				if allUnused {
+					gc.Spec.Mode = "AllUnused"
+				}
+				return cl.createObject(cmd, o, gc)
+			}
 			ctx := cmd.Context()
 			b, err := cl.connect(ctx, "imagefleet-fleet-gc")
 			if err != nil {
@@ -152,7 +169,10 @@ func newFleetGCCmd(cl *cli) *cobra.Command {
 			}
 			// The rollout id names each node's request (<id>.<node>): a node asked again after a lost reply
 			// answers with its first pass's result.
-			req := events.GCRequest{ID: cfg.ID, DryRun: dryRun, AllUnused: allUnused}
+			req := events.GCRequest{ID: cfg.ID, DryRun: dryRun, AllUnused: allUnused, Images: images}
+			if err := req.Validate(); err != nil {
+				return err
+			}
 			cfg.DryRun, cfg.GC = dryRun, &req
 			err = cl.runRollout(cmd, b, cfg, fleet.GCAction(b, req))
 			return errors.Join(err, writeMemProfile(f.memProfile))
@@ -161,18 +181,32 @@ func newFleetGCCmd(cl *cli) *cobra.Command {
 	f.register(cmd)
 	cmd.Flags().BoolVar(&dryRun, "dry-run", false, "report what GC would remove on each node and the bytes it would free; remove nothing")
 	cmd.Flags().BoolVar(&allUnused, "all-unused", false, "remove every eligible unused image (DeleteUnusedImages), not just down to the low threshold")
+	cmd.Flags().StringSliceVar(&images, "images", nil, "remove these images (references, IDs, digests or globs) from every node where no container uses them, however young (docs/gc.md, named images)")
+	o.register(cmd)
 	return cmd
 }
 
 func newFleetPullCmd(cl *cli) *cobra.Command {
 	var f rolloutFlags
+	var o objectFlags
 	var policy string
 	var allowPrivate bool
 	cmd := &cobra.Command{
-		Use:   "pull IMAGE [--selector k=v] [--initial-batch 1] [--max-failures 0|N|P%]",
+		Use:   "pull IMAGE [--selector k=v] [--initial-batch 1] [--max-failures 0|N|P%] [--object NAME]",
 		Short: "Pre-pull an image on the chosen nodes in slow-start batches",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
+			if o.name != "" {
+				spec, err := f.spec(cmd)
+				if err != nil {
+					return err
+				}
+				if policy == events.PullNever {
+					return errors.New("--policy Never and --object exclude each other: an ImagePrePull pulls IfNotPresent or Always")
+				}
+				return cl.createObject(cmd, o, &v1alpha1.ImagePrePull{Spec: v1alpha1.ImagePrePullSpec{Images: []string{args[0]},
+					PullPolicy: policy, AllowPrivate: allowPrivate, RolloutSpec: spec}})
+			}
 			ctx := cmd.Context()
 			b, err := cl.connect(ctx, "imagefleet-fleet-pull")
 			if err != nil {
@@ -199,6 +233,7 @@ func newFleetPullCmd(cl *cli) *cobra.Command {
 	f.register(cmd)
 	cmd.Flags().StringVar(&policy, "policy", events.PullIfNotPresent, "pull policy: Always, IfNotPresent or Never")
 	cmd.Flags().BoolVar(&allowPrivate, "allow-private", false, "let the pre-pull use the nodes' registry credentials (--node-keyring): pulled without the kubelet, the image has no kubelet pull record and, under the kubelet's default NeverVerifyPreloadedImages, every pod on the node may use it (docs/kubernetes.md)")
+	o.register(cmd)
 	return cmd
 }
 
