@@ -62,7 +62,8 @@ const tailInactive = 5 * time.Minute
 // (or From), until the end of the stream as of the call (or, with Follow, until ctx ends). It returns nil
 // once the end is read, when fn returns StopReading, or (with Follow) when ctx ends; an error fn returns
 // is returned as is; a read to the end that ctx cuts short returns an error wrapping ctx's. A closed
-// connection is returned (wrapped) so the caller resumes from its position.
+// connection is returned (wrapped) so the caller resumes from its position. fn runs on the caller's
+// goroutine, one message at a time.
 //
 // It reads with an ordered consumer: no acks and no server-side state, the caller keeps its own position
 // (the last sequence fn accepted) and resumes from it after an error or a restart. The reader pulls with the
