@@ -151,7 +151,7 @@ func (c *Controller) Run(ctx context.Context) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	for _, k := range []kind{prePullKind(), gcKind()} {
-		r := &reconciler{kind: k, c: mgr.GetClient(), b: c.b, rec: rec, cfg: c.cfg, log: c.cfg.Logger.With("worker", "controller", "kind", k.name),
+		r := &reconciler{kind: k, c: mgr.GetClient(), status: mgr.GetClient().Status(), b: c.b, rec: rec, cfg: c.cfg, log: c.cfg.Logger.With("worker", "controller", "kind", k.name),
 			base: ctx, m: c.m, runners: map[string]*runner{}}
 		if err := ctrl.NewControllerManagedBy(mgr).For(k.newObject()).Named(k.name).Complete(r); err != nil {
 			return fmt.Errorf("controller: %s: %w", k.name, err)

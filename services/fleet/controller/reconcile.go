@@ -22,11 +22,13 @@ import (
 type reconciler struct {
 	kind kind
 	c    client.Client
-	b    *bus.Bus
-	rec  recorder.EventRecorder
-	cfg  Config
-	log  *slog.Logger
-	m    *metrics
+	// status writes the objects' status subresource (c.Status()).
+	status client.SubResourceWriter
+	b      *bus.Bus
+	rec    recorder.EventRecorder
+	cfg    Config
+	log    *slog.Logger
+	m      *metrics
 
 	base context.Context // Run's: the runners end with the controller (Run stops them before it returns)
 

@@ -47,6 +47,7 @@ type runner struct {
 	waveDone int
 	dirty    bool
 	flushNow chan struct{}
+	flushMu  sync.Mutex // one status write at a time (flush)
 }
 
 type outcome struct {

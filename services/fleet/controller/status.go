@@ -59,8 +59,12 @@ func (run *runner) flushSync() error {
 }
 
 // flush writes the status if it changed since the last write: one merge patch of the status subresource,
-// conditioned on the object's UID (an object made anew under the same name is not written).
+// conditioned on the object's UID (an object made anew under the same name is not written). The flusher and
+// flushSync write one at a time, each a copy taken under flushMu: two patches in flight at once could land
+// in the wrong order, the older status last (an object left Running after its final Complete was written).
 func (run *runner) flush(ctx context.Context) error {
+	run.flushMu.Lock()
+	defer run.flushMu.Unlock()
 	run.mu.Lock()
 	if !run.dirty {
 		run.mu.Unlock()
@@ -78,7 +82,7 @@ func (run *runner) flush(ctx context.Context) error {
 	}
 	obj := run.r.kind.newObject()
 	obj.SetName(run.name)
-	err = run.r.c.Status().Patch(ctx, obj, client.RawPatch(types.MergePatchType, patch))
+	err = run.r.status.Patch(ctx, obj, client.RawPatch(types.MergePatchType, patch))
 	if err != nil {
 		run.mu.Lock()
 		run.dirty = true
