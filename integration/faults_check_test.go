@@ -40,17 +40,17 @@ func readFaultStream(ctx context.Context, b *bus.Bus, node string) (*faultStream
 	s := &faultStream{copies: map[string]int{}, results: map[string]int{}, transitions: map[string]int{}}
 	podPrefix := events.EventSubject(node, events.EntityPod, "")
 	var bad []string
-	err := b.ReadStream(ctx, events.EventsStream, events.NodeEvents(node), 0, func(m bus.StreamMsg) bool {
+	err := b.Read(ctx, events.EventsStream, events.NodeEvents(node), func(m bus.StreamMsg) error {
 		s.msgs++
 		if strings.HasPrefix(m.Subject, podPrefix) {
 			// Pod events carry a core/v1 Pod as body and their id in the CloudEvents header.
 			s.copies[m.Header.Get(events.HeaderID)]++
-			return true
+			return nil
 		}
 		ev, err := events.DecodeEvent(m.Data)
 		if err != nil {
 			bad = append(bad, fmt.Sprintf("seq %d: %v", m.Seq, err))
-			return true
+			return nil
 		}
 		s.copies[ev.ID]++
 		switch ev.Type {
@@ -76,7 +76,7 @@ func readFaultStream(ctx context.Context, b *bus.Bus, node string) (*faultStream
 				s.transitions[faultTransitionKey(rc.StreamSeq, rc.Kind, rc.Namespace, rc.Name, registered)]++
 			}
 		}
-		return true
+		return nil
 	})
 	if err == nil && len(bad) > 0 {
 		err = fmt.Errorf("undecodable events: %s", strings.Join(bad, "; "))

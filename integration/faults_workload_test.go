@@ -241,7 +241,7 @@ func (w *faultWorkload) watchResults(ctx context.Context) {
 	var last uint64
 	filter := events.EventSubject(w.node, events.EntityPull, "*")
 	for ctx.Err() == nil {
-		_ = w.b.Tail(ctx, events.EventsStream, filter, last+1, func(m bus.StreamMsg) error {
+		_ = w.b.Read(ctx, events.EventsStream, filter, func(m bus.StreamMsg) error {
 			last = m.Seq
 			ev, err := events.DecodeEvent(m.Data)
 			if err != nil {
@@ -264,7 +264,7 @@ func (w *faultWorkload) watchResults(ctx context.Context) {
 			}
 			w.mu.Unlock()
 			return nil
-		})
+		}, bus.Follow(), bus.From(last+1))
 		select {
 		case <-ctx.Done():
 		case <-time.After(200 * time.Millisecond):

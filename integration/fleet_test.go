@@ -255,13 +255,13 @@ func logPullState(t *testing.T, b *bus.Bus, rolloutID string, nodes []string) {
 	} else {
 		t.Logf("state: events stream: %d messages, last seq %d, leader %q", info.Messages, info.LastSeq, info.Leader)
 	}
-	err := b.ReadStream(ctx, events.EventsStream, events.PullEventsFilter, 0, func(m bus.StreamMsg) bool {
+	err := b.Read(ctx, events.EventsStream, events.PullEventsFilter, func(m bus.StreamMsg) error {
 		ev, err := events.DecodeEvent(m.Data)
 		var r events.PullResult
 		if err == nil && ev.DecodeData(&r) == nil && strings.HasPrefix(r.RequestID, rolloutID+".") {
 			t.Logf("state: event %d %s %s at %s: %s %s", m.Seq, ev.Type, ev.Node, ev.Time.Format(time.RFC3339Nano), r.Error, r.Message)
 		}
-		return true
+		return nil
 	})
 	if err != nil {
 		t.Logf("state: pull events: %v", err)
@@ -511,13 +511,13 @@ func TestFleetOnThreeContainerdsAndANATSCluster(t *testing.T) {
 	for _, n := range nodeNames {
 		id := fleet.PullRequestID("pull-lab", n)
 		count := 0
-		if err := b.ReadStream(ctx, events.EventsStream, events.EventSubject(n, events.EntityPull, events.ActionPulled), 0, func(m bus.StreamMsg) bool {
+		if err := b.Read(ctx, events.EventsStream, events.EventSubject(n, events.EntityPull, events.ActionPulled), func(m bus.StreamMsg) error {
 			ev, err := events.DecodeEvent(m.Data)
 			var r events.PullResult
 			if err == nil && ev.DecodeData(&r) == nil && r.RequestID == id {
 				count++
 			}
-			return true
+			return nil
 		}); err != nil {
 			t.Fatal(err)
 		}

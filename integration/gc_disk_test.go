@@ -152,23 +152,22 @@ func (l *diskLab) records(t *testing.T) map[string]bool {
 func (l *diskLab) passes(t testing.TB) []events.GCResult {
 	t.Helper()
 	var out []events.GCResult
-	err := l.b.ReadStream(t.Context(), events.EventsStream, events.EventSubject(l.node, events.EntityGC, events.ActionFinished), 0,
-		func(m bus.StreamMsg) bool {
-			ev, err := events.DecodeEvent(m.Data)
-			if err != nil {
-				t.Errorf("decode gc.finished: %v", err)
-				return false
-			}
-			var r events.GCResult
-			if err := ev.DecodeData(&r); err != nil {
-				t.Errorf("decode gc.finished: %v", err)
-				return false
-			}
-			if !r.DryRun {
-				out = append(out, r)
-			}
-			return true
-		})
+	err := l.b.Read(t.Context(), events.EventsStream, events.EventSubject(l.node, events.EntityGC, events.ActionFinished), func(m bus.StreamMsg) error {
+		ev, err := events.DecodeEvent(m.Data)
+		if err != nil {
+			t.Errorf("decode gc.finished: %v", err)
+			return bus.StopReading
+		}
+		var r events.GCResult
+		if err := ev.DecodeData(&r); err != nil {
+			t.Errorf("decode gc.finished: %v", err)
+			return bus.StopReading
+		}
+		if !r.DryRun {
+			out = append(out, r)
+		}
+		return nil
+	})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -254,11 +253,10 @@ func TestGCOnARealDiskBetweenPeriods(t *testing.T) {
 		t.Fatal("no GC pass removed anything: the disk never reached the high threshold")
 	}
 	var warnings []string
-	err = l.b.ReadStream(ctx, events.EventsStream, events.EventSubject(node, events.EntityNode, events.ActionWarning), 0,
-		func(m bus.StreamMsg) bool {
-			warnings = append(warnings, string(m.Data))
-			return true
-		})
+	err = l.b.Read(ctx, events.EventsStream, events.EventSubject(node, events.EntityNode, events.ActionWarning), func(m bus.StreamMsg) error {
+		warnings = append(warnings, string(m.Data))
+		return nil
+	})
 	if err != nil || len(warnings) != 0 {
 		t.Errorf("node warnings %v (%v), want none", warnings, err)
 	}

@@ -250,9 +250,9 @@ func TestGCOnRealContainerd(t *testing.T) {
 	t.Logf("usage %d%% -> %d%% after removing %d images", usage, after, k)
 
 	removedEvents := 0
-	err = b.ReadStream(ctx, events.EventsStream, events.EventSubject(node, events.EntityImage, events.ActionRemoved), 0, func(bus.StreamMsg) bool {
+	err = b.Read(ctx, events.EventsStream, events.EventSubject(node, events.EntityImage, events.ActionRemoved), func(bus.StreamMsg) error {
 		removedEvents++
-		return true
+		return nil
 	})
 	if err != nil || removedEvents != k {
 		t.Errorf("image.removed events %d (%v), want %d", removedEvents, err, k)

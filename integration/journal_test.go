@@ -72,13 +72,13 @@ func outage(t *testing.T) time.Duration {
 func storedEventIDs(t *testing.T, ctx context.Context, b *bus.Bus, filter string) map[string]int {
 	t.Helper()
 	got := map[string]int{}
-	err := b.ReadStream(ctx, events.EventsStream, filter, 0, func(m bus.StreamMsg) bool {
+	err := b.Read(ctx, events.EventsStream, filter, func(m bus.StreamMsg) error {
 		if ev, err := events.DecodeEvent(m.Data); err == nil {
 			got[ev.ID]++
 		} else {
 			t.Errorf("stored event %d: %v", m.Seq, err)
 		}
-		return true
+		return nil
 	})
 	if err != nil {
 		t.Fatal(err)

@@ -149,12 +149,15 @@ func TestKubeEventsBridge(t *testing.T) {
 		var res events.PullResult
 		bustest.WaitWithin(t, "the result of pull "+id, 60*time.Second, func() bool {
 			var found bool
-			_ = b.ReadStream(ctx, events.EventsStream, events.EventSubject(keNode, events.EntityPull, ">"), 0, func(m bus.StreamMsg) bool {
+			_ = b.Read(ctx, events.EventsStream, events.EventSubject(keNode, events.EntityPull, ">"), func(m bus.StreamMsg) error {
 				ev, err := events.DecodeEvent(m.Data)
 				if err == nil && ev.ID == events.PullResultEventID(id) {
 					found = ev.DecodeData(&res) == nil
 				}
-				return !found
+				if found {
+					return bus.StopReading
+				}
+				return nil
 			})
 			return found
 		})
@@ -188,11 +191,11 @@ func TestKubeEventsBridge(t *testing.T) {
 	// own after a pull): the Events must count exactly these.
 	diskWarnings := func() int32 {
 		n := int32(0)
-		err := b.ReadStream(ctx, events.EventsStream, events.EventSubject(keNode, events.EntityNode, events.ActionWarning), 0, func(m bus.StreamMsg) bool {
+		err := b.Read(ctx, events.EventsStream, events.EventSubject(keNode, events.EntityNode, events.ActionWarning), func(m bus.StreamMsg) error {
 			if ev, err := events.DecodeEvent(m.Data); err == nil && ev.Reason == gc.EventFreeDiskSpaceFailed {
 				n++
 			}
-			return true
+			return nil
 		})
 		if err != nil {
 			t.Fatal(err)

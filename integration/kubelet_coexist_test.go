@@ -116,13 +116,12 @@ func TestFirstResponderBesideTheKubelet(t *testing.T) {
 	// A negative check: the sleep is the removals worker's grace, after which a wrong report would be in
 	// the stream; it cannot make the test fail.
 	time.Sleep(3 * time.Second)
-	err = l.b.ReadStream(ctx, events.EventsStream, events.EventSubject(keNode, events.EntityNode, events.ActionWarning), 0,
-		func(m bus.StreamMsg) bool {
-			if ev, err := events.DecodeEvent(m.Data); err == nil && ev.Reason == removals.ReasonImageRemovedExternally {
-				t.Errorf("another remover at work: %s", ev.Message)
-			}
-			return true
-		})
+	err = l.b.Read(ctx, events.EventsStream, events.EventSubject(keNode, events.EntityNode, events.ActionWarning), func(m bus.StreamMsg) error {
+		if ev, err := events.DecodeEvent(m.Data); err == nil && ev.Reason == removals.ReasonImageRemovedExternally {
+			t.Errorf("another remover at work: %s", ev.Message)
+		}
+		return nil
+	})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -287,9 +287,9 @@ func TestPullBasicAuth(t *testing.T) {
 		t.Error("the registry never refused anyone")
 	}
 	var stored bytes.Buffer
-	if err := b.ReadStream(t.Context(), events.EventsStream, "", 0, func(m bus.StreamMsg) bool {
+	if err := b.Read(t.Context(), events.EventsStream, "", func(m bus.StreamMsg) error {
 		stored.Write(m.Data)
-		return true
+		return nil
 	}); err != nil {
 		t.Fatal(err)
 	}

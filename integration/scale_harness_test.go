@@ -151,17 +151,17 @@ func streamEnd(ctx context.Context, b *bus.Bus, stream string) (uint64, error) {
 func eventsPerNode(ctx context.Context, b *bus.Bus, filter string, after uint64, match func(events.Event) bool) (map[string]int, error) {
 	counts := map[string]int{}
 	var bad error
-	err := b.ReadStream(ctx, events.EventsStream, filter, after+1, func(m bus.StreamMsg) bool {
+	err := b.Read(ctx, events.EventsStream, filter, func(m bus.StreamMsg) error {
 		ev, err := events.DecodeEventMsg(m.Header, m.Data)
 		if err != nil {
 			bad = fmt.Errorf("event %d on %s: %w", m.Seq, m.Subject, err)
-			return false
+			return bus.StopReading
 		}
 		if match(ev) {
 			counts[ev.Node]++
 		}
-		return true
-	})
+		return nil
+	}, bus.From(after+1))
 	return counts, cmpErr(err, bad)
 }
 
@@ -199,7 +199,7 @@ func pullResultsPerNode(ctx context.Context, b *bus.Bus, after uint64, rollout s
 func rolloutRecordsPerNode(ctx context.Context, b *bus.Bus, id string) (claims, results map[string]int, err error) {
 	claims, results = map[string]int{}, map[string]int{}
 	prefix := events.Prefix + ".fleet.rollout." + id + "."
-	err = b.ReadStream(ctx, events.RolloutStream, events.RolloutFilter(id), 0, func(m bus.StreamMsg) bool {
+	err = b.Read(ctx, events.RolloutStream, events.RolloutFilter(id), func(m bus.StreamMsg) error {
 		kind, node, _ := strings.Cut(strings.TrimPrefix(m.Subject, prefix), ".")
 		switch kind {
 		case events.RolloutClaimKind:
@@ -207,7 +207,7 @@ func rolloutRecordsPerNode(ctx context.Context, b *bus.Bus, id string) (claims, 
 		case events.RolloutNodeKind:
 			results[events.NodeFromToken(node)]++
 		}
-		return true
+		return nil
 	})
 	return claims, results, err
 }

@@ -496,7 +496,7 @@ func TestSecurityNoSecretLeaks(t *testing.T) {
 	bustest.Eventually(t, "a terminal event of every request", 20*time.Second, func() error {
 		stored = stored[:0]
 		terminal := map[string]bool{}
-		err := b.ReadStream(ctx, events.EventsStream, events.NodeEvents(node), 0, func(m bus.StreamMsg) bool {
+		err := b.Read(ctx, events.EventsStream, events.NodeEvents(node), func(m bus.StreamMsg) error {
 			stored = append(stored, string(m.Data))
 			if ev, err := events.DecodeEvent(m.Data); err == nil && ev.Type != events.TypeName(events.EntityPull, events.ActionPulling) {
 				var r events.PullResult
@@ -504,7 +504,7 @@ func TestSecurityNoSecretLeaks(t *testing.T) {
 					terminal[r.RequestID] = true
 				}
 			}
-			return true
+			return nil
 		})
 		if err != nil {
 			t.Fatal(err)

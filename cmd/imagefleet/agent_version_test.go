@@ -45,8 +45,8 @@ func TestAgentWritesEventVersionV2(t *testing.T) {
 	var stored []bus.StreamMsg
 	bustest.Eventually(t, "the detected event stored", pollTimeout, func() error {
 		stored = stored[:0]
-		err := b.ReadStream(t.Context(), events.EventsStream, events.EventSubject(node, events.EntityImage, events.ActionDetected), 0,
-			func(m bus.StreamMsg) bool { stored = append(stored, m); return true })
+		err := b.Read(t.Context(), events.EventsStream, events.EventSubject(node, events.EntityImage, events.ActionDetected),
+			func(m bus.StreamMsg) error { stored = append(stored, m); return nil })
 		if err == nil && len(stored) == 0 {
 			err = fmt.Errorf("none yet")
 		}

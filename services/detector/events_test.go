@@ -72,8 +72,7 @@ func TestRecordsFollowPullsAndRemovals(t *testing.T) {
 	// catch no other defect, only a loaded machine.
 	bustest.WaitFor(t, "the removed image's record deleted", func() bool { return slices.Equal(recordIDs(t, b), []string{"sha256:b"}) })
 	var vanished int
-	err = b.ReadStream(t.Context(), events.EventsStream, events.EventSubject(node, events.EntityImage, events.ActionVanished), 0,
-		func(bus.StreamMsg) bool { vanished++; return true })
+	err = b.Read(t.Context(), events.EventsStream, events.EventSubject(node, events.EntityImage, events.ActionVanished), func(bus.StreamMsg) error { vanished++; return nil })
 	if err != nil {
 		t.Fatal(err)
 	}

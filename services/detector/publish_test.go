@@ -21,18 +21,18 @@ import (
 // storedImageEvents lists the node's events in the events stream as "type image-id", and their ids.
 func storedImageEvents(t *testing.T, b *bus.Bus) (evs, ids []string) {
 	t.Helper()
-	err := b.ReadStream(t.Context(), events.EventsStream, events.NodeEvents(node), 0, func(m bus.StreamMsg) bool {
+	err := b.Read(t.Context(), events.EventsStream, events.NodeEvents(node), func(m bus.StreamMsg) error {
 		ev, err := events.DecodeEventMsg(m.Header, m.Data)
 		if err != nil {
 			t.Errorf("decode: %v", err)
-			return false
+			return bus.StopReading
 		}
 		var r events.ImageRecord
 		if err := ev.DecodeData(&r); err != nil {
 			t.Error(err)
 		}
 		evs, ids = append(evs, ev.Type+" "+r.ID), append(ids, ev.ID)
-		return true
+		return nil
 	})
 	if err != nil {
 		t.Fatal(err)

@@ -110,18 +110,18 @@ func TestDetectPublishesDetectedAndVanished(t *testing.T) {
 	set(rt, []cri.Image{{ID: "sha256:b", Size: 10}}, nil, nil)
 	detect(t, b, time.Now())
 	var types []string
-	err := b.ReadStream(t.Context(), events.EventsStream, events.NodeEvents(node), 0, func(m bus.StreamMsg) bool {
+	err := b.Read(t.Context(), events.EventsStream, events.NodeEvents(node), func(m bus.StreamMsg) error {
 		ev, err := events.DecodeEvent(m.Data)
 		if err != nil {
 			t.Errorf("decode: %v", err)
-			return false
+			return bus.StopReading
 		}
 		var r events.ImageRecord
 		if err := ev.DecodeData(&r); err != nil {
 			t.Error(err)
 		}
 		types = append(types, ev.Type+" "+r.ID)
-		return true
+		return nil
 	})
 	if err != nil {
 		t.Fatal(err)

@@ -302,10 +302,10 @@ func TestHeartbeatStuckWriteGivesWayToAFreshOne(t *testing.T) {
 	var storedAt time.Time
 	bustest.WaitWithin(t, "a heartbeat after the outage", 10*time.Second, func() bool {
 		found := false
-		err := b.ReadStream(t.Context(), "KV_"+events.NodesBucket, "", 1, func(m bus.StreamMsg) bool {
+		err := b.Read(t.Context(), "KV_"+events.NodesBucket, "", func(m bus.StreamMsg) error {
 			found, storedAt = json.Unmarshal(m.Data, &got) == nil, m.Time
-			return false
-		})
+			return bus.StopReading
+		}, bus.From(1))
 		return err == nil && found
 	})
 	t.Logf("first heartbeat after the outage: made %s, stored %s", got.Heartbeat.Format(time.RFC3339Nano), storedAt.Format(time.RFC3339Nano))

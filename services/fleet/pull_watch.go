@@ -106,9 +106,9 @@ func (w *PullWatch) follow(ctx context.Context, next uint64) {
 		w.restart, w.next, w.progress = restart, next, time.Now()
 		w.starts++
 		w.mu.Unlock()
-		// Tail notices a lost pull request within about 2 s (its heartbeats stop) and a lost server or
+		// Read notices a lost pull request within about 2 s (its heartbeats stop) and a lost server or
 		// consumer by a gap or no responders, and makes its consumer anew; an error it returns, or a restart by nudge, is resumed from the message after the last one seen.
-		err := w.b.Tail(tctx, events.EventsStream, events.PullEventsFilter, next, func(m bus.StreamMsg) error {
+		err := w.b.Read(tctx, events.EventsStream, events.PullEventsFilter, func(m bus.StreamMsg) error {
 			next = m.Seq + 1
 			w.mu.Lock()
 			w.next, w.progress = next, time.Now()
@@ -117,7 +117,7 @@ func (w *PullWatch) follow(ctx context.Context, next uint64) {
 				w.deliver(r)
 			}
 			return nil
-		})
+		}, bus.Follow(), bus.From(next))
 		restart()
 		if err != nil && ctx.Err() == nil {
 			select {
@@ -147,7 +147,7 @@ func pullResult(m bus.StreamMsg) (events.PullResult, bool) {
 
 // nudge is the follower's watchdog, told by a waiter's lookup that the events stream holds a result at seq.
 // A follower that has not reached seq and has read nothing for followerStale is made anew: its ordered
-// consumer can be lost with a server (Tail notices that itself within seconds), and meanwhile every node of
+// consumer can be lost with a server (Read notices that itself within seconds), and meanwhile every node of
 // the rollout waits for its waiter's lookup, every 2 s. Once made anew it reads on
 // from where it was; the waiters already answered by a lookup are gone, so nothing is delivered twice.
 func (w *PullWatch) nudge(seq uint64) {

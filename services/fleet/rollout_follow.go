@@ -3,6 +3,7 @@ package fleet
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"strings"
 	"time"
 
@@ -25,9 +26,11 @@ type RolloutEvent struct {
 
 // FollowRollout delivers rollout id's records from its start, then as they happen, until fn returns false
 // or ctx ends. A follower sees exactly what the orchestrator recorded, so a second operator can watch.
+// Making its reader may fail transiently for 20 s before the error is returned; ctx's deadline ending the
+// follow returns ctx's error, its cancellation nil.
 func FollowRollout(ctx context.Context, b *bus.Bus, id string, fn func(RolloutEvent) bool) error {
 	prefix := events.Prefix + ".fleet.rollout." + id + "."
-	return b.Follow(ctx, events.RolloutStream, events.RolloutFilter(id), 0, func(m bus.StreamMsg) bool {
+	err := b.Read(ctx, events.RolloutStream, events.RolloutFilter(id), func(m bus.StreamMsg) error {
 		kind, _, _ := strings.Cut(strings.TrimPrefix(m.Subject, prefix), ".")
 		ev := RolloutEvent{Kind: kind, Seq: m.Seq, Time: m.Time}
 		var err error
@@ -48,11 +51,21 @@ func FollowRollout(ctx context.Context, b *bus.Bus, id string, fn func(RolloutEv
 			ev.Finished = &events.RolloutResult{}
 			err = json.Unmarshal(m.Data, ev.Finished)
 		default:
-			return true
+			return nil
 		}
 		if err != nil {
-			return true // a damaged record is skipped, not fatal to the follower
+			return nil // a damaged record is skipped, not fatal to the follower
 		}
-		return fn(ev)
-	})
+		if !fn(ev) {
+			return bus.StopReading
+		}
+		return nil
+	}, bus.Follow(), bus.RetryFor(followRetryFor))
+	if err == nil && errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		return ctx.Err()
+	}
+	return err
 }
+
+// followRetryFor bounds how long FollowRollout's reader may fail to be made before the follower hears of it.
+const followRetryFor = 20 * time.Second

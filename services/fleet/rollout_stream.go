@@ -43,7 +43,7 @@ func loadRollout(ctx context.Context, b *bus.Bus, id string) (rolloutState, erro
 		}
 		return st, fmt.Errorf("load rollout %s: %w", id, err)
 	}
-	err := b.ReadStream(ctx, events.RolloutStream, events.RolloutFilter(id), 0, func(m bus.StreamMsg) bool {
+	err := b.Read(ctx, events.RolloutStream, events.RolloutFilter(id), func(m bus.StreamMsg) error {
 		rest := strings.TrimPrefix(m.Subject, events.Prefix+".fleet.rollout."+id+".")
 		kind, _, _ := strings.Cut(rest, ".")
 		switch kind {
@@ -67,7 +67,7 @@ func loadRollout(ctx context.Context, b *bus.Bus, id string) (rolloutState, erro
 				}
 			}
 		}
-		return true
+		return nil
 	})
 	if err != nil {
 		return st, fmt.Errorf("load rollout %s: %w", id, err)
@@ -96,13 +96,13 @@ func (r *Rollout) publishFirst(ctx context.Context, subject, id string, v any) (
 // firstClaimIsOurs reports whether the first claim stored on subject is this run's.
 func (r *Rollout) firstClaimIsOurs(ctx context.Context, subject string) (bool, error) {
 	var first *events.RolloutClaim
-	err := r.b.ReadStream(ctx, events.RolloutStream, subject, 0, func(m bus.StreamMsg) bool {
+	err := r.b.Read(ctx, events.RolloutStream, subject, func(m bus.StreamMsg) error {
 		var c events.RolloutClaim
 		if json.Unmarshal(m.Data, &c) != nil {
-			return true // a damaged record is skipped, as loadRollout does
+			return nil // a damaged record is skipped, as loadRollout does
 		}
 		first = &c
-		return false
+		return bus.StopReading
 	})
 	if err != nil {
 		return false, fmt.Errorf("read claim %s: %w", subject, err)

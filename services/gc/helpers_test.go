@@ -155,14 +155,14 @@ func (h *harness) metric(reason string) float64 {
 func streamEvents(t *testing.T, b *bus.Bus) []events.Event {
 	t.Helper()
 	var out []events.Event
-	err := b.ReadStream(t.Context(), events.EventsStream, events.NodeEvents(testNode), 0, func(m bus.StreamMsg) bool {
+	err := b.Read(t.Context(), events.EventsStream, events.NodeEvents(testNode), func(m bus.StreamMsg) error {
 		var ev events.Event
 		if err := json.Unmarshal(m.Data, &ev); err != nil {
 			t.Errorf("decode event: %v", err)
-			return false
+			return bus.StopReading
 		}
 		out = append(out, ev)
-		return true
+		return nil
 	})
 	if err != nil {
 		t.Fatal(err)

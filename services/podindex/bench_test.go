@@ -200,10 +200,10 @@ func BenchmarkEndToEnd(b *testing.B) {
 				var tailedSeq atomic.Uint64
 				tailDone := make(chan error, 1)
 				go func() {
-					tailDone <- sb.Tail(tailCtx, events.EventsStream, events.PodEventSubjects("bench-tail"), 0, func(m bus.StreamMsg) error {
+					tailDone <- sb.Read(tailCtx, events.EventsStream, events.PodEventSubjects("bench-tail"), func(m bus.StreamMsg) error {
 						tailedSeq.Store(m.Seq)
 						return nil
-					})
+					}, bus.Follow())
 				}()
 				warm := tailed[0]
 				warm.MsgID = "warm-" + warm.MsgID

@@ -84,11 +84,9 @@ type Service struct {
 }
 
 // streamReader reads the node's pod events in stream order, counts those after a sequence and tells a
-// stream's bounds (bus.Bus). It has both of bus's readers, Read and the deprecated TailFrom the tail uses
-// today, so the tail can move to Read without a change here; TailFrom goes once it has.
+// stream's bounds (bus.Bus).
 type streamReader interface {
 	Read(ctx context.Context, stream, filter string, fn func(bus.StreamMsg) error, opts ...bus.ReadOption) error
-	TailFrom(ctx context.Context, stream, filter string, startSeq uint64, onStart func(pending uint64), fn func(bus.StreamMsg) error) error
 	CountPending(ctx context.Context, stream, filter string, startSeq uint64) (uint64, error)
 	Stream(ctx context.Context, name string) (bus.StreamInfo, error)
 }

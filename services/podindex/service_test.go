@@ -396,20 +396,20 @@ func refEvents(t testing.TB, b *bus.Bus) []string {
 	t.Helper()
 	var out []string
 	for _, entity := range []string{events.EntitySecret, events.EntityConfigMap} {
-		err := b.ReadStream(context.Background(), events.EventsStream, events.EventSubject(testNode, entity, "*"), 0, func(m bus.StreamMsg) bool {
+		err := b.Read(context.Background(), events.EventsStream, events.EventSubject(testNode, entity, "*"), func(m bus.StreamMsg) error {
 			ev, err := events.DecodeEvent(m.Data)
 			if err != nil {
 				t.Errorf("decode %s: %v", m.Subject, err)
-				return false
+				return bus.StopReading
 			}
 			var rc events.RefChange
 			if err := ev.DecodeData(&rc); err != nil {
 				t.Errorf("decode %s data: %v", m.Subject, err)
-				return false
+				return bus.StopReading
 			}
 			entity, action, _, _ := events.ParseType(ev.Type)
 			out = append(out, entity+"."+action+" "+rc.Namespace+"/"+rc.Name)
-			return true
+			return nil
 		})
 		if err != nil {
 			t.Fatal(err)

@@ -309,9 +309,9 @@ func TestRequestSurvivesRestart(t *testing.T) {
 		t.Fatal(err)
 	}
 	n := 0
-	err = b.ReadStream(t.Context(), events.EventsStream, events.EventSubject(testNode, events.EntityPull, events.ActionPulled), 0, func(m bus.StreamMsg) bool {
+	err = b.Read(t.Context(), events.EventsStream, events.EventSubject(testNode, events.EntityPull, events.ActionPulled), func(m bus.StreamMsg) error {
 		n++
-		return true
+		return nil
 	})
 	if err != nil || n != 1 {
 		t.Fatalf("stored results %d (%v), want 1", n, err)
