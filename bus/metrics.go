@@ -47,7 +47,7 @@ var (
 	}, []string{"consumer"})
 	pullsLost = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "imagefleet_bus_pulls_lost_total",
-		Help: "Pull requests of a durable consumer (or of the readers of Tail on a stream: consumer=tail:<stream>) " +
+		Help: "Pull requests of a durable consumer (or of the readers of Read on a stream: consumer=tail:<stream>) " +
 			"found lost and sent again, by how: no_heartbeat (the server's heartbeats on it stopped for 2 s), " +
 			"no_responders (no server took it), leader_changed (a new consumer leader dropped it), consumer_deleted " +
 			"(the consumer was deleted: made anew), refused (another status ended it), watchdog (the stall watchdog " +

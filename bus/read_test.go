@@ -417,50 +417,6 @@ func TestReadRetryFor(t *testing.T) {
 	}
 }
 
-// TestReadWrappers: the older readers (Tail, TailFrom, Follow, ReadStream) still read as they did, over Read.
-func TestReadWrappers(t *testing.T) {
-	var logs bustest.SyncBuffer
-	_, _, b := tailBus(t, &logs)
-	publishN(t, b, 3)
-	var got []uint64
-	if err := b.ReadStream(t.Context(), "T", "", 2, func(m bus.StreamMsg) bool { got = append(got, m.Seq); return true }); err != nil || !slices.Equal(got, []uint64{2, 3}) {
-		t.Fatalf("ReadStream from 2 = %v, %v; want [2 3], nil", got, err)
-	}
-	got = nil
-	if err := b.Follow(t.Context(), "T", "", 2, func(m bus.StreamMsg) bool { got = append(got, m.Seq); return m.Seq < 3 }); err != nil || !slices.Equal(got, []uint64{2, 3}) {
-		t.Fatalf("Follow from 2 = %v, %v; want [2 3], nil", got, err)
-	}
-	ctx, cancel := context.WithTimeout(t.Context(), 500*time.Millisecond)
-	defer cancel()
-	if err := b.Follow(ctx, "T", "", 4, func(bus.StreamMsg) bool { return true }); !errors.Is(err, context.DeadlineExceeded) {
-		t.Fatalf("Follow past its deadline = %v, want %v", err, context.DeadlineExceeded)
-	}
-	for _, tail := range []func(ctx context.Context, fn func(bus.StreamMsg) error) error{
-		func(ctx context.Context, fn func(bus.StreamMsg) error) error { return b.Tail(ctx, "T", "", 2, fn) },
-		func(ctx context.Context, fn func(bus.StreamMsg) error) error {
-			return b.TailFrom(ctx, "T", "", 2, func(p uint64) {
-				if p != 2 {
-					t.Errorf("TailFrom's onStart(%d), want 2", p)
-				}
-			}, fn)
-		},
-	} {
-		ctx, cancel := context.WithCancel(t.Context())
-		got = nil
-		err := tail(ctx, func(m bus.StreamMsg) error {
-			got = append(got, m.Seq)
-			if m.Seq == 3 {
-				cancel()
-			}
-			return nil
-		})
-		cancel()
-		if err != nil || !slices.Equal(got, []uint64{2, 3}) {
-			t.Fatalf("Tail from 2 = %v, %v; want [2 3], nil", got, err)
-		}
-	}
-}
-
 // TestReadCallsBackOnItsCaller: Read runs its callback on the caller's goroutine, as a plain loop would: a
 // test's t.Fatal in it (runtime.Goexit) ends the goroutine that called Read, and the reader stops after it,
 // leaving no goroutine behind.

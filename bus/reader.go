@@ -209,53 +209,6 @@ func (b *Bus) Read(ctx context.Context, stream, filter string, fn func(StreamMsg
 	return err
 }
 
-// Tail is Read with Follow from startSeq.
-//
-// Deprecated: use Read.
-func (b *Bus) Tail(ctx context.Context, stream, filter string, startSeq uint64, fn func(StreamMsg) error) error {
-	return b.Read(ctx, stream, filter, fn, Follow(), From(startSeq))
-}
-
-// TailFrom is Read with Follow from startSeq and OnStart(onStart).
-//
-// Deprecated: use Read.
-func (b *Bus) TailFrom(ctx context.Context, stream, filter string, startSeq uint64, onStart func(pending uint64), fn func(StreamMsg) error) error {
-	return b.Read(ctx, stream, filter, fn, Follow(), From(startSeq), OnStart(onStart))
-}
-
-// Follow is Read with Follow from startSeq, fn returning false to stop, failing for 20 s at most; it
-// returns ctx's error when ctx's deadline ends it.
-//
-// Deprecated: use Read.
-func (b *Bus) Follow(ctx context.Context, stream, filter string, startSeq uint64, fn func(StreamMsg) bool) error {
-	return deadline(ctx, b.Read(ctx, stream, filter, whileTrue(fn), Follow(), From(startSeq), RetryFor(kvRetryFor)))
-}
-
-// ReadStream is Read (to the end) from startSeq, fn returning false to stop.
-//
-// Deprecated: use Read.
-func (b *Bus) ReadStream(ctx context.Context, stream, filter string, startSeq uint64, fn func(StreamMsg) bool) error {
-	return b.Read(ctx, stream, filter, whileTrue(fn), From(startSeq))
-}
-
-// whileTrue is a Read callback of fn, which returns false to stop.
-func whileTrue(fn func(StreamMsg) bool) func(StreamMsg) error {
-	return func(m StreamMsg) error {
-		if !fn(m) {
-			return StopReading
-		}
-		return nil
-	}
-}
-
-// deadline is err, or ctx's error when err is nil because ctx's deadline passed (what Follow returned).
-func deadline(ctx context.Context, err error) error {
-	if err == nil && errors.Is(ctx.Err(), context.DeadlineExceeded) {
-		return ctx.Err()
-	}
-	return err
-}
-
 // headerStreamSource is the header the server adds to a message it copies into a stream that sources
 // another: "<stream> <seq> <filter> <transform>".
 const headerStreamSource = "Nats-Stream-Source"
