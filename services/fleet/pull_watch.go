@@ -70,11 +70,11 @@ func StartPullWatch(ctx context.Context, b *bus.Bus, rolloutID, image, policy st
 		opt(&o)
 	}
 	var start uint64
-	if err := retryTransient(ctx, func(ctx context.Context) error {
+	if err := bus.Retry(ctx, func(ctx context.Context) error {
 		info, err := b.Stream(ctx, events.EventsStream)
 		start = info.LastSeq + 1
 		return err
-	}); err != nil {
+	}, bus.MaxElapsed(transientRetryFor), bus.MaxWait(time.Second)); err != nil {
 		return nil, fmt.Errorf("pull rollout: %w", err)
 	}
 	domains := o.domains
@@ -224,10 +224,10 @@ func (w *PullWatch) Action() NodeAction {
 		id := PullRequestID(w.rolloutID, node)
 		ch := w.wait(id)
 		req := events.PullRequest{ID: id, Image: w.image, Policy: w.policy, AllowPrivate: w.AllowPrivate, Enqueued: time.Now().UTC()}
-		if err := retryTransient(ctx, func(ctx context.Context) error {
+		if err := bus.Retry(ctx, func(ctx context.Context) error {
 			_, err := w.b.PublishCommand(ctx, w.pullSubject(node), id, req, nil)
 			return err
-		}); err != nil {
+		}, bus.MaxElapsed(transientRetryFor), bus.MaxWait(time.Second)); err != nil {
 			// The request may be stored all the same (an ack lost with a server): withdraw it too.
 			w.forget(id)
 			w.withdraw(node, id)

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
 )
 
@@ -23,7 +24,7 @@ func (r *Rollout) node(ctx context.Context, st rolloutState, node string, batch 
 	claim := events.RolloutClaim{Node: node, Owner: r.owner, Batch: batch, Time: cfg.Clock().UTC()}
 	claimSubject := events.RolloutSubject(cfg.ID, events.RolloutClaimKind, node)
 	var claimed bool
-	if err := retryTransientFor(ctx, recordRetryFor, func(ctx context.Context) error {
+	if err := bus.Retry(ctx, func(ctx context.Context) error {
 		var err error
 		claimed, err = r.publishFirst(ctx, claimSubject, "claim."+events.NodeToken(node)+"."+r.owner, claim)
 		if err == nil && !claimed {
@@ -35,7 +36,7 @@ func (r *Rollout) node(ctx context.Context, st rolloutState, node string, batch 
 			}
 		}
 		return err
-	}); err != nil {
+	}, bus.MaxElapsed(recordRetryFor), bus.MaxWait(time.Second)); err != nil {
 		return events.RolloutNodeResult{}, fmt.Errorf("claim node %s: %w", node, err)
 	}
 	if !claimed {
@@ -60,10 +61,10 @@ func (r *Rollout) node(ctx context.Context, st rolloutState, node string, batch 
 	if cfg.Kind == events.RolloutGC && !cfg.DryRun {
 		rec = nr.Compact()
 	}
-	if err := retryTransientFor(ctx, recordRetryFor, func(ctx context.Context) error {
+	if err := bus.Retry(ctx, func(ctx context.Context) error {
 		_, err := r.publish(ctx, events.RolloutSubject(cfg.ID, events.RolloutNodeKind, node), "node."+events.NodeToken(node), rec)
 		return err
-	}); err != nil {
+	}, bus.MaxElapsed(recordRetryFor), bus.MaxWait(time.Second)); err != nil {
 		return nr, fmt.Errorf("record outcome of node %s: %w", node, err)
 	}
 	return nr, nil
@@ -73,3 +74,12 @@ func (r *Rollout) node(ctx context.Context, st rolloutState, node string, batch 
 // lost a server to elect new leaders under load, and within the stream's 2-minute duplicate window, so a
 // retried outcome is still stored once.
 const recordRetryFor = 90 * time.Second
+
+// transientRetryFor bounds the retries of the rollout's other writes and reads (the stream made, the start,
+// batch and summary records, a node's pull request, the events stream's end): a transient bus error (a
+// cluster server went away, a stream leader election) is retried with bus.Retry for up to 30 s, its waits
+// growing to 1 s (bus.MaxWait). Every write retried is idempotent (Nats-Msg-Id). Each attempt gets its own
+// context of at most bus.AttemptTimeout: a publish whose ack is lost with a killed server (the message
+// stored, the ack routed through the dead server) would otherwise wait out the caller's whole deadline (a
+// pre-pull's 90 s node timeout, CI's fleet test) instead of being sent again and answered as a duplicate.
+const transientRetryFor = 30 * time.Second

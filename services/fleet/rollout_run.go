@@ -7,6 +7,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
 )
 
@@ -64,7 +65,9 @@ func (r *Rollout) Run(ctx context.Context) (events.RolloutResult, error) {
 // that started it first), and returns what the stream holds of it. A resumed rollout keeps its recorded
 // initial batch and failure budget (cfg is updated).
 func (r *Rollout) begin(ctx context.Context, cfg *RolloutConfig, began time.Time) (rolloutState, events.RolloutStarted, error) {
-	if err := retryTransient(ctx, func(ctx context.Context) error { return EnsureRolloutStream(ctx, r.b, cfg.Replicas) }); err != nil {
+	if err := bus.Retry(ctx, func(ctx context.Context) error {
+		return EnsureRolloutStream(ctx, r.b, cfg.Replicas)
+	}, bus.MaxElapsed(transientRetryFor), bus.MaxWait(time.Second)); err != nil {
 		return rolloutState{}, events.RolloutStarted{}, err
 	}
 	st, err := loadRollout(ctx, r.b, cfg.ID)
@@ -79,11 +82,11 @@ func (r *Rollout) begin(ctx context.Context, cfg *RolloutConfig, began time.Time
 	}
 	if st.started == nil {
 		var won bool
-		err := retryTransient(ctx, func(ctx context.Context) error {
+		err := bus.Retry(ctx, func(ctx context.Context) error {
 			var err error
 			won, err = r.publishFirst(ctx, events.RolloutSubject(cfg.ID, events.RolloutStartedKind, ""), "started."+r.owner, plan)
 			return err
-		})
+		}, bus.MaxElapsed(transientRetryFor), bus.MaxWait(time.Second))
 		if err != nil {
 			return st, plan, err
 		}
@@ -147,10 +150,10 @@ func (r *Rollout) runNode(ctx context.Context, st rolloutState, t *tally, i int,
 // outcome) and reports it to Progress.
 func (r *Rollout) recordBatch(ctx context.Context, cfg RolloutConfig, t *tally, index int, nodes []string) {
 	b := events.RolloutBatch{Index: index, Size: len(nodes), Nodes: append([]string{}, nodes...), Time: cfg.Clock().UTC()}
-	if err := retryTransient(ctx, func(ctx context.Context) error {
+	if err := bus.Retry(ctx, func(ctx context.Context) error {
 		_, err := r.publish(ctx, events.RolloutSubject(cfg.ID, events.RolloutBatchKind, ""), fmt.Sprintf("batch.%d.%s", index, r.owner), b)
 		return err
-	}); err != nil {
+	}, bus.MaxElapsed(transientRetryFor), bus.MaxWait(time.Second)); err != nil {
 		cfg.Logger.Warn("record rollout batch failed", "rollout", cfg.ID, "err", err)
 	}
 	if cfg.Progress != nil {
@@ -166,10 +169,10 @@ func (r *Rollout) recordBatch(ctx context.Context, cfg RolloutConfig, t *tally, 
 func (r *Rollout) recordFinished(ctx context.Context, res events.RolloutResult) error {
 	summary := res
 	summary.Nodes = nil
-	return retryTransient(ctx, func(ctx context.Context) error {
+	return bus.Retry(ctx, func(ctx context.Context) error {
 		_, err := r.publish(ctx, events.RolloutSubject(r.cfg.ID, events.RolloutFinishedKind, ""), "finished."+r.owner, summary)
 		return err
-	})
+	}, bus.MaxElapsed(transientRetryFor), bus.MaxWait(time.Second))
 }
 
 // tally is what Run keeps of the outcomes: counts, sums, the first MaxFailures failures and, only without a
