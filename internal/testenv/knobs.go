@@ -47,8 +47,6 @@ var Knobs = []Knob{
 	// Set by a test for the copy of its own binary it runs: not for a person to set.
 	{Name: "IMAGEFLEET_SOCKET_TEST_PROBE", Kind: KindString,
 		Doc: "internal: the socket TestPermissionDeniedByTheKernel's re-run (as nobody) probes"},
-	{Name: "IMAGEFLEET_FLEET_TEST_NATS_CONFIG", Kind: KindString,
-		Doc: "internal: makes services/fleet's test binary a nats-server with this configuration (the cluster test's children)"},
 
 	// Benchmark sizes and windows.
 	{Name: "IMAGEFLEET_SCALE_NODES", Kind: KindInts, Default: "1000", Positive: true,
