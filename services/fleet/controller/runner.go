@@ -43,6 +43,7 @@ type runner struct {
 	// outcomes holds each ended node's outcome, so that a resumed rollout (which reports its earlier
 	// outcomes again) counts each node once.
 	outcomes map[string]outcome
+	sums     sums
 	waveSize int
 	waveDone int
 	dirty    bool
@@ -311,8 +312,13 @@ func (run *runner) setPaused(p bool) {
 // record counts one node's outcome.
 func (run *runner) record(nr events.RolloutNodeResult) {
 	run.mu.Lock()
-	_, seen := run.outcomes[nr.Node]
-	run.outcomes[nr.Node] = outcome{ok: nr.OK, counts: nr.Counts()}
+	prev, seen := run.outcomes[nr.Node]
+	if seen {
+		run.sums.add(prev, -1)
+	}
+	o := outcome{ok: nr.OK, counts: nr.Counts()}
+	run.outcomes[nr.Node] = o
+	run.sums.add(o, 1)
 	if !seen && nr.Batch == int(run.status.CurrentWave) {
 		run.waveDone++
 		run.status.Active = int32(max(run.waveSize-run.waveDone, 0))
@@ -339,24 +345,31 @@ func hasFailure(fs []v1alpha1.NodeFailure, node string) bool {
 	return false
 }
 
-// progressLocked derives the counters from the outcomes.
+// sums are the outcomes' counters, kept as outcomes come and are replaced (a resumed rollout reports its
+// earlier outcomes again): a node's end costs O(1), not a pass over the fleet.
+type sums struct {
+	ok, failed     int32
+	bytes, removed int64
+}
+
+func (s *sums) add(o outcome, sign int) {
+	if o.ok {
+		s.ok += int32(sign)
+	} else {
+		s.failed += int32(sign)
+	}
+	s.bytes += int64(sign) * o.counts.Bytes
+	s.removed += int64(sign) * int64(o.counts.Removed)
+}
+
+// progressLocked puts the counters into the status.
 func (run *runner) progressLocked() {
-	var ok, failed int32
-	var bytes, removed int64
-	for _, o := range run.outcomes {
-		if o.ok {
-			ok++
-		} else {
-			failed++
-		}
-		bytes += o.counts.Bytes
-		removed += int64(o.counts.Removed)
-	}
-	run.status.Succeeded, run.status.Failed = ok, failed
+	s := run.sums
+	run.status.Succeeded, run.status.Failed = s.ok, s.failed
 	if run.r.kind.rollout == events.RolloutGC {
-		run.status.BytesFreed, run.status.ImagesRemoved = bytes, removed
+		run.status.BytesFreed, run.status.ImagesRemoved = s.bytes, s.removed
 	}
-	run.status.Progress = fmt.Sprintf("%d/%d", ok+failed, run.status.Desired)
+	run.status.Progress = fmt.Sprintf("%d/%d", s.ok+s.failed, run.status.Desired)
 }
 
 // finish writes the rollout's end: Complete when every wave ran (failures within the budget included),

@@ -10,9 +10,12 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/recorder"
 
 	"github.com/imagefleet/imagefleet/api/v1alpha1"
+	"github.com/imagefleet/imagefleet/events"
 )
 
 // recordingWriter records the status patches and counts those in flight at once; the first one waits for
@@ -98,3 +101,31 @@ func TestStatusWritesLandInOrder(t *testing.T) {
 		t.Errorf("patches landed %v (overlapping: %v): want Running then Complete, one at a time", w.patches, w.overlap)
 	}
 }
+
+// TestRecordCountsEachNodeOnce: a resumed rollout reports its earlier outcomes again; each node counts once,
+// with its latest outcome, and the GC sums follow.
+func TestRecordCountsEachNodeOnce(t *testing.T) {
+	m, err := newMetrics(prometheus.NewRegistry())
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := &reconciler{kind: gcKind(), status: &recordingWriter{}, m: m, log: slog.New(slog.DiscardHandler),
+		rec: discardRecorder{}, cfg: Config{StatusInterval: time.Hour}}
+	run := newRunner(t.Context(), r, &v1alpha1.ImageGC{ObjectMeta: metav1.ObjectMeta{Name: "gc", UID: "u"}})
+	run.status.Desired = 3
+	gc := func(node string, ok bool, bytes int64) events.RolloutNodeResult {
+		return events.RolloutNodeResult{Node: node, OK: ok, GCCounts: &events.GCCounts{Removed: 1, Bytes: bytes}}
+	}
+	for _, nr := range []events.RolloutNodeResult{gc("a", true, 10), gc("b", true, 20), gc("a", true, 10), gc("c", false, 0), gc("b", true, 20)} {
+		run.record(nr)
+	}
+	st := run.status
+	if st.Succeeded != 2 || st.Failed != 1 || st.BytesFreed != 30 || st.ImagesRemoved != 3 || st.Progress != "3/3" {
+		t.Errorf("status %+v: want 2 succeeded, 1 failed, 30 bytes and 3 images (c's count included), 3/3", st)
+	}
+}
+
+// discardRecorder drops Events.
+type discardRecorder struct{ recorder.EventRecorder }
+
+func (discardRecorder) Eventf(runtime.Object, runtime.Object, string, string, string, string, ...any) {}
