@@ -128,4 +128,5 @@ func TestRecordCountsEachNodeOnce(t *testing.T) {
 // discardRecorder drops Events.
 type discardRecorder struct{ recorder.EventRecorder }
 
-func (discardRecorder) Eventf(runtime.Object, runtime.Object, string, string, string, string, ...any) {}
+func (discardRecorder) Eventf(runtime.Object, runtime.Object, string, string, string, string, ...any) {
+}
