@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"encoding/json"
 	"fmt"
+	"log/slog"
 	"net/http"
 	"strconv"
 	"strings"
@@ -33,6 +34,7 @@ func BenchmarkControllerObjects(b *testing.B) {
 			if err != nil {
 				b.Fatal(err)
 			}
+			controller.UseLogger(slog.Default())
 			cl, err := client.New(kc.AdminConfig(), client.Options{Scheme: scheme})
 			if err != nil {
 				b.Fatal(err)

@@ -3,6 +3,7 @@ package integration_test
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -45,6 +46,7 @@ func TestControllerRunsObjects(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	controller.UseLogger(slog.Default())
 	cl, err := client.New(kc.AdminConfig(), client.Options{Scheme: scheme})
 	if err != nil {
 		t.Fatal(err)

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net/http"
 	"os"
 	"os/exec"
@@ -253,6 +254,23 @@ central:
 	return l
 }
 
+// waitJobSucceeded waits until the Job's status counts its pod's success, failing at once if it counts a
+// failure. `helm install --wait` returns once the pods are Ready, which does not wait for a Job: its pod can
+// have completed while the job controller has not yet recorded it (CI saw Succeeded 0 with the pod done).
+func (l *installLab) waitJobSucceeded(ctx context.Context, name string) {
+	l.t.Helper()
+	waitInstall(l.t, time.Minute, "Job "+name+" succeeded", func() (bool, string) {
+		job, err := l.admin.BatchV1().Jobs(installNS).Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		if job.Status.Failed > 0 {
+			l.t.Fatalf("Job %s failed: %+v", name, job.Status)
+		}
+		return job.Status.Succeeded == 1, fmt.Sprintf("%+v", job.Status)
+	})
+}
+
 // dumpPods logs each pod's state and the last lines of its containers' logs, for a failed test.
 func (l *installLab) dumpPods() {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
@@ -306,9 +324,7 @@ func TestInstallOnTheKubeLab(t *testing.T) {
 		t.Fatalf("helm install --wait returned with pods not Ready: %s", why)
 	}
 	t.Logf("helm install to every pod Ready: %s", installTook.Round(100*time.Millisecond))
-	if job, err := l.admin.BatchV1().Jobs(installNS).Get(ctx, "imagefleet-bus-init-r1", metav1.GetOptions{}); err != nil || job.Status.Succeeded != 1 {
-		t.Fatalf("the init Job of the install: %v", err)
-	}
+	l.waitJobSucceeded(ctx, "imagefleet-bus-init-r1")
 
 	// 2. The operator's identity: a token of imagefleet-operator, the CA from the chart's Secret.
 	tlsSecret, err := l.admin.CoreV1().Secrets(installNS).Get(ctx, "imagefleet-nats-tls", metav1.GetOptions{})
@@ -353,9 +369,7 @@ func TestInstallOnTheKubeLab(t *testing.T) {
 	}
 	l.reg.SetDelay(0)
 	t.Logf("helm upgrade from %s to every pod Ready: %s", upgradeFrom, time.Since(t0).Round(100*time.Millisecond))
-	if job, err := l.admin.BatchV1().Jobs(installNS).Get(ctx, "imagefleet-bus-init-r2", metav1.GetOptions{}); err != nil || job.Status.Succeeded != 1 {
-		t.Fatalf("the init Job of the upgrade: %v", err)
-	}
+	l.waitJobSucceeded(ctx, "imagefleet-bus-init-r2")
 	ds, err := l.admin.AppsV1().DaemonSets(installNS).Get(ctx, "imagefleet-agent", metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
@@ -433,6 +447,7 @@ func TestInstallOnTheKubeLab(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	controller.UseLogger(slog.Default())
 	kcl, err := client.New(l.c.AdminConfig(), client.Options{Scheme: scheme})
 	if err != nil {
 		t.Fatal(err)

@@ -3,6 +3,7 @@ package main
 import (
 	"errors"
 	"fmt"
+	"log/slog"
 	"strings"
 
 	"github.com/spf13/cobra"
@@ -72,6 +73,7 @@ func (cl *cli) createObject(cmd *cobra.Command, o objectFlags, obj client.Object
 	if err != nil {
 		return err
 	}
+	controller.UseLogger(slog.Default())
 	c, err := client.New(rc, client.Options{Scheme: scheme})
 	if err != nil {
 		return fmt.Errorf("kubernetes client: %w", err)

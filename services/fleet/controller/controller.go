@@ -129,9 +129,7 @@ func (c *Controller) Run(ctx context.Context) error {
 		return err
 	}
 	log := logr.FromSlogHandler(c.cfg.Logger.With("worker", "controller").Handler())
-	// controller-runtime's packages log through its global logger too (and complain, with a stack, when it
-	// was never set).
-	setLogger.Do(func() { ctrl.SetLogger(log) })
+	UseLogger(c.cfg.Logger.With("worker", "controller"))
 	skip := true
 	mgr, err := ctrl.NewManager(c.cfg.REST, ctrl.Options{
 		Scheme:                        scheme,
@@ -168,6 +166,14 @@ func (c *Controller) Run(ctx context.Context) error {
 }
 
 var setLogger sync.Once
+
+// UseLogger makes logger the global logger of controller-runtime's packages (the clients a program makes with
+// sigs.k8s.io/controller-runtime/pkg/client log through it), once per process: the first call wins. A
+// program that makes such a client calls it first; otherwise controller-runtime prints a warning with a
+// stack trace once the client has logged for 30 s with no logger set.
+func UseLogger(logger *slog.Logger) {
+	setLogger.Do(func() { ctrl.SetLogger(logr.FromSlogHandler(logger.Handler())) })
+}
 
 // readyRunnable closes Ready once the manager has synced its caches (it runs on every replica).
 type readyRunnable struct{ c *Controller }
