@@ -256,7 +256,7 @@ func newFleetFollowCmd(cl *cli) *cobra.Command {
 			defer b.Close()
 			if !wait {
 				sctx, cancel := cl.contextTimeout(ctx)
-				started, _, _, err := fleet.LoadRollout(sctx, b, id)
+				started, err := fleet.LoadRolloutStarted(sctx, b, id)
 				cancel()
 				if err != nil {
 					return err

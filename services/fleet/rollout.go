@@ -24,7 +24,8 @@ import (
 //   - NewRollout(RolloutConfig, bus, action) validates the config (rollout_config.go) and (*Rollout).Run
 //     runs the rollout to its end (rollout_run.go), reporting as it goes through RolloutConfig.Progress and
 //     RolloutConfig.Results, and returns the events.RolloutResult;
-//   - LoadRollout reads what the stream holds of a rollout, FollowRollout follows it as it is written.
+//   - LoadRollout reads what the stream holds of a rollout (LoadRolloutStarted only its plan), FollowRollout
+//     follows it as it is written.
 //
 // The contract Run keeps:
 //

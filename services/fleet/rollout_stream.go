@@ -34,6 +34,25 @@ func LoadRollout(ctx context.Context, b *bus.Bus, id string) (*events.RolloutSta
 	return st.started, st.claims, st.results, nil
 }
 
+// LoadRolloutStarted reads only the start record of rollout id (nil when it never started): its plan and
+// settings, in one lookup however many nodes the rollout has recorded. A driver resuming a rollout needs no
+// more; the engine's Run reads the claims and outcomes itself.
+func LoadRolloutStarted(ctx context.Context, b *bus.Bus, id string) (*events.RolloutStarted, error) {
+	var started *events.RolloutStarted
+	err := b.Read(ctx, events.RolloutStream, events.RolloutSubject(id, events.RolloutStartedKind, ""), func(m bus.StreamMsg) error {
+		var s events.RolloutStarted
+		if json.Unmarshal(m.Data, &s) != nil {
+			return nil // a damaged record is skipped, as loadRollout does
+		}
+		started = &s
+		return bus.StopReading
+	})
+	if err != nil {
+		return nil, fmt.Errorf("load rollout %s: %w", id, err)
+	}
+	return started, nil
+}
+
 func loadRollout(ctx context.Context, b *bus.Bus, id string) (rolloutState, error) {
 	st := rolloutState{claims: map[string]events.RolloutClaim{}, results: map[string]events.RolloutNodeResult{}}
 	// A rollout that never started has nothing to read: one direct lookup instead of a scan.

@@ -105,9 +105,17 @@ func TestRolloutStreamsResults(t *testing.T) {
 	}
 
 	// The outcome records of a real GC carry counts and bytes, not the lists of images.
-	_, _, results, err := fleet.LoadRollout(t.Context(), b, req.ID)
+	started, _, results, err := fleet.LoadRollout(t.Context(), b, req.ID)
 	if err != nil {
 		t.Fatal(err)
+	}
+	// LoadRolloutStarted reads the same plan alone, and nothing for a rollout that never started.
+	if only, err := fleet.LoadRolloutStarted(t.Context(), b, req.ID); err != nil || only == nil || started == nil ||
+		!slices.Equal(only.Nodes, started.Nodes) || len(only.Nodes) != len(nodes) || only.InitialBatch != started.InitialBatch {
+		t.Errorf("LoadRolloutStarted: %+v, %v; LoadRollout's start: %+v", only, err, started)
+	}
+	if none, err := fleet.LoadRolloutStarted(t.Context(), b, "never-started"); err != nil || none != nil {
+		t.Errorf("LoadRolloutStarted of a rollout that never started: %+v, %v", none, err)
 	}
 	rec := results["node-000"]
 	if rec.GC == nil || len(rec.GC.Removed) != 0 || rec.GCCounts == nil ||

@@ -186,7 +186,7 @@ func (run *runner) once(id string) (res events.RolloutResult, restart bool, err 
 	if err := fleet.EnsureRolloutStream(ctx, b, cfg.Replicas); err != nil {
 		return res, false, err
 	}
-	started, _, _, err := fleet.LoadRollout(ctx, b, id)
+	started, err := fleet.LoadRolloutStarted(ctx, b, id)
 	if err != nil {
 		return res, false, err
 	}
