@@ -24,8 +24,8 @@ const (
 	// instead of vanishing.
 	NodesSeenBucket = "imagefleet-nodes-seen"
 	// InventoryBucket holds the fleet inventory: one key per image and node, InventoryKey (image first, so
-	// the nodes holding an image are one key-filtered read); the previous release's keys were node first,
-	// InventoryNodeFirstKey, and are re-keyed in place by this release's replicas.
+	// the nodes holding an image are one key-filtered read); a node-first key of the older layout,
+	// InventoryNodeFirstKey, is re-keyed in place by the replicas (compat_nodefirst_keys.go).
 	InventoryBucket = "imagefleet-inventory"
 	// RolloutStream stores every rollout's event stream (imagefleet.fleet.rollout.>).
 	RolloutStream = "IMAGEFLEET_ROLLOUTS"
@@ -64,14 +64,9 @@ func InventoryImageToken(id string) string {
 // InventoryKey is the key of image id on node in InventoryBucket: <image token>.<node token>.
 func InventoryKey(id, node string) string { return InventoryImageToken(id) + "." + NodeToken(node) }
 
-// InventoryImageKeys is the key filter of every node holding image id in InventoryBucket. (A node-first key
-// of the previous release can match it too, for a node named like an image token: a reader checks the value.)
+// InventoryImageKeys is the key filter of every node holding image id in InventoryBucket. (A node-first key,
+// InventoryNodeFirstKey, can match it too, for a node named like an image token: a reader checks the value.)
 func InventoryImageKeys(id string) string { return InventoryImageToken(id) + ".*" }
-
-// InventoryNodeFirstKey is the previous release's key of image id on node: <node token>.<image token>.
-func InventoryNodeFirstKey(node, id string) string {
-	return NodeToken(node) + "." + InventoryImageToken(id)
-}
 
 // Rollout event kinds (the subject token after the rollout id).
 const (
@@ -150,7 +145,8 @@ type NodeInfo struct {
 
 // NodeAlive is the thin heartbeat an agent writes into NodesBucket every period (its full NodeInfo goes into
 // NodesSeenBucket when it changed, and every so often). Its fields are NodeInfo's, so a reader decodes either
-// shape as a NodeInfo; the previous release wrote the full NodeInfo into both buckets (Started is set).
+// shape as a NodeInfo: the thin one, or the full NodeInfo (Started is set) that an agent of the full-heartbeat
+// layout writes into both buckets (docs/upgrading.md, "Compatibility paths").
 type NodeAlive struct {
 	Node      string    `json:"node"`
 	Heartbeat time.Time `json:"heartbeat"`
@@ -216,8 +212,8 @@ type InventoryQuery struct {
 	Image string `json:"image,omitempty"`
 	// Limit caps the answer (0: no cap).
 	Limit int `json:"limit,omitempty"`
-	// Continue is the previous answer's Continue: this answer starts after it (an additive field: a replica of
-	// an earlier release refuses a query that sets it).
+	// Continue is the previous answer's Continue: this answer starts after it (an additive field: a replica
+	// that does not page refuses a query that sets it; docs/upgrading.md, "Compatibility paths").
 	Continue string `json:"continue,omitempty"`
 }
 

@@ -55,9 +55,9 @@ type DetectRequest struct {
 	Time *time.Time `json:"time,omitempty"`
 	// WithRecords asks for the node's records in the reply (DetectReply.List), so the asker need not list the
 	// records bucket (a KV listing is a JetStream consumer made and deleted: two API requests, the second
-	// through the meta leader on a cluster, besides the records). The GC executor asks. A detector of an
-	// earlier release refuses the field as unknown (ErrMalformed): the asker then detects without it and
-	// lists the bucket.
+	// through the meta leader on a cluster, besides the records). The GC executor asks. A detector that does
+	// not know the field refuses it as unknown (ErrMalformed): the asker then detects without it and lists
+	// the bucket (docs/upgrading.md, "Compatibility paths").
 	WithRecords bool `json:"withRecords,omitempty"`
 }
 

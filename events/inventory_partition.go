@@ -76,7 +76,7 @@ func InventoryCopySubject(node, action string) string {
 
 // SourceSequence reads the origin stream's sequence from a sourced message's Nats-Stream-Source header
 // ("<stream> <sequence> ..."): the inventory guards its writes with the events stream's sequence, the same
-// one a replica of the previous release (on InventoryDurable) uses, whichever way an event reached it.
+// one an unpartitioned replica (on InventoryDurable) uses, whichever way an event reached it.
 func SourceSequence(header, stream string) (uint64, error) {
 	fields := strings.Fields(header)
 	if len(fields) < 2 {

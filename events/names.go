@@ -10,7 +10,8 @@ import (
 // operators' tools, kept here so each is typed once. They are API: renaming a durable consumer redelivers its
 // whole stream, renaming a bucket leaves its data behind, renaming a queue group splits replicas of two
 // versions into two groups that both answer. testdata/names.golden pins every one; a rename fails
-// TestNamesGolden. (The events and pull streams are in subject.go, the fleet's names in fleet.go.)
+// TestNamesGolden. (The events and pods streams are in subject.go, the single pull queue of the older layout
+// in compat_single_queue.go, the fleet's names in fleet.go.)
 
 // Dead letters.
 const (
@@ -77,8 +78,8 @@ func RemovalsDurable(node string) string { return RemovalsDurablePrefix + NodeTo
 func KubeEventsDurable(node string) string { return KubeEventsDurablePrefix + NodeToken(node) }
 
 // PullerDurable is node's pull consumer: "puller-" + node token, on its partition stream PullStreamOf(node)
-// filtered to PullSubject(node), and (legacy, made by agents of earlier releases) on PullStream filtered to
-// LegacyPullSubject(node). Its MaxAckPending is the node's pull-token limit.
+// filtered to PullSubject(node), and, in the single queue of the older layout (compat_single_queue.go), on
+// PullStream filtered to LegacyPullSubject(node). Its MaxAckPending is the node's pull-token limit.
 func PullerDurable(node string) string { return PullerDurablePrefix + NodeToken(node) }
 
 // PodIndexDeadLetters is the consumer name under which the pod index of node keeps the pod events it
@@ -116,7 +117,7 @@ const (
 	// streams and a migration, never a setting).
 	PullPartitions = 16
 	// PullPartitionStreamPrefix starts the name of each partition stream: IMAGEFLEET_PULL_00 .. _15.
-	PullPartitionStreamPrefix = PullStream + "_"
+	PullPartitionStreamPrefix = "IMAGEFLEET_PULL_"
 	// PullPartitionMaxConsumers is each partition stream's MaxConsumers, set explicitly rather than left to
 	// the server's default (1,000 per stream, or whatever the operator configured): 16 x 1,000 durables per
 	// JetStream domain. Past that, a zone gets a leaf domain of its own (docs/scale.md).
@@ -155,7 +156,3 @@ func PullSubject(node string) string {
 
 // PullStreamOf is the partition stream that holds node's pull requests and its PullerDurable consumer.
 func PullStreamOf(node string) string { return PullPartitionStream(PullPartition(node)) }
-
-// LegacyPullSubject is the subject of node's pull requests in the legacy PullStream (imagefleet.cmd.<node
-// token>.pull), where a CLI or orchestrator of the previous release still publishes during an upgrade.
-func LegacyPullSubject(node string) string { return CommandSubject(node, VerbPull) }

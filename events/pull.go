@@ -11,12 +11,12 @@ import (
 // Pull requests, cancellations and results.
 //
 // A pull request is a command stored in the node's partition of the work queue, PullStreamOf(node), on
-// PullSubject(node) = imagefleet.cmd.<node>.pull.<pp> (earlier releases: the single PullStream on
-// imagefleet.cmd.<node>.pull), with Nats-Msg-Id = its ID, so a retried publish is stored once. What happens to it is told by events on
-// imagefleet.evt.<node>.pull.<action>: at most one pull.pulling (the kubelet's Normal Pulling event) and then
-// exactly one terminal event, pull.pulled or pull.failed, whose id is PullResultEventID(request ID): a
-// duplicate result (a request redelivered after a puller died between publishing and acking) is dropped by
-// the events stream's de-duplication.
+// PullSubject(node) = imagefleet.cmd.<node>.pull.<pp> (in the single queue of the older layout: PullStream on
+// imagefleet.cmd.<node>.pull, compat_single_queue.go), with Nats-Msg-Id = its ID, so a retried publish is
+// stored once. What happens to it is told by events on imagefleet.evt.<node>.pull.<action>: at most one
+// pull.pulling (the kubelet's Normal Pulling event) and then exactly one terminal event, pull.pulled or
+// pull.failed, whose id is PullResultEventID(request ID): a duplicate result (a request redelivered after a
+// puller died between publishing and acking) is dropped by the events stream's de-duplication.
 const (
 	EntityPull = "pull"
 

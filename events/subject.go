@@ -19,14 +19,6 @@ const (
 	PodsStreamFilter = Prefix + ".evt.*." + EntityPod + ".*"
 	// EventsSubjects is the subject filter of EventsStream.
 	EventsSubjects = Prefix + ".evt.>"
-	// PullStream is the legacy JetStream work-queue stream for pull commands (imagefleet.cmd.<node>.pull),
-	// one durable consumer per node, which nats-server caps at 1,000 per stream. Pull requests now go to the
-	// partition streams (PullPartitionStream); this one is kept, and still created, so that requests
-	// published by a CLI or orchestrator of the previous release are drained by the new agents during a
-	// rolling upgrade (docs/upgrading.md, "The partitioned pull queue").
-	PullStream = "IMAGEFLEET_PULL"
-	// PullSubjects is the subject filter of the legacy PullStream.
-	PullSubjects = Prefix + ".cmd.*.pull"
 )
 
 // ValidateNodeName reports whether name is a valid node name (a DNS-1123 subdomain of at most 253 characters).

@@ -23,7 +23,8 @@ import (
 //	           ce-involveduid, ce-involvedfieldpath (each only when set)
 //
 // Both are read by DecodeEventMsg (headers and body), so every reader accepts both versions during the
-// deprecation period; EncodeEvent writes the version of the event's type.
+// deprecation period; EncodeEvent writes the version of the event's type. v1's encoder and decoder are in
+// compat_event_v1.go.
 
 // Event type versions.
 const (
@@ -97,11 +98,7 @@ func EncodeEvent(ev Event) (map[string]string, []byte, error) {
 	}
 	switch v := ev.Version(); v {
 	case V1:
-		body, err := json.Marshal(ev)
-		if err != nil {
-			return nil, nil, fmt.Errorf("marshal event %s: %w", ev.ID, err)
-		}
-		return CloudEventHeader(ev.Type, ev.ID, ev.Node, ev.Time), body, nil
+		return encodeV1(ev)
 	case V2:
 		h := CloudEventHeader(ev.Type, ev.ID, ev.Node, ev.Time)
 		delete(h, HeaderContentType)
@@ -155,21 +152,7 @@ func DecodeEventMsg(header map[string][]string, data []byte) (Event, error) {
 	ceType := headerGet(header, HeaderType)
 	entity, _, version, err := ParseType(ceType)
 	if ceType == "" || err != nil || version == V1 {
-		if strings.HasPrefix(headerGet(header, HeaderContentType), "application/cloudevents") ||
-			strings.HasPrefix(headerGet(header, HeaderDataContentType), "application/cloudevents") {
-			return Event{}, fmt.Errorf("%w: %s", ErrMalformed, structuredEvent)
-		}
-		ev, err := DecodeEvent(data)
-		if err != nil {
-			if ceType == "" && isStructuredCloudEvent(data) {
-				return Event{}, fmt.Errorf("%w: %s", ErrMalformed, structuredEvent)
-			}
-			return Event{}, err
-		}
-		if ceType != "" && ceType != ev.Type {
-			return Event{}, fmt.Errorf("%w: ce-type %q does not match the body's type %q", ErrMalformed, ceType, ev.Type)
-		}
-		return ev, nil
+		return decodeV1Msg(header, data, ceType)
 	}
 	if entity == EntityPod {
 		return Event{}, fmt.Errorf("%w: %s is a pod event (its body is a Pod; see DecodePodEvent)", ErrMalformed, ceType)
