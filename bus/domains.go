@@ -46,10 +46,10 @@ import (
 // fleet's JetStream domain (Options.JSDomain).
 func fleetWide(stream string) bool { return events.FleetWideStream(stream) }
 
-// isPullStream reports whether stream is a pull work queue: the single queue of earlier releases or one of
-// its partitions (IMAGEFLEET_PULL_<pp>).
+// isPullStream reports whether stream is a pull work queue: one of the partitions (IMAGEFLEET_PULL_<pp>) or
+// the single queue of the older layout (compat_single_queue.go).
 func isPullStream(stream string) bool {
-	return stream == events.PullStream || strings.HasPrefix(stream, events.PullStream+"_")
+	return isLegacyPullStream(stream) || strings.HasPrefix(stream, events.PullPartitionStreamPrefix)
 }
 
 // domains is the JetStream domain layout of a connection: the fleet's domain, and the domain of the server

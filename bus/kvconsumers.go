@@ -18,9 +18,9 @@ import (
 
 // RaiseBucketConsumers raises the consumer limit of bucket's stream to events.SharedStreamMaxConsumers
 // when it is below it or unset (an unset limit, -1, is the server's default, 1,000, not "no limit"); a limit
-// an operator raised further is kept. It needs the right to
-// update streams: the agent that creates a bucket, or `imagefleet bus init` with the admin identity for
-// buckets made by an earlier release.
+// an operator raised further is kept. It needs the right to update streams: the client that creates a
+// bucket (KV), or `imagefleet bus init` with the admin identity for buckets made with the server's limit
+// (cmd/imagefleet/compat_kv_consumer_limits.go).
 func (b *Bus) RaiseBucketConsumers(ctx context.Context, bucket string) error {
 	name := "KV_" + bucket
 	return b.retryTransient(ctx, "bucket "+bucket+" consumer limit", func(actx context.Context) error {

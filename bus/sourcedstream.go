@@ -1,7 +1,6 @@
 package bus
 
 import (
-	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -51,11 +50,11 @@ func (sc SourcedStreamConfig) stream() jetstream.StreamConfig {
 	}
 }
 
-// EnsureSourcedStream creates the stream or brings an existing one to sc in place: a source or transform
-// of an earlier release is replaced (the server keeps the copies made so far and goes on from the origin's
-// next message), limits are updated. Retention cannot change in place: a stream made with another is kept
-// as it is, with a warning. Like EnsureStreams it is idempotent, and an identity that may only read stream
-// info finds the stream an operator made (imagefleet bus init) and goes on.
+// EnsureSourcedStream creates the stream or brings an existing one to sc in place: another source or
+// transform is replaced (the server keeps the copies made so far and goes on from the origin's next message;
+// compat_sourced_transform.go), limits are updated. Retention cannot change in place: a stream made with
+// another is kept as it is, with a warning. Like EnsureStreams it is idempotent, and an identity that may
+// only read stream info finds the stream an operator made (imagefleet bus init) and goes on.
 func (b *Bus) EnsureSourcedStream(ctx context.Context, sc SourcedStreamConfig) error {
 	if sc.Name == "" || sc.Origin == "" || sc.Filter == "" || sc.Transform == "" {
 		return fmt.Errorf("sourced stream %q needs a name, an origin, a filter and a transform", sc.Name)
@@ -67,24 +66,7 @@ func (b *Bus) EnsureSourcedStream(ctx context.Context, sc SourcedStreamConfig) e
 			return fmt.Errorf("stream %s: %w", sc.Name, err)
 		}
 		if err == nil && !sameSources(s.CachedInfo().Config.Sources, want.Sources) {
-			// A new transform is this stream's point: it is updated even where ensureStreamOnce would keep
-			// the stream as it is (another retention, which cannot change in place).
-			have := s.CachedInfo().Config
-			if want.Replicas == 0 {
-				want.Replicas = cmp.Or(b.replicas, have.Replicas)
-			}
-			if have.Retention != want.Retention {
-				b.log.Warn("stream kept with its existing retention", "stream", sc.Name)
-				want.Retention = have.Retention
-			}
-			err := b.refusable(actx, b.apiPrefix(sc.Name)+"STREAM.UPDATE."+sc.Name, func(ctx context.Context) error {
-				_, err := b.js.UpdateStream(ctx, want)
-				return err
-			})
-			if err != nil {
-				b.log.Warn("stream kept with its existing settings", "stream", sc.Name, "err", err)
-			}
-			return nil
+			return b.replaceSources(actx, s.CachedInfo().Config, want) // compat_sourced_transform.go
 		}
 		if want.Replicas == 0 {
 			want.Replicas = b.replicas

@@ -82,10 +82,7 @@ func (b *Bus) EnsureStreams(ctx context.Context, cfg StreamsConfig) error {
 			// Every node's pod index holds an ordered consumer here: past the server's default.
 			MaxConsumers: events.SharedStreamMaxConsumers,
 		},
-		// Legacy: the single pull queue of earlier releases, kept so that their CLIs and orchestrators can
-		// still queue pulls during a rolling upgrade (new agents drain it; docs/operations.md).
-		pullStreamConfig(events.PullStream, events.PullSubjects, 0, cfg.Replicas,
-			"image pull commands, one work queue consumer per node (legacy: see "+events.PullPartitionStreamPrefix+"<pp>)"),
+		legacyPullStreamConfig(cfg.Replicas), // the single pull queue of the older layout (compat_single_queue.go)
 		{
 			Name:        events.DeadLetterStream,
 			Description: "messages that were terminated or exhausted their deliveries",
