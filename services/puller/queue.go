@@ -45,7 +45,8 @@ func EnqueueIn(ctx context.Context, b *bus.Bus, domain, node string, req events.
 //	imagefleet_pull_tokens{node}           the node's token limit (MaxAckPending)
 //
 // A node whose consumer does not exist yet is left out of the scrape. While a node still has a durable on
-// the legacy single queue (a rolling upgrade), its waiting and in-flight requests are added in.
+// the legacy single queue (a rolling upgrade), its waiting and in-flight requests are added in
+// (compat_single_queue.go).
 type QueueCollector struct {
 	b       *bus.Bus
 	nodes   []string
@@ -80,10 +81,7 @@ func (c *QueueCollector) Collect(ch chan<- prometheus.Metric) {
 		if err != nil {
 			continue
 		}
-		// During an upgrade the node also drains its legacy durable: its requests count too.
-		if l, err := c.b.Consumer(ctx, events.PullStream, events.PullerDurable(node)); err == nil {
-			q.NumPending, q.NumAckPending = q.NumPending+l.NumPending, q.NumAckPending+l.NumAckPending
-		}
+		q = c.addLegacy(ctx, node, q) // compat_single_queue.go
 		ch <- prometheus.MustNewConstMetric(c.depth, prometheus.GaugeValue, float64(q.NumPending), node)
 		ch <- prometheus.MustNewConstMetric(c.inUse, prometheus.GaugeValue, float64(q.NumAckPending), node)
 		ch <- prometheus.MustNewConstMetric(c.tokens, prometheus.GaugeValue, float64(q.MaxAckPending), node)

@@ -154,7 +154,7 @@ func (s *Service) Run(ctx context.Context) error {
 	cc := ConsumerConfig(s.cfg)
 	cc.Started = func() { s.readyOnce.Do(func() { close(s.ready) }) }
 	goRun(func() error { return s.bus.Consume(ctx, cc, handle) })
-	goRun(func() error { return drainLegacy(ctx, s.bus, s.cfg, handle) })
+	goRun(func() error { return drainLegacy(ctx, s.bus, s.cfg, handle) }) // compat_single_queue.go
 	goRun(func() error {
 		t := time.NewTicker(time.Minute)
 		defer t.Stop()
