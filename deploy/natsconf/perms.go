@@ -66,7 +66,6 @@ func NodePermissions(node, pub, hub string) Permissions {
 	t := events.NodeToken(node)
 	durable := events.PullerDurable(node)
 	pullStream, pullFilter := events.PullStreamOf(node), events.PullSubject(node)
-	legacyFilter := events.LegacyPullSubject(node)
 	// api is the JetStream API prefix of stream's domain; kv the subject prefix of a write to bucket.
 	api := func(stream string) string {
 		if hub != "" && events.FleetWideStream(stream) {
@@ -92,13 +91,10 @@ func NodePermissions(node, pub, hub string) Permissions {
 		"$JS.API.CONSUMER.INFO." + pullStream + "." + durable,
 		"$JS.API.CONSUMER.MSG.NEXT." + pullStream + "." + durable,
 		"$JS.ACK." + pullStream + "." + durable + ".>",
-		// Legacy: the same durable on the single pull queue of earlier releases, which new agents drain during
-		// an upgrade (info, fetch, ack). Create stays allowed with the node's own filter only, so an agent of
-		// the previous release run with credentials made by this one still opens its consumer.
-		"$JS.API.CONSUMER.CREATE." + events.PullStream + "." + durable + "." + legacyFilter,
-		"$JS.API.CONSUMER.INFO." + events.PullStream + "." + durable,
-		"$JS.API.CONSUMER.MSG.NEXT." + events.PullStream + "." + durable,
-		"$JS.ACK." + events.PullStream + "." + durable + ".>",
+	}
+	// The same durable on the single pull queue of the older layout (compat_single_queue.go).
+	pub1 = append(pub1, legacyPullPermissions(node)...)
+	pub1 = append(pub1, []string{
 		// Reading its own events back (ordered consumers, filtered to the node).
 		api(events.EventsStream) + "CONSUMER.CREATE." + events.EventsStream + ".*." + events.NodeEvents(node),
 		api(events.EventsStream) + "CONSUMER.MSG.NEXT." + events.EventsStream + ".*",
@@ -113,7 +109,7 @@ func NodePermissions(node, pub, hub string) Permissions {
 		"$JS.ACK." + events.EventsStream + "." + events.RemovalsDurable(node) + ".>",
 		// Dead letters of the node's consumers (bus.Consume keeps terminated messages there).
 		events.DeadLetterPrefix + ".>",
-	}
+	}...)
 	if hub != "" {
 		// The fleet-wide streams' and buckets' info (the bus reads a stream's info before using it).
 		pub1 = append(pub1, "$JS."+hub+".API.INFO", "$JS."+hub+".API.STREAM.INFO.*")
@@ -191,8 +187,9 @@ func FleetPermissions(pub string) Permissions {
 }
 
 // InventoryPermissions are the fleet inventory worker's: it consumes every node's image events through
-// its partition durables on events.InventoryStream (or, as the previous release, its shared durable), keeps the inventory bucket, and answers inventory queries
-// (partitioned: keeps its partition leases in events.InventoryOwnersBucket and gathers the other replicas' parts).
+// its partition durables on events.InventoryStream (or, unpartitioned, its shared durable on
+// events.EventsStream), keeps the inventory bucket, and answers inventory queries (partitioned: keeps its
+// partition leases in events.InventoryOwnersBucket and gathers the other replicas' parts).
 func InventoryPermissions(pub string) Permissions {
 	b, o := events.InventoryBucket, events.InventoryOwnersBucket
 	return Permissions{
