@@ -97,16 +97,9 @@ admin identity (--nkey admin.nk). Agents that find them open them as they are.`,
 					return fmt.Errorf("%s: %w", s.what, err)
 				}
 			}
-			// Buckets made by an earlier release keep the server's 1,000-consumer limit: raise it, as a
-			// bucket made now has (every node watches its own keys of the shared buckets).
-			buckets, err := b.BucketNames(ctx)
-			if err != nil {
+			// Buckets made with the server's consumer limit (compat_kv_consumer_limits.go).
+			if err := raiseBucketConsumers(ctx, b); err != nil {
 				return err
-			}
-			for _, name := range buckets {
-				if err := b.RaiseBucketConsumers(ctx, name); err != nil {
-					return err
-				}
 			}
 			names, err := b.StreamNames(ctx)
 			if err != nil {

@@ -8,7 +8,6 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
 )
 
@@ -23,8 +22,10 @@ type streamRow struct {
 	Leader       string `json:"leader,omitempty"`
 }
 
+// isPullQueue reports whether stream name is a pull work queue: a partition, or the single queue of the
+// older layout (compat_single_queue.go).
 func isPullQueue(name string) bool {
-	return name == events.PullStream || strings.HasPrefix(name, events.PullPartitionStreamPrefix)
+	return isLegacyPullQueue(name) || strings.HasPrefix(name, events.PullPartitionStreamPrefix)
 }
 
 func newBusStreamsCmd(cl *cli) *cobra.Command {
@@ -74,47 +75,5 @@ the legacy IMAGEFLEET_PULL, whose MESSAGES must be 0 before it is removed after 
 		},
 	}
 	cmd.Flags().BoolVar(&pullOnly, "pull", false, "only the pull work queues (partitions and the legacy queue)")
-	return cmd
-}
-
-func newBusRemoveLegacyPullCmd(cl *cli) *cobra.Command {
-	var force bool
-	cmd := &cobra.Command{
-		Use:   "remove-legacy-pull [--force]",
-		Short: "Remove the legacy pull queue IMAGEFLEET_PULL and its consumers, once it is empty (after an upgrade)",
-		Long: `Remove the single pull work queue of releases before the partitioned one, with the node consumers on it,
-after every agent, CLI and orchestrator runs this release (docs/operations.md). Refused while it holds
-messages (requests of an old CLI not run yet), unless --force. Run it with the admin identity. Agents and
-commands of this release create the stream again, empty and without consumers, until a later release
-stops creating it.`,
-		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			ctx, cancel := cl.contextTimeout(cmd.Context())
-			defer cancel()
-			b, err := cl.connect(ctx, "imagefleet-bus-remove-legacy-pull")
-			if err != nil {
-				return err
-			}
-			defer b.Close()
-			st, err := b.Stream(ctx, events.PullStream)
-			if bus.IsStreamNotFound(err) {
-				fmt.Fprintf(cmd.OutOrStdout(), "%s does not exist\n", events.PullStream)
-				return nil
-			}
-			if err != nil {
-				return err
-			}
-			if st.Messages > 0 && !force {
-				return fmt.Errorf("%s holds %d pull requests not run yet (agents of this release drain them; "+
-					"an old agent runs its own): wait, or --force to drop them", events.PullStream, st.Messages)
-			}
-			if err := b.DeleteStream(ctx, events.PullStream); err != nil {
-				return err
-			}
-			fmt.Fprintf(cmd.OutOrStdout(), "removed %s (%d messages, %d consumers)\n", events.PullStream, st.Messages, st.Consumers)
-			return nil
-		},
-	}
-	cmd.Flags().BoolVar(&force, "force", false, "remove even while it holds pull requests (they are lost)")
 	return cmd
 }

@@ -34,9 +34,7 @@ func (cl *cli) inventoryQuery(cmd *cobra.Command, q events.InventoryQuery) (even
 	if err != nil {
 		return all, err
 	}
-	if n := len(all.Images) + len(all.Placements) + len(all.Nodes); q.Continue == "" && all.Continue == "" && n < all.Total {
-		fmt.Fprintf(cmd.ErrOrStderr(), "warning: the inventory answered %d of %d (a replica of an earlier release does not page: upgrade it)\n", n, all.Total)
-	}
+	warnUnpaged(cmd, q, all) // compat_unpaged_inventory.go
 	for next := all.Continue; next != ""; {
 		q.Continue = next
 		rep, err := askInventory(ctx, b, q)
