@@ -53,6 +53,21 @@ func IgnoreSourcing() []goleak.Option {
 	}
 }
 
+// IgnoreServer is opts plus the embedded nats-server's own goroutines: its streams', consumers' and file
+// store's loops (some start a moment after the request that made their stream or consumer was answered, so
+// a snapshot taken before the code under test runs can miss them) and a sourcing stream's (IgnoreSourcing).
+// For a goleak check of a worker while its server still runs; VerifyNoLeaks checks after the server is gone.
+func IgnoreServer(opts ...goleak.Option) []goleak.Option {
+	for _, f := range []string{
+		"(*consumer).loopAndGatherMsgs", "(*consumer).processInboundAcks", "(*consumer).processInboundNextMsgReqs",
+		"(*stream).signalConsumersLoop", "(*fileStore).flushStreamStateLoop", "(*stream).internalLoop",
+		"(*consumer).deleteNotActive", "(*fileStore).syncBlocks", "(*msgBlock).spinUpFlushLoop",
+	} {
+		opts = append(opts, goleak.IgnoreTopFunction("github.com/nats-io/nats-server/v2/server."+f))
+	}
+	return append(opts, IgnoreSourcing()...)
+}
+
 // VerifyNoLeaks checks, after every cleanup of the test (servers shut down, connections closed), that no
 // goroutine started during the test is left. Call it first in the test, before Start.
 func VerifyNoLeaks(t testing.TB) {

@@ -12,6 +12,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 
 	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
 )
 
@@ -35,7 +36,7 @@ func podApply(t *testing.T, b *bus.Bus, req events.PodApplyRequest, pods ...*v1.
 // the index applied the events.
 func TestApplyDecidesAddedOrUpdatedAtomically(t *testing.T) {
 	b := startBus(t)
-	defer goleak.VerifyNone(t, ignoreServer(goleak.IgnoreCurrent())...)
+	defer goleak.VerifyNone(t, bustest.IgnoreServer(goleak.IgnoreCurrent())...)
 	s, stop := startService(t, b, Config{Node: testNode, FlushInterval: 50 * time.Millisecond})
 	defer stop()
 

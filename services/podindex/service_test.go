@@ -69,19 +69,6 @@ func startBus(t *testing.T) *bus.Bus {
 	return b
 }
 
-// ignoreServer ignores the embedded nats-server's own goroutines (the streams, KV buckets and consumers the
-// worker created live in the server, not in the worker).
-func ignoreServer(opts ...goleak.Option) []goleak.Option {
-	for _, f := range []string{
-		"(*consumer).loopAndGatherMsgs", "(*consumer).processInboundAcks", "(*consumer).processInboundNextMsgReqs",
-		"(*stream).signalConsumersLoop", "(*fileStore).flushStreamStateLoop", "(*stream).internalLoop",
-		"(*consumer).deleteNotActive", "(*fileStore).syncBlocks", "(*msgBlock).spinUpFlushLoop",
-	} {
-		opts = append(opts, goleak.IgnoreTopFunction("github.com/nats-io/nats-server/v2/server."+f))
-	}
-	return append(opts, bustest.IgnoreSourcing()...)
-}
-
 func testPod(ns, name, uid string, secrets []string, cms []string, image string) *v1.Pod {
 	p := &v1.Pod{
 		TypeMeta:   metav1.TypeMeta{Kind: "Pod", APIVersion: "v1"},
@@ -150,7 +137,7 @@ func runService(s *Service) (done <-chan error, stop func() error) {
 
 func TestServiceIndexesQueriesAndRestarts(t *testing.T) {
 	b := startBus(t)
-	defer goleak.VerifyNone(t, ignoreServer(goleak.IgnoreCurrent())...)
+	defer goleak.VerifyNone(t, bustest.IgnoreServer(goleak.IgnoreCurrent())...)
 	ctx := t.Context()
 	s, stop := startService(t, b, Config{Node: testNode, FlushInterval: 50 * time.Millisecond})
 
@@ -265,7 +252,7 @@ func TestServiceIndexesQueriesAndRestarts(t *testing.T) {
 
 func TestMalformedEventsAreDeadLettered(t *testing.T) {
 	b := startBus(t)
-	defer goleak.VerifyNone(t, ignoreServer(goleak.IgnoreCurrent())...)
+	defer goleak.VerifyNone(t, bustest.IgnoreServer(goleak.IgnoreCurrent())...)
 	ctx := t.Context()
 	s, stop := startService(t, b, Config{Node: testNode})
 	defer stop()
