@@ -18,6 +18,7 @@ import (
 
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/internal/testenv"
 	"github.com/imagefleet/imagefleet/services/fleet"
 )
 
@@ -186,7 +187,9 @@ func BenchmarkFleetGC(b *testing.B) {
 // BenchmarkFleetCLI runs the built `imagefleet fleet gc` binary, as an operator would, against 1,000
 // hollow agents with the real workers (`imagefleet hollow`, registered through their own heartbeats) on a
 // nats-server of its own process, and reports the orchestrator process's own peak RSS, the wall time of
-// the command (registry listing, selection, ten slow-start batches, recording) and its exit.
+// the command (registry listing, selection, ten slow-start batches, recording) and its exit. With
+// IMAGEFLEET_BENCH_MEMPROFILE set, the command writes the orchestrator's allocation profile there
+// (--mem-profile).
 func BenchmarkFleetCLI(b *testing.B) {
 	bin := imagefleetBinary(b)
 	for _, dry := range []bool{true, false} {
@@ -205,7 +208,7 @@ func BenchmarkFleetCLI(b *testing.B) {
 				if dry {
 					args = append(args, "--dry-run")
 				}
-				if p := os.Getenv("FLEET_BENCH_MEMPROFILE"); p != "" {
+				if p := testenv.String(b, "IMAGEFLEET_BENCH_MEMPROFILE"); p != "" {
 					args = append(args, "--mem-profile", p)
 				}
 				// The command runs under /usr/bin/time: the rusage of a child the test starts directly would report

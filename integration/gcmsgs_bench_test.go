@@ -9,12 +9,10 @@ import (
 	"sync"
 	"testing"
 	"time"
-
-	"github.com/imagefleet/imagefleet/internal/testenv"
 )
 
 // BenchmarkHollowGCMessages lists the messages one node's fleet GC makes, by subject: `imagefleet hollow
-// --nodes N` (default 10, IMAGEFLEET_GCMSGS_NODES; 8 unused images each) against one standalone
+// --nodes N` (gcMsgsNodes, the row nodes=N; 8 unused images each) against one standalone
 // nats-server, and a monitor connection of the same account subscribed while `imagefleet fleet gc
 // --all-unused` runs, first as a dry run, then for real. Every message the server routes on countedSubjects
 // is counted once (requests, replies, JetStream API requests and their answers, KV writes, events, acks,
@@ -25,7 +23,7 @@ import (
 // node's side.
 func BenchmarkHollowGCMessages(b *testing.B) {
 	bin := imagefleetBinary(b)
-	n := testenv.Int(b, "IMAGEFLEET_GCMSGS_NODES")
+	const n = gcMsgsNodes
 	for _, bb := range agentBinaries(b, bin) {
 		b.Run(fmt.Sprintf("bin=%s/nodes=%d", bb.name, n), func(b *testing.B) {
 			for range b.N {
@@ -110,6 +108,9 @@ func BenchmarkHollowGCMessages(b *testing.B) {
 		})
 	}
 }
+
+// gcMsgsNodes is BenchmarkHollowGCMessages's fleet: the figures are per node, so a few nodes suffice.
+const gcMsgsNodes = 10
 
 // countedSubjects are what BenchmarkHollowGCMessages subscribes to: everything a GC pass sends but the
 // queries (imagefleet.qry.>): a subscriber there would answer for a pod index that does not run (the

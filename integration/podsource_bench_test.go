@@ -106,9 +106,21 @@ func podName(data []byte) (string, bool) {
 // phase, latencies from a pod's create call returning to the raw watch's ADDED and to the source's publish
 // (p50, p99), the time until the index holds all 10,000, and then a fresh source's initial sync of the 10,000
 // (list, compare with an empty index, publish) beside a raw client-go list of the same pods.
+//
+// Rows: pods=N (podSourcePods). pods=10000 is the figure and the default; pods=1000, a shorter run while
+// working on the benchmark, runs only when -bench names it: -bench 'APIServerPodSource$/pods=1000$'.
 func BenchmarkAPIServerPodSource(b *testing.B) {
+	for _, r := range testenv.Rows(podSourcePods) {
+		b.Run(r.Name, func(b *testing.B) { benchAPIServerPodSource(b, r.Value) })
+	}
+}
+
+// podSourcePods are BenchmarkAPIServerPodSource's pod counts, a row (pods=N) each.
+var podSourcePods = testenv.IntRows("pods", []int{10000}, []int{1000})
+
+// benchAPIServerPodSource is BenchmarkAPIServerPodSource with pods pods.
+func benchAPIServerPodSource(b *testing.B, pods int) {
 	const node, workers = "node-1", 16
-	pods := testenv.Int(b, "IMAGEFLEET_BENCH_PODS") // fewer: a shorter run while working on the benchmark
 	for range b.N {
 		c := kubelab.StartT(b, kubelab.Options{})
 		ctx := b.Context()

@@ -15,7 +15,6 @@ import (
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
-	"github.com/imagefleet/imagefleet/internal/testenv"
 	"github.com/imagefleet/imagefleet/services/fleet"
 )
 
@@ -35,10 +34,11 @@ type natsCluster struct {
 
 // startNATSCluster starts the cluster and waits until it creates R3 streams (`imagefleet bus init
 // --stream-replicas 3`: every stream and bucket the workers use, on three servers).
-func startNATSCluster(t testing.TB, bin string) *natsCluster { return startNATSClusterR(t, bin, 3) }
+func startNATSCluster(t testing.TB, bin string) *natsCluster { return startNATSClusterR(t, bin, 3, 0) }
 
-// startNATSClusterR is startNATSCluster with the given stream replicas.
-func startNATSClusterR(t testing.TB, bin string, replicas int) *natsCluster {
+// startNATSClusterR is startNATSCluster with the given stream replicas, and pullReplicas for the pull
+// partitions (0: the streams').
+func startNATSClusterR(t testing.TB, bin string, replicas, pullReplicas int) *natsCluster {
 	t.Helper()
 	confs, urls := clusterConfigs(t)
 	c := &natsCluster{urls: urls, URL: strings.Join(urls, ",")}
@@ -51,17 +51,17 @@ func startNATSClusterR(t testing.TB, bin string, replicas int) *natsCluster {
 	}
 	t.Cleanup(b.Close)
 	c.Bus = b
-	// IMAGEFLEET_SCALE_PULL_REPLICAS: the pull partitions' replicas (and so the node consumers'), for a
-	// fleet whose R3 node consumers do not fit the machine while every other stream stays R3.
-	var pullReplicas []string
-	if testenv.IsSet("IMAGEFLEET_SCALE_PULL_REPLICAS") {
-		pullReplicas = []string{"--pull-replicas", strconv.Itoa(testenv.Int(t, "IMAGEFLEET_SCALE_PULL_REPLICAS"))}
+	// pullReplicas: the pull partitions' replicas (and so the node consumers'), for a fleet whose R3 node
+	// consumers do not fit the machine while every other stream stays R3 (the streams=r3-pull-r1 row).
+	var pullArgs []string
+	if pullReplicas > 0 {
+		pullArgs = []string{"--pull-replicas", strconv.Itoa(pullReplicas)}
 	}
 	bustest.Eventually(t, fmt.Sprintf("the cluster's streams and buckets, R%d", replicas), 2*time.Minute, func() error {
 		ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
 		defer cancel()
 		args := []string{"bus", "init", "--stream-replicas", strconv.Itoa(replicas), "--nats", c.URL}
-		args = append(args, pullReplicas...)
+		args = append(args, pullArgs...)
 		_, err := cli(ctx, bin, args...)
 		if err != nil {
 			return err

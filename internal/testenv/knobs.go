@@ -26,8 +26,10 @@ type Knob struct {
 }
 
 // Knobs is every IMAGEFLEET_* variable the tests and benchmarks read, in the order docs/testing.md lists
-// them. Sweeps whose rows are all cheap enough to run together (the inventory's modes and replica counts,
-// the pull consumers' storage layouts) are sub-benchmarks, picked with -bench, not knobs.
+// them: what is environment (where binaries and caches are, what CI sets, CPU caps, fault seeds and outage
+// lengths, where a profile goes), never a benchmark's size. Sizes and windows are sub-benchmarks
+// (nodes=10000, layout=memory, settle=5m), picked with -bench: rows.go, and docs/testing.md, "Picking a
+// sweep row with -bench".
 var Knobs = []Knob{
 	// Environment: where things are, what CI sets.
 	{Name: "IMAGEFLEET_KUBE_BIN", Kind: KindString,
@@ -48,37 +50,32 @@ var Knobs = []Knob{
 	{Name: "IMAGEFLEET_SOCKET_TEST_PROBE", Kind: KindString,
 		Doc: "internal: the socket TestPermissionDeniedByTheKernel's re-run (as nobody) probes"},
 
-	// Benchmark sizes and windows.
-	{Name: "IMAGEFLEET_SCALE_NODES", Kind: KindInts, Default: "1000", Positive: true,
-		Doc: "fleet sizes of BenchmarkHollowFleet and BenchmarkInventoryCatchUp, one nodes=N row each"},
-	{Name: "IMAGEFLEET_SCALE_REPLICAS", Kind: KindInt, Default: "3", Positive: true,
-		Doc: "stream replicas (1 to 3) of the scale benchmarks' three-server cluster"},
-	{Name: "IMAGEFLEET_SCALE_PULL_REPLICAS", Kind: KindInt, Positive: true,
-		Doc: "the pull partitions' replicas (bus init --pull-replicas) in the scale harness; default: the streams'"},
+	// The machine a benchmark runs on, and what it hands the binaries it measures.
+	{Name: "IMAGEFLEET_SCALE_REPLICA_CPU", Kind: KindString,
+		Doc: "BenchmarkInventoryCatchUp: each replica's share of one core (e.g. 0.1) in a CPU cgroup (root); default: no cap"},
 	{Name: "IMAGEFLEET_SCALE_ROLLOUT_ARGS", Kind: KindString,
 		Doc: "more flags for every rollout of BenchmarkHollowFleet (e.g. \"--max-in-flight 250\")"},
 	{Name: "IMAGEFLEET_SCALE_HOLLOW_ARGS", Kind: KindString,
 		Doc: "more flags for BenchmarkHollowFleet's hollow agents (e.g. \"--heartbeat-period 20s\")"},
-	{Name: "IMAGEFLEET_SCALE_REPLICA_CPU", Kind: KindString,
-		Doc: "BenchmarkInventoryCatchUp: each replica's share of one core (e.g. 0.1) in a CPU cgroup (root); default: no cap"},
-	{Name: "IMAGEFLEET_PULLCONS_NODES", Kind: KindInt, Default: "1000", Positive: true,
-		Doc: "node consumers BenchmarkR3PullConsumers makes"},
-	{Name: "IMAGEFLEET_PULLCONS_BUDGET", Kind: KindDuration, Default: "20m",
-		Doc: "BenchmarkR3PullConsumers: the most time to make them"},
-	{Name: "IMAGEFLEET_PULLCONS_IDLE", Kind: KindDuration, Default: "30s", Positive: true,
-		Doc: "BenchmarkR3PullConsumers: the idle window whose server CPU is measured"},
-	{Name: "IMAGEFLEET_LEAF_BENCH_NODES", Kind: KindInt, Default: "100", Positive: true,
-		Doc: "BenchmarkLeafRollout's node count (even)"},
-	{Name: "IMAGEFLEET_GCMSGS_NODES", Kind: KindInt, Default: "10", Positive: true,
-		Doc: "BenchmarkHollowGCMessages's node count"},
-	{Name: "IMAGEFLEET_IDLE_NODES", Kind: KindInt, Default: "200", Positive: true,
-		Doc: "BenchmarkHollowIdleAPI's node count"},
-	{Name: "IMAGEFLEET_IDLE_SETTLE", Kind: KindDuration, Default: "30s", Positive: true,
-		Doc: "BenchmarkHollowIdleAPI: the wait after every node is Ready"},
-	{Name: "IMAGEFLEET_IDLE_WINDOW", Kind: KindDuration, Default: "90s", Positive: true,
-		Doc: "BenchmarkHollowIdleAPI: how long it counts"},
-	{Name: "IMAGEFLEET_BENCH_PODS", Kind: KindInt, Default: "10000", Positive: true,
-		Doc: "BenchmarkAPIServerPodSource's pod count (fewer for a short run while working on it)"},
 	{Name: "IMAGEFLEET_BENCH_CPUPROFILE", Kind: KindString,
 		Doc: "services/podindex's end-to-end benchmark writes a CPU profile of that phase alone to this file"},
+	{Name: "IMAGEFLEET_BENCH_MEMPROFILE", Kind: KindString,
+		Doc: "BenchmarkFleetCLI: `fleet gc` writes the orchestrator's allocation profile to this file (--mem-profile)"},
+}
+
+// Retired are knobs that were read once and are not now, each with where its setting went: Check names
+// the new way when one is still set (a command from an old run log).
+var Retired = map[string]string{
+	"IMAGEFLEET_SCALE_NODES":         "fleet sizes are rows: -bench 'HollowFleet$/nodes=10000$' (also InventoryCatchUp, ControllerObjects)",
+	"IMAGEFLEET_SCALE_REPLICAS":      "stream replicas are rows: -bench 'HollowFleet$/nodes=1000$/streams=r1$'",
+	"IMAGEFLEET_SCALE_PULL_REPLICAS": "R1 pull partitions are a row: -bench 'HollowFleet$/nodes=10000$/streams=r3-pull-r1$'",
+	"IMAGEFLEET_PULLCONS_NODES":      "consumer counts are rows: -bench 'R3PullConsumers$/layout=memory/nodes=10000$'",
+	"IMAGEFLEET_PULLCONS_BUDGET":     "BenchmarkR3PullConsumers makes them for 20 minutes at most",
+	"IMAGEFLEET_PULLCONS_IDLE":       "BenchmarkR3PullConsumers's idle window is 30 s",
+	"IMAGEFLEET_LEAF_BENCH_NODES":    "node counts are rows: -bench 'LeafRollout$/layout=leaves/nodes=200$'",
+	"IMAGEFLEET_GCMSGS_NODES":        "BenchmarkHollowGCMessages runs nodes=10",
+	"IMAGEFLEET_IDLE_NODES":          "BenchmarkHollowIdleAPI runs nodes=200",
+	"IMAGEFLEET_IDLE_SETTLE":         "the waits are rows: -bench 'HollowIdleAPI$/bin=current/nodes=200/settle=5m$'",
+	"IMAGEFLEET_IDLE_WINDOW":         "the waits are rows: -bench 'HollowIdleAPI$/bin=current/nodes=200/settle=5m$'",
+	"IMAGEFLEET_BENCH_PODS":          "pod counts are rows: -bench 'APIServerPodSource$/pods=1000$'",
 }

@@ -17,12 +17,18 @@ const Prefix = "IMAGEFLEET_"
 // docs names where a failure sends the reader.
 const docs = "docs/testing.md (declared in internal/testenv/knobs.go)"
 
-// Check returns an error naming each IMAGEFLEET_* variable of the environment that Knobs does not declare.
+// Check returns an error naming each IMAGEFLEET_* variable of the environment that Knobs does not declare
+// (for a Retired one, where its setting went).
 func Check() error {
 	var errs []error
 	for _, kv := range os.Environ() {
 		name, _, _ := strings.Cut(kv, "=")
-		if strings.HasPrefix(name, Prefix) && lookup(name) == nil {
+		switch {
+		case !strings.HasPrefix(name, Prefix) || lookup(name) != nil:
+			// not ours, or declared
+		case Retired[name] != "":
+			errs = append(errs, fmt.Errorf("testenv: %s is set but no test reads it now: %s; see %s", name, Retired[name], docs))
+		default:
 			errs = append(errs, fmt.Errorf("testenv: %s is set but no test reads it (a typo?); the knobs are in %s", name, docs))
 		}
 	}

@@ -60,12 +60,14 @@ func TestCheck(t *testing.T) {
 		t.Fatalf("declared knob set: %v", err)
 	}
 	t.Setenv("IMAGEFLEET_FOO", "1")
-	t.Setenv("IMAGEFLEET_SCALE_NODE", "10000") // one letter short of IMAGEFLEET_SCALE_NODES
+	t.Setenv("IMAGEFLEET_FAULTSEED", "42")      // IMAGEFLEET_FAULT_SEED without its underscore
+	t.Setenv("IMAGEFLEET_SCALE_NODES", "10000") // retired: a row now
 	err := Check()
 	if err == nil {
-		t.Fatal("IMAGEFLEET_FOO and IMAGEFLEET_SCALE_NODE passed Check")
+		t.Fatal("IMAGEFLEET_FOO, IMAGEFLEET_FAULTSEED and IMAGEFLEET_SCALE_NODES passed Check")
 	}
-	for _, want := range []string{"IMAGEFLEET_FOO is set but no test reads it", "IMAGEFLEET_SCALE_NODE is set", "docs/testing.md"} {
+	for _, want := range []string{"IMAGEFLEET_FOO is set but no test reads it (a typo?)", "IMAGEFLEET_FAULTSEED is set", "docs/testing.md",
+		"IMAGEFLEET_SCALE_NODES is set but no test reads it now: fleet sizes are rows: -bench 'HollowFleet$/nodes=10000$'"} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("Check() = %q, want it to contain %q", err, want)
 		}
@@ -88,13 +90,6 @@ func TestGetters(t *testing.T) {
 	if got := Int(t, "IMAGEFLEET_FAULT_ROUNDS"); got != 100 {
 		t.Errorf("IMAGEFLEET_FAULT_ROUNDS=100 read as %d", got)
 	}
-	if got := Ints(t, "IMAGEFLEET_SCALE_NODES"); !slices.Equal(got, []int{1000}) {
-		t.Errorf("unset IMAGEFLEET_SCALE_NODES = %v, want [1000]", got)
-	}
-	t.Setenv("IMAGEFLEET_SCALE_NODES", "1000, 10000")
-	if got := Ints(t, "IMAGEFLEET_SCALE_NODES"); !slices.Equal(got, []int{1000, 10000}) {
-		t.Errorf("IMAGEFLEET_SCALE_NODES=1000, 10000 read as %v", got)
-	}
 	if got := String(t, "IMAGEFLEET_BASELINE_BINARY"); got != "" {
 		t.Errorf("unset IMAGEFLEET_BASELINE_BINARY = %q", got)
 	}
@@ -115,6 +110,7 @@ func TestKinds(t *testing.T) {
 	Knobs = []Knob{
 		{Name: "IMAGEFLEET_T_BOOL", Kind: KindBool, Default: "false"},
 		{Name: "IMAGEFLEET_T_LIST", Kind: KindList, Default: "file,memory"},
+		{Name: "IMAGEFLEET_T_INTS", Kind: KindInts, Default: "1000", Positive: true},
 	}
 	if Bool(t, "IMAGEFLEET_T_BOOL") {
 		t.Error("default false read as true")
@@ -130,25 +126,35 @@ func TestKinds(t *testing.T) {
 	if got := List(t, "IMAGEFLEET_T_LIST"); !slices.Equal(got, []string{"memory"}) {
 		t.Errorf("IMAGEFLEET_T_LIST=' memory ' read as %q", got)
 	}
+	if got := Ints(t, "IMAGEFLEET_T_INTS"); !slices.Equal(got, []int{1000}) {
+		t.Errorf("unset IMAGEFLEET_T_INTS = %v, want [1000]", got)
+	}
+	t.Setenv("IMAGEFLEET_T_INTS", "1000, 10000")
+	if got := Ints(t, "IMAGEFLEET_T_INTS"); !slices.Equal(got, []int{1000, 10000}) {
+		t.Errorf("IMAGEFLEET_T_INTS=1000, 10000 read as %v", got)
+	}
 }
 
 func TestBadValues(t *testing.T) {
 	clearKnobs(t)
+	saved := Knobs
+	t.Cleanup(func() { Knobs = saved })
+	Knobs = append(slices.Clone(Knobs), Knob{Name: "IMAGEFLEET_T_INTS", Kind: KindInts, Default: "1000", Positive: true})
 	for _, c := range []struct {
 		name, value string
 		read        func(tb testing.TB)
 		want        string
 	}{
-		{"int", "abc", func(tb testing.TB) { Int(tb, "IMAGEFLEET_GCMSGS_NODES") },
-			`IMAGEFLEET_GCMSGS_NODES="abc" (set): want a positive integer; see docs/testing.md`},
-		{"not positive", "0", func(tb testing.TB) { Int(tb, "IMAGEFLEET_GCMSGS_NODES") },
-			`IMAGEFLEET_GCMSGS_NODES="0" (set): want a positive integer`},
+		{"int", "abc", func(tb testing.TB) { Int(tb, "IMAGEFLEET_FAULT_ROUNDS") },
+			`IMAGEFLEET_FAULT_ROUNDS="abc" (set): want a positive integer; see docs/testing.md`},
+		{"not positive", "0", func(tb testing.TB) { Int(tb, "IMAGEFLEET_FAULT_ROUNDS") },
+			`IMAGEFLEET_FAULT_ROUNDS="0" (set): want a positive integer`},
 		{"int without Positive", "x", func(tb testing.TB) { Int(tb, "IMAGEFLEET_FAULT_SEED") },
 			`IMAGEFLEET_FAULT_SEED="x" (set): want an integer`},
 		{"duration", "30", func(tb testing.TB) { Duration(tb, "IMAGEFLEET_OUTAGE") },
 			`IMAGEFLEET_OUTAGE="30" (set): want a Go duration such as 30s or 5m`},
-		{"ints", "1000,ten", func(tb testing.TB) { Ints(tb, "IMAGEFLEET_SCALE_NODES") },
-			`IMAGEFLEET_SCALE_NODES="1000,ten" (set): want a positive integer, comma-separated`},
+		{"ints", "1000,ten", func(tb testing.TB) { Ints(tb, "IMAGEFLEET_T_INTS") },
+			`IMAGEFLEET_T_INTS="1000,ten" (set): want a positive integer, comma-separated`},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			knob := strings.Fields(c.want)[0]
@@ -194,6 +200,58 @@ func TestTable(t *testing.T) {
 				t.Errorf("%s's default %q: %v", k.Name, k.Default, err)
 			}
 		}
+	}
+	for name, hint := range Retired {
+		if !strings.HasPrefix(name, Prefix) || seen[name] || hint == "" {
+			t.Errorf("retired %q: want a name starting %s that Knobs does not declare, and where its setting went", name, Prefix)
+		}
+	}
+}
+
+// TestRows: the default rows run under any pattern, an Explicit one only under a pattern that names it.
+func TestRows(t *testing.T) {
+	f := flag.Lookup("test.bench")
+	saved := f.Value.String()
+	t.Cleanup(func() { f.Value.Set(saved) })
+	rows := IntRows("nodes", []int{1000}, []int{1500, 10000})
+	names := func(rows []Row[int]) []string {
+		var out []string
+		for _, r := range rows {
+			out = append(out, r.Name)
+		}
+		return out
+	}
+	if got, want := names(rows), []string{"nodes=1000", "nodes=1500", "nodes=10000"}; !slices.Equal(got, want) {
+		t.Fatalf("IntRows = %q, want %q", got, want)
+	}
+	if !rows[2].Explicit || rows[2].Value != 10000 || rows[0].Explicit {
+		t.Fatalf("IntRows = %+v", rows)
+	}
+	for _, c := range []struct {
+		pattern string
+		want    []string
+	}{
+		{"", []string{"nodes=1000"}},
+		{".", []string{"nodes=1000"}},
+		{"HollowFleet$", []string{"nodes=1000"}},
+		{"HollowFleet$/nodes=1.*", []string{"nodes=1000"}},
+		{"HollowFleet$/nodes=10000$", []string{"nodes=1000", "nodes=10000"}},
+		{"(HollowFleet|InventoryCatchUp)$/(nodes=1500|nodes=10000)$/streams=r3-pull-r1", []string{"nodes=1000", "nodes=1500", "nodes=10000"}},
+		{"HollowFleet$/nodes=1500$|InventoryCatchUp$/nodes=10000$", []string{"nodes=1000", "nodes=1500", "nodes=10000"}},
+		{"HollowFleet$/nodes=(1500|10000)$", []string{"nodes=1000"}}, // matches them, names neither
+	} {
+		if err := f.Value.Set(c.pattern); err != nil {
+			t.Fatal(err)
+		}
+		if got := names(Rows(rows)); !slices.Equal(got, c.want) {
+			t.Errorf("-bench %q: rows %q, want %q", c.pattern, got, c.want)
+		}
+	}
+	if err := f.Value.Set("X/streams=r3-pull-r1"); err != nil {
+		t.Fatal(err)
+	}
+	if Named("streams=r1") || !Named("streams=r3-pull-r1") || Named("") {
+		t.Error("Named")
 	}
 }
 
