@@ -241,7 +241,7 @@ func (k *KV) List(ctx context.Context, filter string) ([]Entry, error) {
 
 // watcher opens a watcher of the keys matching filter, which lasts until ctx ends or stop is called. Each
 // attempt to make its consumer ends with the attempt, and one that fails transiently is made again
-// (Bus.retry: from AttemptTimeout, more patient after each attempt that timed out; for maxElapsed, 0:
+// (retryPatient: from AttemptTimeout, more patient after each attempt that timed out; for maxElapsed, 0:
 // while ctx lasts).
 //
 // nats.go makes a watcher's consumer under the context the watcher then lives by, so a caller's deadline (a
@@ -255,7 +255,7 @@ func (k *KV) watcher(ctx context.Context, what, filter string, maxElapsed time.D
 		w    jetstream.KeyWatcher
 		stop func()
 	)
-	err := k.b.retryTransientFor(ctx, what, maxElapsed, func(actx context.Context) error {
+	err := k.b.retryPatient(ctx, what, maxElapsed, func(actx context.Context) error {
 		life, cancel := context.WithCancel(context.WithoutCancel(ctx))
 		unlink := context.AfterFunc(ctx, cancel)
 		abort := context.AfterFunc(actx, cancel)

@@ -103,7 +103,7 @@ const rangeQuiet = 2 * time.Second
 // the caller's deadline.
 func (k *KV) lastRev(filter string) func(context.Context) (uint64, error) {
 	return func(ctx context.Context) (last uint64, err error) {
-		err = k.b.retryTransientFor(ctx, "kv last revision "+k.kv.Bucket(), kvRetryFor, func(actx context.Context) (err error) {
+		err = k.b.retryPatient(ctx, "kv last revision "+k.kv.Bucket(), kvRetryFor, func(actx context.Context) (err error) {
 			last, err = k.lastRevOnce(actx, filter)
 			return err
 		})

@@ -139,7 +139,7 @@ func LogRetries(log *slog.Logger, what string) RetryOption {
 }
 
 // patient grows an attempt that timed out: the next is given twice as long, up to maxAttemptTimeout
-// (Bus.retry: every retry of the bus).
+// (retryPatient).
 func patient() RetryOption { return func(c *retryConfig) { c.patient = true } }
 
 // stopWhen gives up after a failed attempt when closed reports true (the bus's connection is closed).
@@ -161,13 +161,7 @@ func Retry(ctx context.Context, op func(attempt context.Context) error, opts ...
 	patience := cfg.perAttempt
 	var last error
 	err := backoff.Retry(func() error {
-		limit := patience
-		if cfg.maxElapsed > 0 && attempt > 0 {
-			// A patient attempt does not run on far past MaxElapsed: it gets what is left, at least the first
-			// attempt's length.
-			limit = min(limit, max(cfg.perAttempt, cfg.maxElapsed-time.Since(bo.start)))
-		}
-		actx, cancel := context.WithTimeout(ctx, limit)
+		actx, cancel := context.WithTimeout(ctx, patience)
 		err := op(actx)
 		if cfg.patient && ctx.Err() == nil && errors.Is(actx.Err(), context.DeadlineExceeded) {
 			patience = min(2*patience, maxAttemptTimeout)
@@ -199,23 +193,27 @@ func Retry(ctx context.Context, op func(attempt context.Context) error, opts ...
 // op gets a context for the attempt (ctx bounded by AttemptTimeout); what must outlive the attempt (a
 // watcher, a consumer's iterator) is made with ctx instead.
 func (b *Bus) retryTransientFor(ctx context.Context, what string, maxElapsed time.Duration, op func(attempt context.Context) error) error {
-	return b.retry(ctx, what, maxElapsed, op)
+	return b.retry(ctx, what, maxElapsed, false, op)
 }
 
-// maxAttemptTimeout bounds a patient attempt.
+// maxAttemptTimeout bounds the attempts of retryPatient.
 const maxAttemptTimeout = time.Minute
 
-// retry is Retry logged on b's logger, giving up once b's connection is closed, with attempts that grow
-// patient: one that timed out is followed by one given twice as long (from AttemptTimeout up to
-// maxAttemptTimeout). Every retry of the bus is of a JetStream API request or a key-value operation, which a
-// server slow to answer (its API queue longer than an attempt) goes on doing after the client gave up: sent
-// anew every AttemptTimeout, the abandoned attempts are work the server does all the same. 1,200 key-value
-// watchers starting at once under -race had 404 started and the rest stalled for a minute
-// (TestBucketTakesAWatcherPerNodePastOneThousand); 1,500 agents starting at once beside a CPU-bound process
-// sent 9,100 retries of bucket lookups and consumer creations in their first two minutes, while the servers'
-// writes stalled and Ready nodes turned Lost. A request the server dropped is asked again after
-// AttemptTimeout all the same, and one that fails at once (no responders during an election) leaves the
-// patience as it is.
-func (b *Bus) retry(ctx context.Context, what string, maxElapsed time.Duration, op func(attempt context.Context) error) error {
-	return Retry(ctx, op, MaxElapsed(maxElapsed), LogRetries(b.log, what), stopWhen(b.nc.IsClosed), patient())
+// retryPatient is retryTransientFor whose attempts grow patient: one that timed out is followed by one given
+// twice as long (from AttemptTimeout up to maxAttemptTimeout). A request a server dropped is asked again after
+// AttemptTimeout, but one a server is slow to answer (its JetStream API queue longer than an attempt) is not
+// sent again and again at the same pace: the server does each abandoned attempt's work all the same, and
+// 1,200 key-value watchers starting at once under -race, each sending its create request anew every 5 s,
+// had 404 started and the rest stalled for a minute (TestBucketTakesAWatcherPerNodePastOneThousand).
+func (b *Bus) retryPatient(ctx context.Context, what string, maxElapsed time.Duration, op func(attempt context.Context) error) error {
+	return b.retry(ctx, what, maxElapsed, true, op)
+}
+
+// retry is Retry logged on b's logger, giving up once b's connection is closed.
+func (b *Bus) retry(ctx context.Context, what string, maxElapsed time.Duration, patiently bool, op func(attempt context.Context) error) error {
+	opts := []RetryOption{MaxElapsed(maxElapsed), LogRetries(b.log, what), stopWhen(b.nc.IsClosed)}
+	if patiently {
+		opts = append(opts, patient())
+	}
+	return Retry(ctx, op, opts...)
 }

@@ -123,34 +123,25 @@ func TestRetryTransientUsesANewLeaderAtOnce(t *testing.T) {
 // TestRetryPatientGrowsAfterTimeouts: attempts that time out (a server slow to answer, its API queue longer
 // than an attempt) are followed by attempts twice as long, up to maxAttemptTimeout, so a slow server is not
 // sent the same request anew every AttemptTimeout; one that fails fast (no responders) leaves the patience as
-// it is; Retry without patient stays at AttemptTimeout; a patient attempt gets no more than what is left of
-// MaxElapsed (at least AttemptTimeout).
+// it is; retryTransientFor stays at AttemptTimeout.
 func TestRetryPatientGrowsAfterTimeouts(t *testing.T) {
 	for _, tc := range []struct {
-		name       string
-		patient    bool
-		maxElapsed time.Duration
-		fails      []error // what each attempt ends with; nil: it waits for its context (a timeout)
-		want       []time.Duration
+		name    string
+		patient bool
+		fails   []error // what each attempt ends with; nil: it waits for its context (a timeout)
+		want    []time.Duration
 	}{
-		{"patient", true, 0, []error{nil, nil, nil, nil, nil, nil},
+		{"patient", true, []error{nil, nil, nil, nil, nil, nil},
 			[]time.Duration{AttemptTimeout, 2 * AttemptTimeout, 4 * AttemptTimeout, 8 * AttemptTimeout, maxAttemptTimeout, maxAttemptTimeout}},
-		{"patient, a fast failure between", true, 0, []error{nil, nats.ErrNoResponders, nil},
+		{"patient, a fast failure between", true, []error{nil, nats.ErrNoResponders, nil},
 			[]time.Duration{AttemptTimeout, 2 * AttemptTimeout, 2 * AttemptTimeout}},
-		{"not patient", false, 0, []error{nil, nil, nil}, []time.Duration{AttemptTimeout, AttemptTimeout, AttemptTimeout}},
-		// 20 s in all: 5 s, then 10 s (15.25 s in, after a 250 ms wait), then the rest (4.x s) is below
-		// AttemptTimeout, so 5 s.
-		{"patient within MaxElapsed", true, 20 * time.Second, []error{nil, nil, nil},
-			[]time.Duration{AttemptTimeout, 2 * AttemptTimeout, AttemptTimeout}},
+		{"not patient", false, []error{nil, nil, nil}, []time.Duration{AttemptTimeout, AttemptTimeout, AttemptTimeout}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			synctest.Test(t, func(t *testing.T) {
-				opts := []RetryOption{MaxElapsed(tc.maxElapsed)}
-				if tc.patient {
-					opts = append(opts, patient())
-				}
+				b := &Bus{nc: &nats.Conn{}, log: slog.New(slog.DiscardHandler)}
 				var got []time.Duration
-				err := Retry(t.Context(), func(actx context.Context) error {
+				err := b.retry(t.Context(), "kv watch", 0, tc.patient, func(actx context.Context) error {
 					deadline, _ := actx.Deadline()
 					got = append(got, time.Until(deadline))
 					i := len(got) - 1
@@ -162,12 +153,9 @@ func TestRetryPatientGrowsAfterTimeouts(t *testing.T) {
 					}
 					<-actx.Done()
 					return actx.Err()
-				}, opts...)
-				if err != nil && tc.maxElapsed == 0 { // within MaxElapsed, the last attempt's timeout is the error
+				})
+				if err != nil {
 					t.Fatal(err)
-				}
-				if len(got) < len(tc.want) {
-					t.Fatalf("%d attempts, want %d", len(got), len(tc.want))
 				}
 				if got = got[:len(tc.want)]; !equalDurations(got, tc.want) {
 					t.Fatalf("attempts given %v, want %v", got, tc.want)
