@@ -38,19 +38,26 @@ func LoadRollout(ctx context.Context, b *bus.Bus, id string) (*events.RolloutSta
 // settings, in one lookup however many nodes the rollout has recorded. A driver resuming a rollout needs no
 // more; the engine's Run reads the claims and outcomes itself.
 func LoadRolloutStarted(ctx context.Context, b *bus.Bus, id string) (*events.RolloutStarted, error) {
-	var started *events.RolloutStarted
-	err := b.Read(ctx, events.RolloutStream, events.RolloutSubject(id, events.RolloutStartedKind, ""), func(m bus.StreamMsg) error {
-		var s events.RolloutStarted
-		if json.Unmarshal(m.Data, &s) != nil {
-			return nil // a damaged record is skipped, as loadRollout does
-		}
-		started = &s
-		return bus.StopReading
-	})
+	started, err := firstRecord[events.RolloutStarted](ctx, b, events.RolloutSubject(id, events.RolloutStartedKind, ""))
 	if err != nil {
 		return nil, fmt.Errorf("load rollout %s: %w", id, err)
 	}
 	return started, nil
+}
+
+// firstRecord reads the first record on subject of the rollout stream that decodes as a T (nil when there
+// is none): a damaged record is skipped, as loadRollout does.
+func firstRecord[T any](ctx context.Context, b *bus.Bus, subject string) (*T, error) {
+	var first *T
+	err := b.Read(ctx, events.RolloutStream, subject, func(m bus.StreamMsg) error {
+		var v T
+		if json.Unmarshal(m.Data, &v) != nil {
+			return nil
+		}
+		first = &v
+		return bus.StopReading
+	})
+	return first, err
 }
 
 func loadRollout(ctx context.Context, b *bus.Bus, id string) (rolloutState, error) {
@@ -114,15 +121,7 @@ func (r *Rollout) publishFirst(ctx context.Context, subject, id string, v any) (
 
 // firstClaimIsOurs reports whether the first claim stored on subject is this run's.
 func (r *Rollout) firstClaimIsOurs(ctx context.Context, subject string) (bool, error) {
-	var first *events.RolloutClaim
-	err := r.b.Read(ctx, events.RolloutStream, subject, func(m bus.StreamMsg) error {
-		var c events.RolloutClaim
-		if json.Unmarshal(m.Data, &c) != nil {
-			return nil // a damaged record is skipped, as loadRollout does
-		}
-		first = &c
-		return bus.StopReading
-	})
+	first, err := firstRecord[events.RolloutClaim](ctx, r.b, subject)
 	if err != nil {
 		return false, fmt.Errorf("read claim %s: %w", subject, err)
 	}
