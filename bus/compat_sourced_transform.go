@@ -30,12 +30,6 @@ func (b *Bus) replaceSources(ctx context.Context, have, want jetstream.StreamCon
 		b.log.Warn("stream kept with its existing retention", "stream", want.Name)
 		want.Retention = have.Retention
 	}
-	err := b.refusable(ctx, b.apiPrefix(want.Name)+"STREAM.UPDATE."+want.Name, func(ctx context.Context) error {
-		_, err := b.js.UpdateStream(ctx, want)
-		return err
-	})
-	if err != nil {
-		b.log.Warn("stream kept with its existing settings", "stream", want.Name, "err", err)
-	}
+	b.updateOrKeep(ctx, want)
 	return nil
 }

@@ -174,13 +174,7 @@ func (b *Bus) ensureStreamOnce(ctx context.Context, sc jetstream.StreamConfig, n
 		}
 		// Settings changed (a new release, --stream-replicas): update. A stream made with other immutable
 		// settings, or an identity without the right to update, keeps the stream as it is.
-		err := b.refusable(ctx, b.apiPrefix(sc.Name)+"STREAM.UPDATE."+sc.Name, func(ctx context.Context) error {
-			_, err := b.js.UpdateStream(ctx, sc)
-			return err
-		})
-		if err != nil {
-			b.log.Warn("stream kept with its existing settings", "stream", sc.Name, "err", err)
-		}
+		b.updateOrKeep(ctx, sc)
 		return nil
 	case errors.Is(err, jetstream.ErrStreamNotFound):
 		sc.Replicas = max(cmp.Or(sc.Replicas, newReplicas), 1)
@@ -364,4 +358,16 @@ func (b *Bus) DeleteStream(ctx context.Context, name string) error {
 		return fmt.Errorf("delete stream %s: %w", name, err)
 	}
 	return nil
+}
+
+// updateOrKeep updates a stream to sc; when the server refuses (another immutable setting, an identity
+// without the right to update) the stream is kept as it is, and a warning says so.
+func (b *Bus) updateOrKeep(ctx context.Context, sc jetstream.StreamConfig) {
+	err := b.refusable(ctx, b.apiPrefix(sc.Name)+"STREAM.UPDATE."+sc.Name, func(ctx context.Context) error {
+		_, err := b.js.UpdateStream(ctx, sc)
+		return err
+	})
+	if err != nil {
+		b.log.Warn("stream kept with its existing settings", "stream", sc.Name, "err", err)
+	}
 }
