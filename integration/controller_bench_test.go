@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"encoding/json"
 	"fmt"
-	"log/slog"
 	"net/http"
 	"strconv"
 	"strings"
@@ -16,7 +15,6 @@ import (
 	"github.com/imagefleet/imagefleet/api/v1alpha1"
 	"github.com/imagefleet/imagefleet/integration/kubelab"
 	"github.com/imagefleet/imagefleet/internal/testenv"
-	"github.com/imagefleet/imagefleet/services/fleet/controller"
 )
 
 // BenchmarkControllerObjects runs a fleet GC dry run and a pre-pull through the objects (ImageGC,
@@ -39,15 +37,7 @@ func BenchmarkControllerObjects(b *testing.B) {
 func benchControllerObjects(b *testing.B, bin, name string, n int, s clusterStreams) {
 	b.Run(name, func(b *testing.B) {
 		kc := kubelab.StartT(b, kubelab.Options{})
-		scheme, err := controller.Scheme()
-		if err != nil {
-			b.Fatal(err)
-		}
-		controller.UseLogger(slog.Default())
-		cl, err := client.New(kc.AdminConfig(), client.Options{Scheme: scheme})
-		if err != nil {
-			b.Fatal(err)
-		}
+		cl := controllerClient(b, kc.AdminConfig())
 		applyCRDs(b, cl)
 		f := startHollowFleet(b, bin, n, s, "--images-per-node", "2", "--pull-delay", "100ms")
 		port := freePort(b)

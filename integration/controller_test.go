@@ -21,6 +21,7 @@ import (
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/client-go/rest"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/yaml"
 
@@ -42,15 +43,7 @@ func TestControllerRunsObjects(t *testing.T) {
 	const nodes, images = 6, 2
 	kc := kubelab.StartT(t, kubelab.Options{})
 	ctx := t.Context()
-	scheme, err := controller.Scheme()
-	if err != nil {
-		t.Fatal(err)
-	}
-	controller.UseLogger(slog.Default())
-	cl, err := client.New(kc.AdminConfig(), client.Options{Scheme: scheme})
-	if err != nil {
-		t.Fatal(err)
-	}
+	cl := controllerClient(t, kc.AdminConfig())
 	applyCRDs(t, cl)
 
 	bin := imagefleetBinary(t)
@@ -295,6 +288,21 @@ func TestControllerRunsObjects(t *testing.T) {
 			return fmt.Errorf("still there, phase %q", o.Status.Phase)
 		})
 	})
+}
+
+// controllerClient is a controller-runtime client of cfg that knows the project's kinds.
+func controllerClient(t testing.TB, cfg *rest.Config) client.Client {
+	t.Helper()
+	scheme, err := controller.Scheme()
+	if err != nil {
+		t.Fatal(err)
+	}
+	controller.UseLogger(slog.Default())
+	cl, err := client.New(cfg, client.Options{Scheme: scheme})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return cl
 }
 
 // applyCRDs creates the chart's CustomResourceDefinitions and waits until the API server serves them.

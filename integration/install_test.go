@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"log/slog"
 	"net/http"
 	"os"
 	"os/exec"
@@ -29,7 +28,6 @@ import (
 	"github.com/imagefleet/imagefleet/integration/kubelab"
 	"github.com/imagefleet/imagefleet/integration/lab"
 	"github.com/imagefleet/imagefleet/internal/testport"
-	"github.com/imagefleet/imagefleet/services/fleet/controller"
 )
 
 // installNS is the namespace the chart is installed into, as docs/install.md does.
@@ -443,15 +441,7 @@ func TestInstallOnTheKubeLab(t *testing.T) {
 
 	// 5b. An ImagePrePull with only its images, run by the central Deployment's controller under the chart's
 	// RBAC: Complete on node-1, the image in the runtime.
-	scheme, err := controller.Scheme()
-	if err != nil {
-		t.Fatal(err)
-	}
-	controller.UseLogger(slog.Default())
-	kcl, err := client.New(l.c.AdminConfig(), client.Options{Scheme: scheme})
-	if err != nil {
-		t.Fatal(err)
-	}
+	kcl := controllerClient(t, l.c.AdminConfig())
 	ipp := &v1alpha1.ImagePrePull{ObjectMeta: metav1.ObjectMeta{Name: "warm"}, Spec: v1alpha1.ImagePrePullSpec{Images: []string{l.reg.Ref("lab/warm:1")}}}
 	if err := kcl.Create(ctx, ipp); err != nil {
 		t.Fatal(err)
