@@ -4,6 +4,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
+	"strconv"
 	"strings"
 	"time"
 )
@@ -75,6 +76,10 @@ const (
 	RolloutBatchKind    = "batch"
 	RolloutNodeKind     = "node"
 	RolloutFinishedKind = "finished"
+	// RolloutClaimsKind is a claim on a range of the plan's nodes (RolloutClaims, RolloutClaimsSubject).
+	RolloutClaimsKind = "claims"
+	// RolloutNodesKind is several nodes' outcomes in one record (RolloutNodes, RolloutNodesSubject).
+	RolloutNodesKind = "nodes"
 )
 
 // Rollout kinds.
@@ -90,6 +95,19 @@ func RolloutSubject(id, kind, node string) string {
 		s += "." + NodeToken(node)
 	}
 	return s
+}
+
+// RolloutClaimsSubject is imagefleet.fleet.rollout.<id>.claims.<first>: the claim on the range of the plan's
+// nodes that starts at index first (RolloutClaims). Ranges are cut the same way by every run of a rollout
+// (RolloutStarted.ClaimSize), so the first claim stored on the subject decides who acts on all of them.
+func RolloutClaimsSubject(id string, first int) string {
+	return Prefix + ".fleet.rollout." + id + "." + RolloutClaimsKind + "." + strconv.Itoa(first)
+}
+
+// RolloutNodesSubject is imagefleet.fleet.rollout.<id>.nodes.<owner>.<seq>: the seq-th group of outcomes
+// recorded by run owner (RolloutNodes).
+func RolloutNodesSubject(id, owner string, seq int) string {
+	return Prefix + ".fleet.rollout." + id + "." + RolloutNodesKind + "." + owner + "." + strconv.Itoa(seq)
 }
 
 // RolloutFilter matches every event of rollout id.
@@ -306,6 +324,11 @@ type RolloutStarted struct {
 	// MaxFailures is the failure budget, a count ("10") or a percentage of Nodes ("5%"); empty: none may
 	// fail (added field: a plan without it, or a reader without it, has the budget of before, 0).
 	MaxFailures string `json:"maxFailures,omitempty"`
+	// ClaimSize is how the plan's nodes are claimed and their outcomes recorded: each batch is cut into
+	// ranges of at most ClaimSize nodes from its first, each claimed by one RolloutClaims record, and the
+	// outcomes are written in groups (RolloutNodes). 0 (a plan of an earlier release): one RolloutClaim
+	// and one outcome record per node.
+	ClaimSize int `json:"claimSize,omitempty"`
 }
 
 // RolloutClaim records that run Owner is about to act on Node: a node with a claim is never acted on again
@@ -315,6 +338,33 @@ type RolloutClaim struct {
 	Owner string    `json:"owner"`
 	Batch int       `json:"batch"`
 	Time  time.Time `json:"time"`
+}
+
+// RolloutClaims records that run Owner is about to act on Nodes, the plan's nodes First to
+// First+len(Nodes)-1 of batch Batch: none of them is acted on again in this rollout. It is stored on
+// RolloutClaimsSubject(id, First) only when that subject is empty, so of two runs exactly one claims a range.
+type RolloutClaims struct {
+	First int       `json:"first"`
+	Nodes []string  `json:"nodes"`
+	Owner string    `json:"owner"`
+	Batch int       `json:"batch"`
+	Time  time.Time `json:"time"`
+}
+
+// Claims is the range's claim on each of its nodes.
+func (c RolloutClaims) Claims() []RolloutClaim {
+	out := make([]RolloutClaim, len(c.Nodes))
+	for i, n := range c.Nodes {
+		out[i] = RolloutClaim{Node: n, Owner: c.Owner, Batch: c.Batch, Time: c.Time}
+	}
+	return out
+}
+
+// RolloutNodes is a group of node outcomes recorded by run Owner in one record: the outcomes that ended
+// while the previous group was being written.
+type RolloutNodes struct {
+	Owner string              `json:"owner"`
+	Nodes []RolloutNodeResult `json:"nodes"`
 }
 
 // RolloutBatch records that a batch started.

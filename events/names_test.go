@@ -73,6 +73,8 @@ func wireNames() [][2]string {
 		c("RolloutSubject(r1, RolloutNodeKind, node)", RolloutSubject("r1", RolloutNodeKind, node)),
 		c("RolloutSubject(r1, RolloutStartedKind)", RolloutSubject("r1", RolloutStartedKind, "")),
 		c("RolloutFilter(r1)", RolloutFilter("r1")),
+		c("RolloutClaimsSubject(r1, 64)", RolloutClaimsSubject("r1", 64)),
+		c("RolloutNodesSubject(r1, owner, 3)", RolloutNodesSubject("r1", "0a1b2c3d4e5f6a7b", 3)),
 		c("NodeEvents(node)", NodeEvents(node)), c("PodEventSubjects(node)", PodEventSubjects(node)),
 		c("FleetSubject(x)", FleetSubject("x")),
 		// CloudEvents headers and the pod event's rejection reasons (metric label values).

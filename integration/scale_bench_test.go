@@ -108,9 +108,28 @@ func (c *natsCluster) monitorURLs(b testing.TB) []string {
 
 // serverMsgs sums in_msgs over the servers (/varz): every message a client or a route handed a server.
 func serverMsgs(ctx context.Context, urls []string) (int64, error) {
+	return sumMonitor(ctx, urls, "/varz", func(v monitorCounts) int64 { return v.InMsgs })
+}
+
+// serverJSAPI sums the JetStream API requests the servers handled (/jsz api.total): stream, consumer and
+// message requests, and the meta leader's share of them.
+func serverJSAPI(ctx context.Context, urls []string) (int64, error) {
+	return sumMonitor(ctx, urls, "/jsz", func(v monitorCounts) int64 { return v.API.Total })
+}
+
+// monitorCounts is what the scale benchmarks read of /varz and /jsz.
+type monitorCounts struct {
+	InMsgs int64 `json:"in_msgs"`
+	API    struct {
+		Total int64 `json:"total"`
+	} `json:"api"`
+}
+
+// sumMonitor sums field of one monitoring endpoint over the servers.
+func sumMonitor(ctx context.Context, urls []string, path string, field func(monitorCounts) int64) (int64, error) {
 	var sum int64
 	for _, u := range urls {
-		req, err := http.NewRequestWithContext(ctx, http.MethodGet, u+"/varz", nil)
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, u+path, nil)
 		if err != nil {
 			return 0, err
 		}
@@ -118,15 +137,13 @@ func serverMsgs(ctx context.Context, urls []string) (int64, error) {
 		if err != nil {
 			return 0, err
 		}
-		var v struct {
-			InMsgs int64 `json:"in_msgs"`
-		}
+		var v monitorCounts
 		err = json.NewDecoder(resp.Body).Decode(&v)
 		resp.Body.Close()
 		if err != nil {
-			return 0, fmt.Errorf("%s/varz: %w", u, err)
+			return 0, fmt.Errorf("%s%s: %w", u, path, err)
 		}
-		sum += v.InMsgs
+		sum += field(v)
 	}
 	return sum, nil
 }
@@ -266,8 +283,9 @@ func startHollowFleetOf(b *testing.B, bin, agentBin string, n int, s clusterStre
 }
 
 // rolloutCost runs one rollout command and reports what it cost: wall, orchestrator peak RSS and CPU,
-// servers' CPU and peak RSS, hollow process CPU, and server messages per node (in_msgs over the three
-// servers during the rollout, less the idle rate measured just before).
+// servers' CPU and peak RSS, hollow process CPU, and server messages and JetStream API requests per node
+// (in_msgs and /jsz api.total over the three servers during the rollout, less the idle rates measured just
+// before).
 type rolloutCost struct {
 	res             events.RolloutResult
 	warnings        string // the hollow log's warnings and errors written during the rollout, by message
@@ -275,6 +293,7 @@ type rolloutCost struct {
 	orchRSS         int64
 	nats, hollowUse procCost
 	msgsPerNode     float64
+	apiPerNode      float64 // JetStream API requests the servers handled per node, less the idle rate
 }
 
 func (f *hollowFleet) run(b *testing.B, bin string, args ...string) rolloutCost {
@@ -285,12 +304,21 @@ func (f *hollowFleet) run(b *testing.B, bin string, args ...string) rolloutCost 
 	if err != nil {
 		b.Fatal(err)
 	}
-	time.Sleep(3 * time.Second)
+	a0, err := serverJSAPI(ctx, f.monitor)
+	if err != nil {
+		b.Fatal(err)
+	}
+	time.Sleep(3 * time.Second) // the idle window measured
 	m1, err := serverMsgs(ctx, f.monitor)
 	if err != nil {
 		b.Fatal(err)
 	}
 	idleRate := float64(m1-m0) / 3
+	a1, err := serverJSAPI(ctx, f.monitor)
+	if err != nil {
+		b.Fatal(err)
+	}
+	apiIdleRate := float64(a1-a0) / 3
 	ns, hs := f.sample(b)
 	var rc rolloutCost
 	args = append(args, "--nats", f.c.URL, "--stream-replicas", strconv.Itoa(f.streams.replicas), "--timeout", "5m", "-o", "json")
@@ -310,8 +338,13 @@ func (f *hollowFleet) run(b *testing.B, bin string, args ...string) rolloutCost 
 	if err != nil {
 		b.Fatal(err)
 	}
+	a2, err := serverJSAPI(ctx, f.monitor)
+	if err != nil {
+		b.Fatal(err)
+	}
 	rc.wall, rc.orchRSS, rc.orchCPU = wall, rss, cpu
 	rc.msgsPerNode = (float64(m2-m1) - idleRate*wall.Seconds()) / float64(f.n)
+	rc.apiPerNode = (float64(a2-a1) - apiIdleRate*wall.Seconds()) / float64(f.n)
 	if err := json.Unmarshal(out, &rc.res); err != nil {
 		b.Fatalf("%v\n%s", err, out)
 	}
@@ -428,6 +461,7 @@ func (rc rolloutCost) report(b *testing.B, f *hollowFleet, baseline time.Duratio
 	b.ReportMetric(rc.wall.Seconds()/baseline.Seconds(), "x-baseline")
 	b.ReportMetric(float64(rc.res.FailedTotal()), "failed-nodes")
 	b.ReportMetric(rc.msgsPerNode, "server-msgs/node")
+	b.ReportMetric(rc.apiPerNode, "js-api/node")
 	b.ReportMetric(float64(rc.orchRSS)/(1<<20), "orch-maxrss-MiB")
 	b.ReportMetric(rc.orchCPU.Seconds(), "orch-cpu-s")
 	b.ReportMetric(rc.nats.CPU.Seconds(), "nats-cpu-s")
@@ -567,8 +601,23 @@ func benchHollowFleet(b *testing.B, bin, agentBin, name string, n int, s cluster
 		hollowArgs := append([]string{"--images-per-node", "8", "--pull-delay", "100ms"}, strings.Fields(testenv.String(b, "IMAGEFLEET_SCALE_HOLLOW_ARGS"))...)
 		f := startHollowFleetOf(b, bin, agentBin, n, s, hollowArgs...)
 		b.Logf("%d agents Ready in %s; hollow RSS %.0f KiB per agent; RLIMIT_NOFILE %d", n, f.startup.Round(time.Millisecond), f.rssPer/1024, nofile)
-		baseline := requestBaseline(b, f.c, n)
-		b.Logf("baseline: %d request/replies in slow-start batches: %s", n, baseline.Round(time.Millisecond))
+		// The floor: bare request/replies in the rollouts' slow-start batches, on the same cluster and fleet.
+		// Every rollout row is reported as a ratio to it (x-baseline); a rollout row picked without this one
+		// measures it first.
+		var baseline time.Duration
+		floor := func(b *testing.B) time.Duration {
+			if baseline == 0 {
+				baseline = requestBaseline(b, f.c, n)
+				b.Logf("baseline: %d request/replies in slow-start batches: %s", n, baseline.Round(time.Millisecond))
+			}
+			return baseline
+		}
+		b.Run("op=floor", func(b *testing.B) {
+			for range b.N {
+				baseline = 0
+				b.ReportMetric(floor(b).Seconds(), "s/rollout")
+			}
+		})
 		b.Run("op=idle", func(b *testing.B) {
 			for range b.N {
 				f.idle(b, 10*time.Second).report(b, f)
@@ -577,13 +626,13 @@ func benchHollowFleet(b *testing.B, bin, agentBin, name string, n int, s cluster
 		b.Run("op=gc-dryrun", func(b *testing.B) {
 			for range b.N {
 				rc := f.run(b, bin, "fleet", "gc", "--dry-run", "--all-unused")
-				rc.report(b, f, baseline)
+				rc.report(b, f, floor(b))
 			}
 		})
 		b.Run("op=prepull", func(b *testing.B) {
 			for i := range b.N {
 				rc := f.run(b, bin, "fleet", "pull", fmt.Sprintf("registry.local/bench/prepull:v%d", i), "--node-timeout", "5m")
-				rc.report(b, f, baseline)
+				rc.report(b, f, floor(b))
 				// The floor of a pre-pull: one pull delay per batch after the messaging floor.
 				b.ReportMetric(float64(len(rc.res.Batches)), "batches")
 			}
@@ -594,7 +643,7 @@ func benchHollowFleet(b *testing.B, bin, agentBin, name string, n int, s cluster
 				if rc.res.FreedBytes <= 0 {
 					b.Errorf("gc freed %d bytes", rc.res.FreedBytes)
 				}
-				rc.report(b, f, baseline)
+				rc.report(b, f, floor(b))
 			}
 		})
 		// At rest again, minutes after the start: the heartbeat periods settled.

@@ -3,6 +3,7 @@ package integration_test
 import (
 	"bufio"
 	"context"
+	"encoding/json"
 	"fmt"
 	"os"
 	"slices"
@@ -208,8 +209,9 @@ func pullResultsPerNode(ctx context.Context, b *bus.Bus, after uint64, rollout s
 	})
 }
 
-// rolloutRecordsPerNode counts, per node, the claim and node-result records of rollout id in the rollout
-// stream (each message, not the first per node as LoadRollout keeps).
+// rolloutRecordsPerNode counts, per node, the claims and outcomes of rollout id in the rollout stream, each
+// record that names the node (a record per node, a claim on a range, a group of outcomes), not the first per
+// node as LoadRollout keeps.
 func rolloutRecordsPerNode(ctx context.Context, b *bus.Bus, id string) (claims, results map[string]int, err error) {
 	claims, results = map[string]int{}, map[string]int{}
 	prefix := events.Prefix + ".fleet.rollout." + id + "."
@@ -220,6 +222,22 @@ func rolloutRecordsPerNode(ctx context.Context, b *bus.Bus, id string) (claims, 
 			claims[events.NodeFromToken(node)]++
 		case events.RolloutNodeKind:
 			results[events.NodeFromToken(node)]++
+		case events.RolloutClaimsKind: // a claim on a range: each of its nodes once
+			var c events.RolloutClaims
+			if err := json.Unmarshal(m.Data, &c); err != nil {
+				return fmt.Errorf("claim record %s: %w", m.Subject, err)
+			}
+			for _, n := range c.Nodes {
+				claims[n]++
+			}
+		case events.RolloutNodesKind: // a group of outcomes: each of its nodes once
+			var g events.RolloutNodes
+			if err := json.Unmarshal(m.Data, &g); err != nil {
+				return fmt.Errorf("outcome record %s: %w", m.Subject, err)
+			}
+			for _, nr := range g.Nodes {
+				results[nr.Node]++
+			}
 		}
 		return nil
 	})

@@ -31,10 +31,10 @@ func TestClaimStoredWithALostAckIsOurs(t *testing.T) {
 		{"another run's claim", "gc-claim-theirs", "run-b", 0, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			raw, _ := json.Marshal(events.RolloutClaim{Node: "node-1", Owner: tc.claimOwner, Batch: 1, Time: time.Now().UTC()})
+			raw, _ := json.Marshal(events.RolloutClaims{First: 0, Nodes: []string{"node-1"}, Owner: tc.claimOwner, Batch: 1, Time: time.Now().UTC()})
 			// Stored under a message id the orchestrator's retry does not repeat: the server cannot answer it
 			// as a duplicate.
-			if _, err := b.PublishStored(t.Context(), bus.RawMsg{Subject: events.RolloutSubject(tc.id, events.RolloutClaimKind, "node-1"),
+			if _, err := b.PublishStored(t.Context(), bus.RawMsg{Subject: events.RolloutClaimsSubject(tc.id, 0),
 				MsgID: tc.id + ".lost-ack", Data: raw}); err != nil {
 				t.Fatal(err)
 			}

@@ -110,6 +110,10 @@ type Rollout struct {
 	b     *bus.Bus
 	act   NodeAction
 	owner string
+	// claims and outcomes record the nodes a range and a group at a time; nil in a rollout whose plan an
+	// earlier release recorded (a record per node).
+	claims   *rangeClaimer
+	outcomes *outcomeLog
 }
 
 // NewRollout validates cfg and prepares the rollout.

@@ -13,7 +13,8 @@ import (
 
 // RolloutEvent is one record of a rollout's stream, as a follower sees it.
 type RolloutEvent struct {
-	// Kind is started, claim, batch, node or finished.
+	// Kind is started, claim, batch, node or finished: a record claiming a range of nodes is a claim event
+	// per node, a group of outcomes a node event per node (with the record's Seq and Time).
 	Kind     string
 	Seq      uint64
 	Time     time.Time
@@ -32,32 +33,10 @@ func FollowRollout(ctx context.Context, b *bus.Bus, id string, fn func(RolloutEv
 	prefix := events.Prefix + ".fleet.rollout." + id + "."
 	err := b.Read(ctx, events.RolloutStream, events.RolloutFilter(id), func(m bus.StreamMsg) error {
 		kind, _, _ := strings.Cut(strings.TrimPrefix(m.Subject, prefix), ".")
-		ev := RolloutEvent{Kind: kind, Seq: m.Seq, Time: m.Time}
-		var err error
-		switch kind {
-		case events.RolloutStartedKind:
-			ev.Started = &events.RolloutStarted{}
-			err = json.Unmarshal(m.Data, ev.Started)
-		case events.RolloutClaimKind:
-			ev.Claim = &events.RolloutClaim{}
-			err = json.Unmarshal(m.Data, ev.Claim)
-		case events.RolloutBatchKind:
-			ev.Batch = &events.RolloutBatch{}
-			err = json.Unmarshal(m.Data, ev.Batch)
-		case events.RolloutNodeKind:
-			ev.Node = &events.RolloutNodeResult{}
-			err = json.Unmarshal(m.Data, ev.Node)
-		case events.RolloutFinishedKind:
-			ev.Finished = &events.RolloutResult{}
-			err = json.Unmarshal(m.Data, ev.Finished)
-		default:
-			return nil
-		}
-		if err != nil {
-			return nil // a damaged record is skipped, not fatal to the follower
-		}
-		if !fn(ev) {
-			return bus.StopReading
+		for _, ev := range rolloutEvents(kind, m) {
+			if !fn(ev) {
+				return bus.StopReading
+			}
 		}
 		return nil
 	}, bus.Follow(), bus.RetryFor(followRetryFor))
@@ -65,6 +44,56 @@ func FollowRollout(ctx context.Context, b *bus.Bus, id string, fn func(RolloutEv
 		return ctx.Err()
 	}
 	return err
+}
+
+// rolloutEvents decodes one record of the rollout stream: a claim on a range and a group of outcomes are an
+// event per node, as a record per node is. A damaged record is skipped (nil), not fatal to the follower.
+func rolloutEvents(kind string, m bus.StreamMsg) []RolloutEvent {
+	ev := RolloutEvent{Kind: kind, Seq: m.Seq, Time: m.Time}
+	var err error
+	switch kind {
+	case events.RolloutStartedKind:
+		ev.Started = &events.RolloutStarted{}
+		err = json.Unmarshal(m.Data, ev.Started)
+	case events.RolloutClaimKind:
+		ev.Claim = &events.RolloutClaim{}
+		err = json.Unmarshal(m.Data, ev.Claim)
+	case events.RolloutClaimsKind:
+		var c events.RolloutClaims
+		if json.Unmarshal(m.Data, &c) != nil {
+			return nil
+		}
+		out := make([]RolloutEvent, 0, len(c.Nodes))
+		for _, claim := range c.Claims() {
+			out = append(out, RolloutEvent{Kind: events.RolloutClaimKind, Seq: m.Seq, Time: m.Time, Claim: &claim})
+		}
+		return out
+	case events.RolloutBatchKind:
+		ev.Batch = &events.RolloutBatch{}
+		err = json.Unmarshal(m.Data, ev.Batch)
+	case events.RolloutNodeKind:
+		ev.Node = &events.RolloutNodeResult{}
+		err = json.Unmarshal(m.Data, ev.Node)
+	case events.RolloutNodesKind:
+		var g events.RolloutNodes
+		if json.Unmarshal(m.Data, &g) != nil {
+			return nil
+		}
+		out := make([]RolloutEvent, 0, len(g.Nodes))
+		for _, nr := range g.Nodes {
+			out = append(out, RolloutEvent{Kind: events.RolloutNodeKind, Seq: m.Seq, Time: m.Time, Node: &nr})
+		}
+		return out
+	case events.RolloutFinishedKind:
+		ev.Finished = &events.RolloutResult{}
+		err = json.Unmarshal(m.Data, ev.Finished)
+	default:
+		return nil
+	}
+	if err != nil {
+		return nil
+	}
+	return []RolloutEvent{ev}
 }
 
 // followRetryFor bounds how long FollowRollout's reader may fail to be made before the follower hears of it.

@@ -5,13 +5,12 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
 )
 
-// node runs the action on one node at most once per rollout. The error is for recording problems only;
-// the node's own failure is in the result.
-func (r *Rollout) node(ctx context.Context, st rolloutState, node string, batch int) (events.RolloutNodeResult, error) {
+// node runs the action on node i of the plan at most once per rollout. The error is for recording problems
+// only; the node's own failure is in the result.
+func (r *Rollout) node(ctx context.Context, st rolloutState, i int, node string, batch int) (events.RolloutNodeResult, error) {
 	cfg := r.cfg
 	if prev, ok := st.results[node]; ok {
 		prev.Resumed = true
@@ -21,22 +20,8 @@ func (r *Rollout) node(ctx context.Context, st rolloutState, node string, batch 
 		return events.RolloutNodeResult{Node: node, Batch: batch, Resumed: true,
 			Error: fmt.Sprintf("claimed by run %s at %s without a recorded outcome; not acted on again", c.Owner, c.Time.Format(time.RFC3339))}, nil
 	}
-	claim := events.RolloutClaim{Node: node, Owner: r.owner, Batch: batch, Time: cfg.Clock().UTC()}
-	claimSubject := events.RolloutSubject(cfg.ID, events.RolloutClaimKind, node)
-	var claimed bool
-	if err := bus.Retry(ctx, func(ctx context.Context) error {
-		var err error
-		claimed, err = r.publishFirst(ctx, claimSubject, "claim."+events.NodeToken(node)+"."+r.owner, claim)
-		if err == nil && !claimed {
-			// Refused because a claim is stored: it may be this run's own, from an attempt whose ack was
-			// lost (a server killed, a leader change) and that the server did not answer as a duplicate.
-			// The first claim stored is the one that counts (loadRollout), so ask the stream whose it is.
-			if claimed, err = r.firstClaimIsOurs(ctx, claimSubject); claimed {
-				cfg.Logger.Info("claim stored by an earlier attempt of this run", "rollout", cfg.ID, "node", node)
-			}
-		}
-		return err
-	}, bus.MaxElapsed(recordRetryFor), bus.MaxWait(time.Second)); err != nil {
+	claimed, err := r.claimNode(ctx, i, node, batch)
+	if err != nil {
 		return events.RolloutNodeResult{}, fmt.Errorf("claim node %s: %w", node, err)
 	}
 	if !claimed {
@@ -61,13 +46,28 @@ func (r *Rollout) node(ctx context.Context, st rolloutState, node string, batch 
 	if cfg.Kind == events.RolloutGC && !cfg.DryRun {
 		rec = nr.Compact()
 	}
-	if err := bus.Retry(ctx, func(ctx context.Context) error {
-		_, err := r.publish(ctx, events.RolloutSubject(cfg.ID, events.RolloutNodeKind, node), "node."+events.NodeToken(node), rec)
-		return err
-	}, bus.MaxElapsed(recordRetryFor), bus.MaxWait(time.Second)); err != nil {
+	if err := r.recordOutcome(ctx, rec); err != nil {
 		return nr, fmt.Errorf("record outcome of node %s: %w", node, err)
 	}
 	return nr, nil
+}
+
+// claimNode reports whether this run's claim on node i is the first stored: the claim on its range, or on
+// the node alone in a rollout of an earlier release (compat_node_records.go).
+func (r *Rollout) claimNode(ctx context.Context, i int, node string, batch int) (bool, error) {
+	if r.claims == nil {
+		return r.claimNodeAlone(ctx, node, batch)
+	}
+	return r.claims.claim(ctx, i, batch)
+}
+
+// recordOutcome records a node's outcome: in a group, or in a record of its own in a rollout of an earlier
+// release (compat_node_records.go).
+func (r *Rollout) recordOutcome(ctx context.Context, rec events.RolloutNodeResult) error {
+	if r.outcomes == nil {
+		return r.recordNodeAlone(ctx, rec)
+	}
+	return r.outcomes.record(rec)
 }
 
 // recordRetryFor bounds the retries of a claim and of an outcome record: long enough for a cluster that

@@ -25,6 +25,11 @@ func (r *Rollout) Run(ctx context.Context) (events.RolloutResult, error) {
 	res.DryRun = plan.DryRun
 	res.Skipped = plan.Skipped
 	nodes := plan.Nodes
+	if plan.ClaimSize > 0 { // else a plan of an earlier release: a record per node (compat_node_records.go)
+		lctx, stopLog := context.WithCancel(ctx)
+		defer stopLog()
+		r.claims, r.outcomes = newRangeClaimer(r, plan), r.startOutcomeLog(lctx)
+	}
 	allowed := cfg.FailureBudget.Allowed(len(nodes))
 	res.MaxFailures, res.FailureBudget = cfg.FailureBudget.String(), allowed
 
@@ -76,7 +81,7 @@ func (r *Rollout) begin(ctx context.Context, cfg *RolloutConfig, began time.Time
 	}
 	plan := events.RolloutStarted{ID: cfg.ID, Kind: cfg.Kind, Selector: cfg.Selector, InitialBatch: cfg.InitialBatch,
 		NodeTimeout: events.Duration{Duration: cfg.NodeTimeout}, DryRun: cfg.DryRun, Image: cfg.Image, GC: cfg.GC,
-		Nodes: append([]string{}, cfg.Nodes...), Skipped: cfg.Skipped, Time: began.UTC()}
+		Nodes: append([]string{}, cfg.Nodes...), Skipped: cfg.Skipped, Time: began.UTC(), ClaimSize: min(claimSize, cfg.MaxInFlight)}
 	if !cfg.FailureBudget.IsZero() {
 		plan.MaxFailures = cfg.FailureBudget.String()
 	}
@@ -131,7 +136,7 @@ func resume(cfg *RolloutConfig, plan events.RolloutStarted, done int) error {
 // runNode acts on node i of the plan (at most once: Rollout.node) and reports its outcome; the error is the
 // node's failure, for the slow start's failure budget.
 func (r *Rollout) runNode(ctx context.Context, st rolloutState, t *tally, i int, node string, batch int) error {
-	nr, err := r.node(ctx, st, node, batch)
+	nr, err := r.node(ctx, st, i, node, batch)
 	if err != nil {
 		t.recordFailed(err)
 		if nr.Node == "" { // not acted on: the claim could not be recorded

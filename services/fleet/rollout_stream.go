@@ -69,27 +69,20 @@ func loadRollout(ctx context.Context, b *bus.Bus, id string) (rolloutState, erro
 		}
 		return st, fmt.Errorf("load rollout %s: %w", id, err)
 	}
+	prefix := events.Prefix + ".fleet.rollout." + id + "."
 	err := b.Read(ctx, events.RolloutStream, events.RolloutFilter(id), func(m bus.StreamMsg) error {
-		rest := strings.TrimPrefix(m.Subject, events.Prefix+".fleet.rollout."+id+".")
-		kind, _, _ := strings.Cut(rest, ".")
-		switch kind {
-		case events.RolloutStartedKind:
-			var s events.RolloutStarted
-			if json.Unmarshal(m.Data, &s) == nil && st.started == nil {
-				st.started = &s
-			}
-		case events.RolloutClaimKind:
-			var c events.RolloutClaim
-			if json.Unmarshal(m.Data, &c) == nil {
-				if _, ok := st.claims[c.Node]; !ok {
-					st.claims[c.Node] = c
+		kind, _, _ := strings.Cut(strings.TrimPrefix(m.Subject, prefix), ".")
+		for _, ev := range rolloutEvents(kind, m) { // the first record of each node counts
+			switch {
+			case ev.Started != nil && st.started == nil:
+				st.started = ev.Started
+			case ev.Claim != nil:
+				if _, ok := st.claims[ev.Claim.Node]; !ok {
+					st.claims[ev.Claim.Node] = *ev.Claim
 				}
-			}
-		case events.RolloutNodeKind:
-			var r events.RolloutNodeResult
-			if json.Unmarshal(m.Data, &r) == nil {
-				if _, ok := st.results[r.Node]; !ok {
-					st.results[r.Node] = r
+			case ev.Node != nil:
+				if _, ok := st.results[ev.Node.Node]; !ok {
+					st.results[ev.Node.Node] = *ev.Node
 				}
 			}
 		}
@@ -117,13 +110,4 @@ func (r *Rollout) publishFirst(ctx context.Context, subject, id string, v any) (
 	}
 	return r.b.PublishFirst(ctx, bus.RawMsg{Subject: subject, MsgID: r.cfg.ID + "." + id, Data: raw,
 		Header: map[string]string{"content-type": "application/json"}})
-}
-
-// firstClaimIsOurs reports whether the first claim stored on subject is this run's.
-func (r *Rollout) firstClaimIsOurs(ctx context.Context, subject string) (bool, error) {
-	first, err := firstRecord[events.RolloutClaim](ctx, r.b, subject)
-	if err != nil {
-		return false, fmt.Errorf("read claim %s: %w", subject, err)
-	}
-	return first != nil && first.Owner == r.owner, nil
 }
