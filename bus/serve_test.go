@@ -4,7 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"testing"
+
+	"github.com/nats-io/nats.go"
 
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/bus/bustest"
@@ -46,5 +49,49 @@ func TestRemoteErrorsCarryTheirCode(t *testing.T) {
 	cancel()
 	if err := <-done; err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestSubscribeSyncHoldsABoundedBurst: a synchronous subscription holds bus.SyncQueueLen messages unread; the
+// next one is dropped, and the next read says so (a slow consumer), so a worker knows it missed some. The
+// bound is what keeps each subscription's buffer small (nats.go's default holds 65,536).
+func TestSubscribeSyncHoldsABoundedBurst(t *testing.T) {
+	srv, b := bustest.Start(t)
+	sub, err := b.SubscribeSync(t.Context(), "test.burst")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub.Close()
+	pub := bustest.Connect(t, srv)
+	for i := range bus.SyncQueueLen + 1 {
+		if err := pub.PublishRaw("test.burst", []byte(strconv.Itoa(i))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	fctx, fcancel := context.WithTimeout(t.Context(), bustest.Timeout)
+	defer fcancel()
+	if err := pub.Flush(fctx); err != nil {
+		t.Fatal(err)
+	}
+	// Every message has reached the subscriber once a round trip of its own connection has: the server
+	// delivered them in order before the pong.
+	if err := b.Flush(fctx); err != nil {
+		t.Fatal(err)
+	}
+	var slow error
+	for i := range bus.SyncQueueLen + 1 {
+		ctx, cancel := context.WithTimeout(t.Context(), bustest.Timeout)
+		_, data, err := sub.Next(ctx)
+		cancel()
+		if err != nil {
+			slow = err
+			break
+		}
+		if string(data) != strconv.Itoa(i) {
+			t.Fatalf("message %d reads %q", i, data)
+		}
+	}
+	if !errors.Is(slow, nats.ErrSlowConsumer) {
+		t.Fatalf("after a burst of %d, reading gave %v; want a slow consumer error", bus.SyncQueueLen+1, slow)
 	}
 }
