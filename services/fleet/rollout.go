@@ -30,8 +30,10 @@ import (
 // The contract Run keeps:
 //
 //   - At most once per node: a node is acted on only once this run's claim on it is the first stored in the
-//     stream (Rollout.node, rollout_node.go). A node claimed without a recorded outcome (a run that died
-//     between the two) is reported failed and never acted on again.
+//     stream (Rollout.node, rollout_node.go): the claim on its range of the plan, cut alike by every run
+//     (rollout_claims.go). A node claimed without a recorded outcome (a run that died between the two) is
+//     reported failed and never acted on again. Outcomes are stored in groups before their nodes count
+//     (rollout_outcomes.go).
 //   - Resumable: Run with the ID of an earlier rollout keeps the recorded plan, initial batch and failure
 //     budget; a node with a recorded outcome is reported with it (Resumed) and not acted on. Several runs of
 //     one ID may run at once: the first plan stored is everyone's, the first claim of a node decides who
