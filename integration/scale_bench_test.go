@@ -573,8 +573,9 @@ func nodeTimes(nodes []events.RolloutNodeResult) string {
 
 // BenchmarkHollowFleet measures fleet GC (dry run, then real) and a fleet pre-pull of one image (hollow
 // registry delay 100 ms) across N hollow agents with real workers on a three-server cluster. Each rollout
-// is compared with requestBaseline, the same slow-start batches of bare request/replies on the same
-// cluster, measured in the same run. Run it with -benchtime 1x: a second real GC finds nothing to remove.
+// is compared with the floor (op=floor: requestBaseline, the same slow-start batches of bare
+// request/replies on the same cluster, measured in the same run: x-baseline), and reports the servers'
+// messages and JetStream API requests per node (server-msgs/node, js-api/node) besides CPU and memory. Run it with -benchtime 1x: a second real GC finds nothing to remove.
 // Rows: nodes=N/streams=S/op=O (fleetSizes, streamRows). With IMAGEFLEET_BASELINE_BINARY set to an earlier build, a fleet of its agents is measured after this
 // build's (bin=baseline; the cluster and the fleet command are this build's in both).
 func BenchmarkHollowFleet(b *testing.B) {
