@@ -144,3 +144,60 @@ func TestGenerateSitesRefusesBadLayouts(t *testing.T) {
 		})
 	}
 }
+
+// TestNodePermissionsRemovalsDurable: a node may make, update, ack and delete its removals durable with its
+// image.vanished filter, delete no other consumer of the events stream, and make no consumer over another
+// node's events.
+func TestNodePermissionsRemovalsDurable(t *testing.T) {
+	const node, other = "node-1.example", "node-2.example"
+	for _, hub := range []string{"", "hub"} {
+		p := NodePermissions(node, "UPUB", hub)
+		api := "$JS.API."
+		if hub != "" {
+			api = "$JS." + hub + ".API."
+		}
+		allowed := func(subject string) bool {
+			return slices.ContainsFunc(p.Publish, func(grant string) bool { return matches(subject, grant) })
+		}
+		durable := events.RemovalsDurable(node)
+		for _, s := range []string{
+			api + "CONSUMER.CREATE." + events.EventsStream + "." + durable + "." + events.EventSubject(node, events.EntityImage, events.ActionVanished),
+			api + "CONSUMER.CREATE." + events.EventsStream + ".tail_x." + events.EventSubject(node, events.EntityImage, events.ActionRemoved),
+			api + "CONSUMER.INFO." + events.EventsStream + "." + durable,
+			api + "CONSUMER.MSG.NEXT." + events.EventsStream + "." + durable,
+			api + "CONSUMER.DELETE." + events.EventsStream + "." + durable,
+			"$JS.ACK." + events.EventsStream + "." + durable + ".1.2.3.4.5",
+		} {
+			if !allowed(s) {
+				t.Errorf("hub %q: %s refused", hub, s)
+			}
+		}
+		for _, s := range []string{
+			api + "CONSUMER.DELETE." + events.EventsStream + "." + events.RemovalsDurable(other),
+			api + "CONSUMER.DELETE." + events.EventsStream + "." + events.KubeEventsDurable(node),
+			api + "CONSUMER.DELETE." + events.EventsStream + ".tail_x",
+			api + "CONSUMER.CREATE." + events.EventsStream + "." + durable,
+			api + "CONSUMER.CREATE." + events.EventsStream + "." + durable + "." + events.EventSubject(other, events.EntityImage, events.ActionVanished),
+		} {
+			if allowed(s) {
+				t.Errorf("hub %q: %s allowed", hub, s)
+			}
+		}
+	}
+}
+
+// matches reports whether subject matches the NATS subject filter (tokens, "*" one, ">" the rest).
+func matches(subject, filter string) bool {
+	st, ft := strings.Split(subject, "."), strings.Split(filter, ".")
+	for i, f := range ft {
+		switch {
+		case f == ">":
+			return len(st) > i
+		case i >= len(st):
+			return false
+		case f != "*" && f != st[i]:
+			return false
+		}
+	}
+	return len(st) == len(ft)
+}
