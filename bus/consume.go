@@ -252,6 +252,10 @@ type ConsumerState struct {
 	// other servers hold a replica of it now (a consumer scaled down keeps its followers a moment).
 	Leader    string
 	Followers int
+	// Reconfiguring says a change of the servers holding it (a scale up or down, a move) is under way: until
+	// it ends, the cluster's record of them may name servers that no longer hold it, so a server that stops
+	// meanwhile may not make it offline (IsConsumerOffline) but unanswered.
+	Reconfiguring bool
 	// Replicas is the consumer's configured replica count (0: the stream's); Filters its filter subjects.
 	Replicas int
 	Filters  []string
@@ -263,17 +267,16 @@ type ConsumerState struct {
 
 // Consumer reports the state of a durable consumer.
 func (b *Bus) Consumer(ctx context.Context, stream, durable string) (ConsumerState, error) {
+	// The lookup is the consumer's info request: its answer is the state, one API request in all.
 	c, err := b.js.Consumer(ctx, stream, durable)
 	if err != nil {
 		return ConsumerState{}, fmt.Errorf("consumer %s on %s: %w", durable, stream, err)
 	}
-	info, err := c.Info(ctx)
-	if err != nil {
-		return ConsumerState{}, fmt.Errorf("consumer %s on %s info: %w", durable, stream, err)
-	}
+	info := c.CachedInfo()
 	return ConsumerState{NumPending: int(info.NumPending), NumAckPending: info.NumAckPending,
 		NumRedelivered: info.NumRedelivered, MaxAckPending: info.Config.MaxAckPending, NumWaiting: info.NumWaiting,
-		Leader: leader(info.Cluster), Followers: followers(info.Cluster), Replicas: info.Config.Replicas,
+		Leader: leader(info.Cluster), Followers: followers(info.Cluster), Reconfiguring: info.Cluster != nil && info.Cluster.Desired != nil,
+		Replicas: info.Config.Replicas,
 		Filters:  filters(info.Config.FilterSubject, info.Config.FilterSubjects),
 		StartSeq: info.Config.OptStartSeq, AckFloor: info.AckFloor.Stream}, nil
 }
