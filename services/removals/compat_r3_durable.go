@@ -5,8 +5,8 @@
 // The worker takes it over under the same name: it updates it in place to one replica and the node's
 // image.vanished filter (nats-server allows both changes; the consumer keeps its ack floor, so an event
 // handled before is not reported again and one published since is not missed). When the update is refused
-// (a server that does not change a consumer's replicas or filter), it deletes the consumer and makes it
-// anew after its ack floor.
+// (the server refuses a change of storage: a durable in memory storage), it deletes the consumer and makes
+// it anew after its ack floor.
 //
 // Remove when: no removals durable of the previous layout remains (every agent ran the current worker once;
 // docs/upgrading.md, "Compatibility paths").

@@ -6,9 +6,9 @@ import (
 	"encoding/hex"
 	"fmt"
 	"log/slog"
+	"math/rand/v2"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -56,12 +56,10 @@ type Service struct {
 	// removedSeq is the stream sequence of the last removal read: the next read of removals starts after it.
 	removedSeq uint64
 
-	// handled is the stream sequence of the last vanished event handled, known once the consumer's ack floor
-	// was read or an event was handled: a consumer made anew (its server down) starts after it.
-	handled      atomic.Uint64
-	handledKnown atomic.Bool
+	// pos is how far the vanished events are handled: a consumer made anew (its server down) starts after it.
+	pos position
 	// startSeq is where the consumer is made to start (0: the stream's first message): the start of the
-	// existing one, or after handled when it is made anew.
+	// existing one, or after pos's floor when it is made anew.
 	startSeq uint64
 
 	// ready is closed once the consumer of the node's events is at the server (Ready).
@@ -69,8 +67,69 @@ type Service struct {
 	readyOnce sync.Once
 }
 
-// offlineRetry is how often the worker asks again for its consumer while it is offline.
-const offlineRetry = 5 * time.Second
+// position is how far the vanished events are handled. The floor is the stream sequence up to which every
+// vanished event delivered is handled (or given up on, a dead letter): the last one handled, or just before
+// the first one handed back for redelivery (a failed handling, a stop) and not handled since, which the
+// consumer delivers again after later ones. It is known once the consumer's ack floor was read, the consumer
+// was made, or an event handled.
+type position struct {
+	mu        sync.Mutex
+	known     bool
+	last      uint64          // the highest sequence handled or given up on
+	redeliver map[uint64]bool // handed back, not handled since
+}
+
+// acked raises the floor to the consumer's ack floor (its start less one for a consumer just made): what
+// the server counts acked is handled.
+func (p *position) acked(floor uint64) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.known = true
+	p.last = max(p.last, floor)
+	for seq := range p.redeliver {
+		if seq <= floor {
+			delete(p.redeliver, seq)
+		}
+	}
+}
+
+// done records the vanished event at seq handled (or given up on); handedBack records it handed back.
+func (p *position) done(seq uint64, handedBack bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if handedBack {
+		if p.redeliver == nil {
+			p.redeliver = map[uint64]bool{}
+		}
+		p.redeliver[seq] = true
+		return
+	}
+	delete(p.redeliver, seq)
+	p.known = true
+	p.last = max(p.last, seq)
+}
+
+// floor is the floor, and whether it is known.
+func (p *position) floor() (uint64, bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	f := p.last
+	for seq := range p.redeliver {
+		f = min(f, seq-1)
+	}
+	return f, p.known
+}
+
+// maxDeliver is how often a vanished event is delivered before it is given up on (a dead letter).
+const maxDeliver = 5
+
+// offlineRetry is how long after its first failure the worker asks again for its consumer while it is
+// offline (or not reached); each wait after is twice the one before, up to maxOfflineRetry, jittered by
+// ±20% so the nodes whose consumers one server held do not ask at once. A wait never ends past OfflineWait.
+const (
+	offlineRetry    = 5 * time.Second
+	maxOfflineRetry = time.Minute
+)
 
 // New validates cfg and builds the worker.
 func New(cfg Config, b *bus.Bus) (*Service, error) {
@@ -133,6 +192,7 @@ func (s *Service) consumeVanished(ctx context.Context) error {
 	durable := events.RemovalsDurable(s.cfg.Node)
 	var offlineSince time.Time
 	unknownLogged := false
+	retry := time.Duration(0)
 	for {
 		reached, err := s.consume(ctx)
 		if ctx.Err() != nil || err == nil {
@@ -140,40 +200,44 @@ func (s *Service) consumeVanished(ctx context.Context) error {
 		}
 		if reached {
 			// The consumer answered before this failure: a wait for its server starts now.
-			offlineSince, unknownLogged = time.Time{}, false
+			offlineSince, unknownLogged, retry = time.Time{}, false, 0
 		}
+		retry = min(max(2*retry, offlineRetry), maxOfflineRetry)
+		wait := retry*4/5 + rand.N(retry*2/5)
 		switch {
 		case bus.IsTransient(err):
 			// The cluster electing leaders, a reconnection: the consumer is asked for again.
-			s.log.Warn("removals consumer not reached; asking again", "durable", durable, "in", offlineRetry, "err", err)
+			s.log.Warn("removals consumer not reached; asking again", "durable", durable, "in", wait.Round(time.Millisecond), "err", err)
 		case !bus.IsConsumerOffline(err):
 			return fmt.Errorf("removals: %w", err)
 		case offlineSince.IsZero():
-			offlineSince = time.Now()
+			offlineSince, wait = time.Now(), min(wait, s.cfg.OfflineWait)
 			s.log.Warn("removals consumer offline: the server holding it is down; waiting for it",
 				"durable", durable, "wait", s.cfg.OfflineWait, "err", err)
 		case time.Since(offlineSince) < s.cfg.OfflineWait:
-		case !s.handledKnown.Load():
+			wait = min(wait, s.cfg.OfflineWait-time.Since(offlineSince))
+		case !s.known():
 			if !unknownLogged {
 				unknownLogged = true
 				s.log.Warn("removals consumer still offline and where it stood is unknown; waiting for its server",
 					"durable", durable, "offline_for", time.Since(offlineSince).Round(time.Second))
 			}
 		default:
-			from := s.handled.Load() + 1
+			floor, _ := s.pos.floor()
+			from := floor + 1
 			s.log.Warn("removals consumer still offline; deleting it and making it anew after the last vanished event handled",
 				"durable", durable, "offline_for", time.Since(offlineSince).Round(time.Second), "from_seq", from)
 			if derr := s.bus.DeleteConsumer(ctx, events.EventsStream, durable); derr != nil {
 				s.log.Warn("delete of the offline removals consumer failed; waiting for its server", "durable", durable, "err", derr)
 				break
 			}
-			s.startSeq, offlineSince = from, time.Time{}
+			s.startSeq, offlineSince, retry = from, time.Time{}, 0
 			continue
 		}
 		select {
 		case <-ctx.Done():
 			return nil
-		case <-time.After(offlineRetry):
+		case <-time.After(max(wait, time.Millisecond)):
 		}
 	}
 }
@@ -184,7 +248,7 @@ func (s *Service) consumerConfig() bus.ConsumerConfig {
 	return bus.ConsumerConfig{
 		Stream: events.EventsStream, Durable: events.RemovalsDurable(s.cfg.Node),
 		FilterSubjects: []string{s.subject(events.ActionVanished)}, Replicas: 1, StartSeq: s.startSeq,
-		Concurrency: 1, MaxAckPending: 256, AckWait: 2*s.cfg.Grace + 30*time.Second,
+		Concurrency: 1, MaxAckPending: 256, AckWait: 2*s.cfg.Grace + 30*time.Second, MaxDeliver: maxDeliver,
 		Started: func() { s.readyOnce.Do(func() { close(s.ready) }) },
 	}
 }
@@ -195,15 +259,14 @@ func (s *Service) consume(ctx context.Context) (reached bool, err error) {
 	st, err := s.bus.Consumer(ctx, events.EventsStream, events.RemovalsDurable(s.cfg.Node))
 	switch {
 	case bus.IsConsumerNotFound(err):
+		// Made now, at startSeq: what comes before it is not the consumer's to deliver.
+		s.pos.acked(max(s.startSeq, 1) - 1)
 	case err != nil:
 		return false, err
 	default:
 		// It keeps the start it was made with; what it acked is handled.
 		s.startSeq = st.StartSeq
-		if !s.handledKnown.Load() || st.AckFloor > s.handled.Load() {
-			s.handled.Store(st.AckFloor)
-		}
-		s.handledKnown.Store(true)
+		s.pos.acked(st.AckFloor)
 		if s.previousRelease(st) {
 			if err := s.takeOver(ctx, st); err != nil {
 				return true, err
@@ -211,13 +274,18 @@ func (s *Service) consume(ctx context.Context) (reached bool, err error) {
 		}
 	}
 	return true, s.bus.Consume(ctx, s.consumerConfig(), func(ctx context.Context, m *bus.Msg) error {
-		if err := s.Handle(ctx, m.Subject, m.Header, m.Data, m.StreamSeq, m.InProgress); err != nil {
-			return err
-		}
-		s.handled.Store(m.StreamSeq)
-		s.handledKnown.Store(true)
-		return nil
+		err := s.Handle(ctx, m.Subject, m.Header, m.Data, m.StreamSeq, m.InProgress)
+		// bus.Consume hands an event back on an error, unless it gives up on it (a dead letter).
+		givenUp := err != nil && ctx.Err() == nil && (bus.IsPermanent(err) || m.NumDelivered >= maxDeliver)
+		s.pos.done(m.StreamSeq, err != nil && !givenUp)
+		return err
 	})
+}
+
+// known reports whether the floor of the vanished events handled is known.
+func (s *Service) known() bool {
+	_, ok := s.pos.floor()
+	return ok
 }
 
 func (s *Service) subject(action string) string {
