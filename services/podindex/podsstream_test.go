@@ -79,6 +79,13 @@ func TestPodEventsOutliveAFloodOfOtherEvents(t *testing.T) {
 	}
 	last := publish(t, b, testNode, events.ActionAdded, pods...)
 	last = max(last, publish(t, b, testNode, events.ActionDeleted, pods[0]))
+	// The pods stream copies pod events from the events stream as the server gets to it (a source): the
+	// flood comes once the copy holds all 102, as any events stream but this test's 256 KiB one would
+	// hold them for longer than the copy takes.
+	bustest.WaitFor(t, "the pods stream holding the 102 pod events", func() bool {
+		info, err := b.Stream(t.Context(), events.PodsStream)
+		return err == nil && info.Messages >= uint64(len(pods)+2)
+	})
 	flood(t, b, last)
 
 	s2, stop2 := startService(t, b, Config{Node: testNode})
