@@ -94,8 +94,9 @@ type Bus struct {
 // them as a slow consumer (reported by its next read): 4,096, where nats.go's default is 65,536. The buffer
 // is allocated whole when the subscription is made, 8 bytes a message: an agent's few subscriptions took
 // 512 KiB each, and the garbage collector scanned them all on every cycle (89 % of the heap of 1,000
-// hollow agents in one process). The workers' subscriptions see a node's events, a few hundred at most in
-// a burst.
+// hollow agents in one process). The workers' subscriptions see one node's events, in bursts of the
+// images one GC pass removes; a reader handles each in microseconds, so only a starved one falls 4,096
+// behind, and the workers say what they lost (Subscription.Each's onErr).
 const syncQueueLen = 4096
 
 // Connect connects to url, retrying with exponential backoff (cenkalti/backoff) until ConnectTimeout or ctx

@@ -259,7 +259,11 @@ func (s *Service) Run(ctx context.Context) error {
 	go func() {
 		defer wg.Done()
 		defer subs[0].Close()
-		subs[0].Each(ctx, nil, func(_ string, header map[string][]string, data []byte) { s.onRemoved(header, data) })
+		subs[0].Each(ctx, func(err error) {
+			// Removals dropped by a reader that fell behind (a pass that removed thousands of images at
+			// once): their records are forgotten at the next detection, which reports them vanished.
+			log.Warn("image removals not read; the next detection reports them vanished", "err", err)
+		}, func(_ string, header map[string][]string, data []byte) { s.onRemoved(header, data) })
 	}()
 	go func() {
 		defer wg.Done()

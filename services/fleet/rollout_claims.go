@@ -12,7 +12,9 @@ import (
 )
 
 // claimSize caps the RolloutStarted.ClaimSize of the plans this release records: a claim record covers at
-// most 64 nodes of one batch, and at most the rollout's in-flight cap (MaxInFlight 1 claims node by node).
+// most 64 nodes of one batch, and at most the in-flight cap the rollout started with (MaxInFlight 1 claims
+// node by node). The size is the plan's: a resumed run with another cap keeps it, as every run must cut the
+// same ranges.
 // The nodes take their places in plan order, so at any time only the range claimed last may hold nodes not
 // started yet: a run that dies leaves fewer than ClaimSize claimed nodes it never acted on (they count
 // failed on a resume: at most once, never twice). A 10,000-node rollout writes about 160 claims instead of
@@ -89,10 +91,12 @@ func (c *rangeClaimer) claim(ctx context.Context, i, batch int) (bool, error) {
 	}
 	select {
 	case <-rc.done:
-		return rc.ours, rc.err
 	case <-ctx.Done():
-		return false, ctx.Err()
 	}
+	if err := ctx.Err(); err != nil { // a run that ended acts on no node, whoever claimed its range
+		return false, err
+	}
+	return rc.ours, rc.err
 }
 
 // claimRange stores this run's claim on the nodes of the range that starts at first, unless a claim is

@@ -28,6 +28,9 @@ func (r *Rollout) node(ctx context.Context, st rolloutState, i int, node string,
 		return events.RolloutNodeResult{Node: node, Batch: batch, Resumed: true,
 			Error: "claimed by another run of this rollout; not acted on again"}, nil
 	}
+	if err := ctx.Err(); err != nil { // the run ended while the node waited for its range's claim
+		return events.RolloutNodeResult{}, fmt.Errorf("claim node %s: %w", node, err)
+	}
 	began := cfg.Clock()
 	actx, cancel := context.WithTimeout(ctx, cfg.NodeTimeout)
 	nr := r.act(actx, node)

@@ -189,3 +189,59 @@ func TestRolloutOfAnEarlierReleaseKeepsARecordPerNode(t *testing.T) {
 		}
 	}
 }
+
+// TestRolloutThatEndsActsOnNoMoreNodesOfItsRange: a run whose context ends acts on no node after, even on a
+// node whose range this run has claimed (a range wider than the in-flight cap: the plan's claim size, kept
+// by a resumed run with a smaller cap).
+func TestRolloutThatEndsActsOnNoMoreNodesOfItsRange(t *testing.T) {
+	_, b := bustest.Start(t)
+	id := "gc-ended-range"
+	var nodes []string
+	for i := range 15 { // batches 1, 2, 4 and 8: the last is one range of 8 (nodes 7-14) at a claim size of 8
+		nodes = append(nodes, fmt.Sprintf("node-%02d", i))
+	}
+	budget := fleet.FailureBudget{N: 15}
+	// The first run records the plan (claim size 8, its in-flight cap) and ends while acting on node-00.
+	ctx1, cancel1 := context.WithCancel(t.Context())
+	r1, err := fleet.NewRollout(fleet.RolloutConfig{ID: id, Kind: events.RolloutGC, Nodes: nodes, MaxInFlight: 8, FailureBudget: budget}, b,
+		func(context.Context, string) events.RolloutNodeResult {
+			cancel1()
+			return events.RolloutNodeResult{OK: true}
+		})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r1.Run(ctx1); err == nil {
+		t.Fatal("the ended run returned no error")
+	}
+	// The second resumes it one node at a time and ends while acting on node-07, the first of the last range.
+	var mu sync.Mutex
+	acts := map[string]int{}
+	ctx2, cancel2 := context.WithCancel(t.Context())
+	defer cancel2()
+	r2, err := fleet.NewRollout(fleet.RolloutConfig{ID: id, Kind: events.RolloutGC, Nodes: nodes, MaxInFlight: 1}, b,
+		func(_ context.Context, node string) events.RolloutNodeResult {
+			mu.Lock()
+			acts[node]++
+			mu.Unlock()
+			if node == "node-07" {
+				cancel2()
+			}
+			return events.RolloutNodeResult{OK: true}
+		})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r2.Run(ctx2); err == nil {
+		t.Fatal("the ended resumed run returned no error")
+	}
+	for i, node := range nodes {
+		want := 0
+		if i >= 1 && i <= 7 {
+			want = 1
+		}
+		if acts[node] != want {
+			t.Errorf("node %s acted on %d times, want %d", node, acts[node], want)
+		}
+	}
+}
