@@ -51,10 +51,6 @@ type ConsumerConfig struct {
 	Backoff []time.Duration
 	// DeliverNew starts a new consumer at the end of the stream instead of the beginning.
 	DeliverNew bool
-	// StartSeq, when not 0, starts a new consumer at this stream sequence instead of the beginning. A
-	// consumer's start cannot be changed: an existing one is updated only with the start it was made with
-	// (ConsumerState.StartSeq).
-	StartSeq uint64
 	// Bind: use the consumer if it exists, never create or change it; Consume returns an error for which
 	// IsConsumerNotFound holds when it does not (or no longer) exist.
 	Bind bool
@@ -141,10 +137,7 @@ func consumerSettings(cfg ConsumerConfig) (ConsumerConfig, jetstream.ConsumerCon
 		MemoryStorage:  cfg.MemoryStorage,
 		Replicas:       cfg.Replicas,
 	}
-	switch {
-	case cfg.StartSeq > 0:
-		cc.DeliverPolicy, cc.OptStartSeq = jetstream.DeliverByStartSequencePolicy, cfg.StartSeq
-	case cfg.DeliverNew:
+	if cfg.DeliverNew {
 		cc.DeliverPolicy = jetstream.DeliverNewPolicy
 	}
 	if len(cc.FilterSubjects) == 1 {
@@ -248,65 +241,23 @@ type ConsumerState struct {
 	MaxAckPending                             int
 	// NumWaiting is how many pull requests of its subscribers the server holds (0 while nobody pulls).
 	NumWaiting int
-	// Leader is the server leading the consumer in a cluster ("" on a single server); Followers how many
-	// other servers hold a replica of it now (a consumer scaled down keeps its followers a moment).
-	Leader    string
-	Followers int
-	// Reconfiguring says a change of the servers holding it (a scale up or down, a move) is under way: until
-	// it ends, the cluster's record of them may name servers that no longer hold it, so a server that stops
-	// meanwhile may not make it offline (IsConsumerOffline) but unanswered.
-	Reconfiguring bool
-	// Replicas is the consumer's configured replica count (0: the stream's); Filters its filter subjects.
-	Replicas int
-	Filters  []string
-	// StartSeq is the stream sequence it was made to start at (0: the first message, or DeliverNew).
-	StartSeq uint64
-	// AckFloor is the stream sequence up to which every message it delivered is acked (0: none yet).
-	AckFloor uint64
+	// Leader is the server leading the consumer in a cluster ("" on a single server).
+	Leader string
 }
 
 // Consumer reports the state of a durable consumer.
 func (b *Bus) Consumer(ctx context.Context, stream, durable string) (ConsumerState, error) {
-	// The lookup is the consumer's info request: its answer is the state, one API request in all.
 	c, err := b.js.Consumer(ctx, stream, durable)
 	if err != nil {
 		return ConsumerState{}, fmt.Errorf("consumer %s on %s: %w", durable, stream, err)
 	}
-	info := c.CachedInfo()
+	info, err := c.Info(ctx)
+	if err != nil {
+		return ConsumerState{}, fmt.Errorf("consumer %s on %s info: %w", durable, stream, err)
+	}
 	return ConsumerState{NumPending: int(info.NumPending), NumAckPending: info.NumAckPending,
 		NumRedelivered: info.NumRedelivered, MaxAckPending: info.Config.MaxAckPending, NumWaiting: info.NumWaiting,
-		Leader: leader(info.Cluster), Followers: followers(info.Cluster), Reconfiguring: info.Cluster != nil && info.Cluster.Desired != nil,
-		Replicas: info.Config.Replicas,
-		Filters:  filters(info.Config.FilterSubject, info.Config.FilterSubjects),
-		StartSeq: info.Config.OptStartSeq, AckFloor: info.AckFloor.Stream}, nil
-}
-
-// followers is how many replicas besides the leader ci lists.
-func followers(ci *jetstream.ClusterInfo) int {
-	if ci == nil {
-		return 0
-	}
-	return len(ci.Replicas)
-}
-
-// filters is a consumer's filter subjects, in either form.
-func filters(one string, many []string) []string {
-	if one != "" {
-		return []string{one}
-	}
-	return many
-}
-
-// DeleteConsumer deletes the durable consumer name of stream; one that does not exist is not an error. The
-// cluster's meta leader deletes it, also while the server holding it is down.
-func (b *Bus) DeleteConsumer(ctx context.Context, stream, name string) error {
-	return b.retryTransient(ctx, "delete consumer "+name, func(actx context.Context) error {
-		err := b.js.DeleteConsumer(actx, stream, name)
-		if err != nil && !IsConsumerNotFound(err) {
-			return fmt.Errorf("delete consumer %s on %s: %w", name, stream, err)
-		}
-		return nil
-	})
+		Leader: leader(info.Cluster)}, nil
 }
 
 // IsConsumerNotFound reports whether err says the consumer does not exist.

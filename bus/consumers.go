@@ -45,15 +45,3 @@ func IsMaxConsumers(err error) bool {
 // jsMaxConsumers is the JetStream API error code "maximum consumers limit reached" (10026); nats.go names
 // no constant for it.
 const jsMaxConsumers jetstream.ErrorCode = 10026
-
-// IsConsumerOffline reports whether err is the server's answer about a consumer whose servers are all down
-// (JSConsumerOfflineErr, 10119): a consumer of one replica is not moved off its server, and its info,
-// updates and pulls are refused until that server is back (or the consumer is deleted and made anew).
-func IsConsumerOffline(err error) bool {
-	var apiErr *jetstream.APIError
-	return errors.As(err, &apiErr) && apiErr.ErrorCode == jsConsumerOffline
-}
-
-// jsConsumerOffline is the JetStream API error code "consumer is offline" (10119); nats.go names no
-// constant for it.
-const jsConsumerOffline jetstream.ErrorCode = 10119

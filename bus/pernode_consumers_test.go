@@ -57,8 +57,7 @@ func TestPerNodeConsumersPastOneThousand(t *testing.T) {
 		run(t, func(i int) error {
 			node := fmt.Sprintf("hollow-%d", i)
 			return b.EnsureConsumer(ctx, bus.ConsumerConfig{Stream: events.EventsStream, Durable: events.RemovalsDurable(node),
-				FilterSubjects: []string{events.EventSubject(node, events.EntityImage, events.ActionVanished)}, Replicas: 1,
-				Concurrency: 1, MaxAckPending: 256, AckWait: time.Minute})
+				FilterSubjects: []string{events.NodeEvents(node)}, Concurrency: 1, MaxAckPending: 256, AckWait: time.Minute})
 		})
 	})
 	t.Run("ordered consumers on the pods stream", func(t *testing.T) {

@@ -70,7 +70,7 @@ const (
 )
 
 // RemovalsDurable is node's removals consumer on EventsStream (services/removals: images removed by another
-// remover): "removals-" + node token, with one replica and the node's image.vanished events as its filter.
+// remover): "removals-" + node token, created with the node's events filter (NodeEvents).
 func RemovalsDurable(node string) string { return RemovalsDurablePrefix + NodeToken(node) }
 
 // KubeEventsDurable is node's Kubernetes Events bridge consumer on EventsStream: "kube-events-" + node token,

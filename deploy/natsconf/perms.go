@@ -53,8 +53,8 @@ func inbox(pub string) string { return "_INBOX." + pub + ".>" }
 // gc asks the pod index which images are in use), use the JetStream API for its own pull consumer only
 // (the consumer-create subject carries the filter, so it cannot be created over another node's commands),
 // write and read its own keys in the node buckets, and read its own events back (the pod index's ordered
-// consumer, filtered to its node; the removals worker's durable, which it may also delete). It may not
-// create, change or delete streams, buckets or other consumers: an operator (the admin user) creates them.
+// consumer, filtered to its node). It may not create, change or delete streams, buckets or other consumers:
+// an operator (the admin user) creates them.
 //
 // On a leaf site (hub set: the node's server is a leaf with a JetStream domain of its own, docs/operations.md
 // "Leaf nodes") each right is granted in the one domain that holds its stream or bucket
@@ -105,12 +105,8 @@ func NodePermissions(node, pub, hub string) Permissions {
 		api(events.PodsStream) + "CONSUMER.INFO." + events.PodsStream + ".*",
 		// The Kubernetes Events bridge's durable consumer of the node's events (created with the filter above).
 		"$JS.ACK." + events.EventsStream + "." + events.KubeEventsDurable(node) + ".>",
-		// The removals worker's durable consumer of the node's image.vanished events (images removed by
-		// another remover; created with the filter above): its acks, and its delete, when the one server
-		// holding it stays down or it is of the previous layout and not updated in place (compat_r3_durable.go
-		// in services/removals). It is made anew under the same name, so the delete reaches no other consumer.
+		// The removals worker's durable consumer of the node's events (images removed by another remover).
 		"$JS.ACK." + events.EventsStream + "." + events.RemovalsDurable(node) + ".>",
-		api(events.EventsStream) + "CONSUMER.DELETE." + events.EventsStream + "." + events.RemovalsDurable(node),
 		// Dead letters of the node's consumers (bus.Consume keeps terminated messages there).
 		events.DeadLetterPrefix + ".>",
 	}...)
