@@ -109,18 +109,25 @@ func (o *outcomeLog) take(all bool) []pendingOutcome {
 // write stores one group: retried like every outcome record (recordRetryFor), idempotent by its message id.
 func (o *outcomeLog) write(ctx context.Context, group []pendingOutcome) error {
 	o.seq++
-	raws := make([]json.RawMessage, len(group))
-	for i, p := range group {
-		raws[i] = p.raw
-	}
-	// events.RolloutNodes, with each outcome marshalled once, by the node's goroutine.
-	data, err := json.Marshal(struct {
-		Owner string            `json:"owner"`
-		Nodes []json.RawMessage `json:"nodes"`
-	}{o.r.owner, raws})
+	// events.RolloutNodes, written around the outcomes as each node's goroutine marshalled them: the one
+	// writer does not encode (nor, as json.Marshal does with a RawMessage, scan again) any outcome.
+	owner, err := json.Marshal(o.r.owner)
 	if err != nil {
 		return fmt.Errorf("marshal %d outcomes: %w", len(group), err)
 	}
+	size := len(owner) + 32
+	for _, p := range group {
+		size += len(p.raw) + 1
+	}
+	data := make([]byte, 0, size)
+	data = append(append(append(data, `{"owner":`...), owner...), `,"nodes":[`...)
+	for i, p := range group {
+		if i > 0 {
+			data = append(data, ',')
+		}
+		data = append(data, p.raw...)
+	}
+	data = append(data, `]}`...)
 	cfg := o.r.cfg
 	subject := events.RolloutNodesSubject(cfg.ID, o.r.owner, o.seq)
 	msg := bus.RawMsg{Subject: subject, MsgID: cfg.ID + ".nodes." + o.r.owner + "." + strconv.Itoa(o.seq), Data: data,
