@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"path/filepath"
 	goruntime "runtime"
 	"strconv"
 	"strings"
@@ -14,7 +13,6 @@ import (
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
-	"github.com/imagefleet/imagefleet/internal/testport"
 )
 
 // BenchmarkPullConsumers: how long making every node's pull consumer takes, exactly as the puller makes it
@@ -60,58 +58,26 @@ func BenchmarkPullConsumers(b *testing.B) {
 	}
 }
 
-// benchBus starts one embedded nats-server, or a cluster of three in this process, with the streams
-// ensured (R3 on the cluster), and connects to it. stop removes the pull streams (a server holding
-// thousands of file-store consumers takes tens of seconds to shut down) and stops everything.
+// benchBus starts one embedded nats-server, or a cluster of three in this process (bustest.StartCluster),
+// with the streams ensured (R3 on the cluster), and connects to it. stop removes the pull streams (a server
+// holding thousands of file-store consumers takes tens of seconds to shut down) and stops everything.
 func benchBus(b *testing.B, servers int) (*bus.Bus, func()) {
 	b.Helper()
-	dir := b.TempDir()
-	var srvs []*bus.Server
+	var stopServers func()
 	var urls string
 	if servers == 1 {
-		srv, err := bus.StartServer(bus.ServerConfig{Listen: "127.0.0.1:-1", StoreDir: dir})
+		srv, err := bus.StartServer(bus.ServerConfig{Listen: "127.0.0.1:-1", StoreDir: b.TempDir()})
 		if err != nil {
 			b.Fatal(err)
 		}
-		srvs, urls = append(srvs, srv), srv.ClientURL()
+		urls, stopServers = srv.ClientURL(), srv.Shutdown
 	} else {
-		client := make([]int, servers)
-		route := make([]int, servers)
-		for i := range servers {
-			client[i], route[i] = testport.Free(b), testport.Free(b)
-		}
-		routes := ""
-		for i := range servers {
-			routes += fmt.Sprintf("    nats-route://127.0.0.1:%d\n", route[i])
-		}
-		type started struct {
-			srv *bus.Server
-			err error
-		}
-		ch := make(chan started, servers)
-		for i := range servers {
-			conf := fmt.Sprintf("server_name: bench-%d\nlisten: 127.0.0.1:%d\njetstream { store_dir: %q }\n"+
-				"cluster {\n  name: bench\n  listen: 127.0.0.1:%d\n  routes: [\n%s  ]\n}\n",
-				i, client[i], filepath.Join(dir, fmt.Sprint(i)), route[i], routes)
-			p := filepath.Join(dir, fmt.Sprintf("server-%d.conf", i))
-			if err := os.WriteFile(p, []byte(conf), 0o600); err != nil {
-				b.Fatal(err)
+		c := bustest.StartCluster(b, servers, bustest.ClusterName("bench"))
+		urls = c.URLs()
+		stopServers = func() {
+			for i := range servers {
+				c.Stop(i)
 			}
-			go func() {
-				srv, err := bus.StartServer(bus.ServerConfig{ConfigFile: p})
-				ch <- started{srv, err}
-			}()
-			if urls != "" {
-				urls += ","
-			}
-			urls += fmt.Sprintf("nats://127.0.0.1:%d", client[i])
-		}
-		for range servers {
-			s := <-ch
-			if s.err != nil {
-				b.Fatal(s.err)
-			}
-			srvs = append(srvs, s.srv)
 		}
 	}
 	bb, err := bus.Connect(b.Context(), urls, bus.Options{Name: b.Name(), Replicas: servers})
@@ -129,9 +95,7 @@ func benchBus(b *testing.B, servers int) (*bus.Bus, func()) {
 		}
 		_ = bb.DeleteStream(context.Background(), events.PullStream)
 		bb.Close()
-		for _, s := range srvs {
-			s.Shutdown()
-		}
+		stopServers()
 	}
 }
 
