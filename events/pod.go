@@ -27,6 +27,19 @@ const (
 	ActionUnregistered = "unregistered" // an object's reference count went 1 -> 0
 )
 
+// UpsertAction is the action of a pod event that upserts a pod: updated when the index holds the pod (its
+// UID) as far as the publisher knows, added when it does not. Every publisher derives it here: the pod index's
+// apply (from the index itself), its static pod source (from the index's listing at its start and what it
+// published since) and the pod sources (from what they published). Applying an event does not look at it:
+// added and updated are one upsert, and what changes is decided by what the index holds. The action is for
+// the event's other readers (the puller pulls the images of an added pod) and the applied-events counter.
+func UpsertAction(held bool) string {
+	if held {
+		return ActionUpdated
+	}
+	return ActionAdded
+}
+
 // Annotations the kubelet's pod manager reads (k8s.io/kubernetes/pkg/kubelet/types): pod sources set
 // them on the pods of their events, the pod index reads them (static and mirror pods).
 const (

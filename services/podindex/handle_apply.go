@@ -189,7 +189,7 @@ func (s *Service) resolve(req events.PodApplyRequest, pods []*v1.Pod, now time.T
 			case p.UID == "":
 				p.UID = types.UID(uuid.NewString())
 			}
-			act = upsertAction(held)
+			act = events.UpsertAction(held)
 			overlay[key{fn, mirror}] = p
 		}
 		m, err := PodEventMsg(s.cfg.Node, act, p, "", now)

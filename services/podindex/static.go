@@ -227,7 +227,7 @@ func (s *StaticSource) syncManifests(ctx context.Context) error {
 			continue
 		}
 		p.Annotations[ConfigFirstSeenAnnotationKey] = seen
-		m, err := PodEventMsg(s.cfg.Node, upsertAction(had), p, "", now)
+		m, err := PodEventMsg(s.cfg.Node, events.UpsertAction(had), p, "", now)
 		if err != nil {
 			return err
 		}

@@ -221,13 +221,7 @@ func (f *feed) diff(pod *v1.Pod) (change, bool, error) {
 	if had && prev.fp == fp {
 		return change{}, false, nil
 	}
-	// The action is the publisher's (the wire carries it; the index upserts either): updated when the index
-	// holds the pod as far as the source knows, added when not, as podindex's upsertAction derives it for
-	// the static source and podapply.
-	action := events.ActionAdded
-	if had {
-		action = events.ActionUpdated
-	}
+	action := events.UpsertAction(had) // the index holds the pod as far as the source knows when it had it
 	return change{msg: bus.PodEventRaw(f.node, action, body, "", f.now()), uid: pod.UID,
 		known: knownPod{fp: fp, body: body}, action: action}, true, nil
 }
