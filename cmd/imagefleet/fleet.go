@@ -3,8 +3,8 @@ package main
 import (
 	"errors"
 	"fmt"
+	"io"
 	"strings"
-	"text/tabwriter"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -68,29 +68,14 @@ func newFleetImagesCmd(cl *cli) *cobra.Command {
 		Use:   "images [--limit N [--continue TOKEN]]",
 		Short: "Every image in the fleet: on how many nodes, and the bytes it takes in all (from the inventory)",
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			q, err := pf.inventoryQuery(events.InventoryQuery{What: events.InventoryImages})
-			if err != nil {
-				return err
-			}
-			rep, err := cl.inventoryQuery(cmd, q)
-			if err != nil {
-				return err
-			}
-			if cl.jsonOutput() {
-				return printJSON(cmd.OutOrStdout(), rep)
-			}
-			tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
-			fmt.Fprintln(tw, "ID\tTAGS\tSIZE\tNODES\tTOTAL\tLAST USED")
-			for _, im := range rep.Images {
-				fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\t%s\n", shortID(im.ID), strings.Join(im.RepoTags, ","), FormatSize(im.Size),
-					im.Nodes, FormatSize(im.TotalBytes), fmtTime(im.LastUsed))
-			}
-			fmt.Fprintf(tw, "%d images\t\t\t\t%s\t\n", rep.Total, FormatSize(rep.TotalBytes))
-			if err := tw.Flush(); err != nil {
-				return err
-			}
-			printContinue(cmd, rep.Continue)
-			return nil
+			return cl.printInventory(cmd, pf, events.InventoryQuery{What: events.InventoryImages},
+				"ID\tTAGS\tSIZE\tNODES\tTOTAL\tLAST USED", func(tw io.Writer, rep events.InventoryReply) {
+					for _, im := range rep.Images {
+						fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\t%s\n", shortID(im.ID), strings.Join(im.RepoTags, ","), FormatSize(im.Size),
+							im.Nodes, FormatSize(im.TotalBytes), fmtTime(im.LastUsed))
+					}
+					fmt.Fprintf(tw, "%d images\t\t\t\t%s\t\n", rep.Total, FormatSize(rep.TotalBytes))
+				})
 		},
 	}
 	pf.register(cmd, false)
@@ -104,28 +89,13 @@ func newFleetWhereCmd(cl *cli) *cobra.Command {
 		Short: "The nodes holding an image (by ID, ID prefix, tag or digest)",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			q, err := pf.inventoryQuery(events.InventoryQuery{What: events.InventoryWhere, Image: args[0]})
-			if err != nil {
-				return err
-			}
-			rep, err := cl.inventoryQuery(cmd, q)
-			if err != nil {
-				return err
-			}
-			if cl.jsonOutput() {
-				return printJSON(cmd.OutOrStdout(), rep)
-			}
-			tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
-			fmt.Fprintln(tw, "NODE\tID\tTAGS\tSIZE\tIN USE\tLAST USED")
-			for _, p := range rep.Placements {
-				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%v\t%s\n", p.Node, shortID(p.ID), strings.Join(p.RepoTags, ","), FormatSize(p.Size), p.InUse, fmtTime(p.LastUsed))
-			}
-			fmt.Fprintf(tw, "%d nodes\t\t\t%s\t\t\n", rep.Total, FormatSize(rep.TotalBytes))
-			if err := tw.Flush(); err != nil {
-				return err
-			}
-			printContinue(cmd, rep.Continue)
-			return nil
+			return cl.printInventory(cmd, pf, events.InventoryQuery{What: events.InventoryWhere, Image: args[0]},
+				"NODE\tID\tTAGS\tSIZE\tIN USE\tLAST USED", func(tw io.Writer, rep events.InventoryReply) {
+					for _, p := range rep.Placements {
+						fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%v\t%s\n", p.Node, shortID(p.ID), strings.Join(p.RepoTags, ","), FormatSize(p.Size), p.InUse, fmtTime(p.LastUsed))
+					}
+					fmt.Fprintf(tw, "%d nodes\t\t\t%s\t\t\n", rep.Total, FormatSize(rep.TotalBytes))
+				})
 		},
 	}
 	pf.register(cmd, false)

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"text/tabwriter"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -68,4 +70,28 @@ func askInventory(ctx context.Context, b *bus.Bus, q events.InventoryQuery) (eve
 		case <-time.After(time.Second):
 		}
 	}
+}
+
+// printInventory asks the inventory q with the page flags and prints the reply: JSON with -o json, else a
+// table of header and the rows rows writes, then the next page's token when there is one.
+func (cl *cli) printInventory(cmd *cobra.Command, pf pageFlags, q events.InventoryQuery, header string, rows func(io.Writer, events.InventoryReply)) error {
+	q, err := pf.inventoryQuery(q)
+	if err != nil {
+		return err
+	}
+	rep, err := cl.inventoryQuery(cmd, q)
+	if err != nil {
+		return err
+	}
+	if cl.jsonOutput() {
+		return printJSON(cmd.OutOrStdout(), rep)
+	}
+	tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, header)
+	rows(tw, rep)
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	printContinue(cmd, rep.Continue)
+	return nil
 }

@@ -191,6 +191,11 @@ func testFleetWhereAndImagesPages(t *testing.T, partitioned bool) {
 		whole.Continue != "" || whole.Placements[1000].Node != "big-1000" {
 		t.Fatalf("where big: exit %d, %d of %d placements\n%s", code, len(whole.Placements), whole.Total, stderr)
 	}
+	stdout, stderr, code = run(t, append([]string{"fleet", "where", "big:1", "--limit", "2"}, nats...)...)
+	if code != 0 || !strings.HasPrefix(stdout, "NODE ") || !strings.Contains(stdout, "big-0000 ") || !strings.Contains(stdout, "1001 nodes") ||
+		strings.Count(stdout, "\n") != 4 || !strings.Contains(stderr, "more follow: --continue ") {
+		t.Fatalf("where table: exit %d\n%s\n%s", code, stdout, stderr)
+	}
 	stdout, stderr, code = run(t, append([]string{"fleet", "images", "--limit", "1"}, nats...)...)
 	want := fmt.Sprintf("more follow: --continue 1001/sha256:%064x", 99)
 	if code != 0 || !strings.Contains(stdout, "big:1") || strings.Contains(stdout, "app2:1") || !strings.Contains(stderr, want) {
