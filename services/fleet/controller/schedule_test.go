@@ -69,7 +69,7 @@ func TestParseScheduleRefuses(t *testing.T) {
 func TestScheduleTimeZone(t *testing.T) {
 	for _, tc := range []struct {
 		name, expr, tz, from string
-		want            []string
+		want                 []string
 	}{
 		{"UTC by default", "0 3 * * *", "", "2026-03-07T00:00:00Z", []string{"2026-03-07T03:00:00Z", "2026-03-08T03:00:00Z"}},
 		{"New York spring forward", "0 3 * * *", "America/New_York", "2026-03-07T00:00:00Z",

@@ -4,6 +4,8 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"reflect"
+	"strings"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -147,7 +149,9 @@ func (r *reconciler) reconcileScheduled(ctx context.Context, o *v1alpha1.ImageGC
 		if o.Spec.Window != nil {
 			window = o.Spec.Window.Duration
 		}
-		r.startRun(o, st, *base, base.LastScheduleTime.Time, window)
+		if err := r.startRun(ctx, o, st, *base, base.LastScheduleTime.Time, window); err != nil {
+			return ctrl.Result{}, err
+		}
 		running, base = true, nil
 	}
 
@@ -224,7 +228,9 @@ func (r *reconciler) reconcileScheduled(ctx context.Context, o *v1alpha1.ImageGC
 		run := *base
 		run.NextScheduleTime = &next
 		meta.SetStatusCondition(&run.Conditions, ok)
-		r.startRun(o, st, run, d.Fire, sch.window)
+		if err := r.startRun(ctx, o, st, run, d.Fire, sch.window); err != nil {
+			return ctrl.Result{}, err // the firing is tried again until its deadline
+		}
 		id := st.run.id()
 		r.rec.Eventf(o, nil, corev1.EventTypeNormal, "RunStarted", "RunStarted", "Started run %s for the firing at %s", id,
 			d.Fire.In(sch.loc).Format(time.RFC3339))
@@ -251,18 +257,22 @@ func (r *reconciler) wakeAt(name string, st *scheduled, d time.Duration) {
 	st.timer = r.clock().AfterFunc(max(d, 0), func() { r.poke(name) })
 }
 
-// startRun starts the runner of the firing at fired with status (a new run's or the resumed one's).
-func (r *reconciler) startRun(o *v1alpha1.ImageGC, st *scheduled, status v1alpha1.RolloutStatus, fired time.Time, window time.Duration) {
-	run := newRunner(r.base, r, o)
+// startRun starts the runner of the firing at fired with status (a new run's or the resumed one's). A
+// new run's status is written first: its lastScheduleTime, before any node is acted on.
+func (r *reconciler) startRun(ctx context.Context, o *v1alpha1.ImageGC, st *scheduled, status v1alpha1.RolloutStatus, fired time.Time, window time.Duration) error {
 	if status.LastScheduleTime == nil || !status.LastScheduleTime.Time.Equal(fired) || status.CompletionTime != nil {
 		// A new run: the counters describe it alone.
 		now := r.now()
 		status = v1alpha1.RolloutStatus{
-			ObservedGeneration: status.ObservedGeneration, Conditions: status.Conditions,
+			ObservedGeneration: o.Generation, Phase: v1alpha1.PhaseRunning, Conditions: status.Conditions,
 			RolloutID: runID(string(o.UID), fired), StartTime: &now, LastScheduleTime: &metav1.Time{Time: fired},
 			NextScheduleTime: status.NextScheduleTime,
 		}
+		if err := r.writeWhole(ctx, o, &status); err != nil {
+			return err
+		}
 	}
+	run := newRunner(r.base, r, o)
 	run.status = status
 	run.firing, run.window = fired, window
 	run.update(o)
@@ -274,16 +284,40 @@ func (r *reconciler) startRun(o *v1alpha1.ImageGC, st *scheduled, status v1alpha
 		run.run()
 		r.poke(o.Name)
 	}()
+	return nil
 }
 
-// writeIdle writes the status between runs when it changed: a merge patch conditioned on the UID, as the
-// runner's.
+// writeIdle writes the status between runs when it changed.
 func (r *reconciler) writeIdle(ctx context.Context, o *v1alpha1.ImageGC, st *scheduled, status *v1alpha1.RolloutStatus) error {
 	if equality.Semantic.DeepEqual(*status, o.Status) {
 		st.idle = status
 		return nil
 	}
-	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{"uid": o.UID}, "status": status})
+	if err := r.writeWhole(ctx, o, status); err != nil {
+		return err
+	}
+	st.idle = status
+	return nil
+}
+
+// writeWhole writes status as it is: a merge patch conditioned on the UID, as the runner's, that also
+// clears every field status leaves empty (a new run's counters start afresh; the runner's patches only
+// ever set fields).
+func (r *reconciler) writeWhole(ctx context.Context, o *v1alpha1.ImageGC, status *v1alpha1.RolloutStatus) error {
+	raw, err := json.Marshal(status)
+	if err != nil {
+		return err
+	}
+	var fields map[string]any
+	if err := json.Unmarshal(raw, &fields); err != nil {
+		return err
+	}
+	for _, name := range statusFields() {
+		if _, ok := fields[name]; !ok {
+			fields[name] = nil
+		}
+	}
+	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{"uid": o.UID}, "status": fields})
 	if err != nil {
 		return err
 	}
@@ -293,8 +327,19 @@ func (r *reconciler) writeIdle(ctx context.Context, o *v1alpha1.ImageGC, st *sch
 		return fmt.Errorf("patch status of %s: %w", o.Name, err)
 	}
 	r.m.statusWrites.WithLabelValues(r.kind.name).Inc()
-	st.idle = status
 	return nil
+}
+
+// statusFields are the JSON names of RolloutStatus's fields.
+func statusFields() []string {
+	t := reflect.TypeFor[v1alpha1.RolloutStatus]()
+	names := make([]string, 0, t.NumField())
+	for i := range t.NumField() {
+		if name, _, _ := strings.Cut(t.Field(i).Tag.Get("json"), ","); name != "" && name != "-" {
+			names = append(names, name)
+		}
+	}
+	return names
 }
 
 func (run *runner) isDone() bool {
