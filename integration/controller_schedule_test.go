@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -190,6 +191,55 @@ func TestControllerSchedulesImageGC(t *testing.T) {
 		}
 	})
 
+	t.Run("a controller stopped mid-run is replaced and resumes the firing's rollout", func(t *testing.T) {
+		clk := clocktesting.NewFakeClock(time.Now())
+		stop := runControllerInProcess(t, kc, url, clk)
+		before, err := streamEnd(ctx, b, events.EventsStream)
+		if err != nil {
+			t.Fatal(err)
+		}
+		o := &v1alpha1.ImageGC{ObjectMeta: metav1.ObjectMeta{Name: "gc-resume"}, Spec: v1alpha1.ImageGCSpec{Mode: "AllUnused", DryRun: true,
+			Schedule: "*/10 * * * *", RolloutSpec: v1alpha1.RolloutSpec{Nodes: v1alpha1.NodeSelection{Names: append([]string{"gone-1"}, all...)},
+				NodeTimeout: &metav1.Duration{Duration: 5 * time.Second}, FailureBudget: intstr.FromInt32(1)}}}
+		if err := cl.Create(ctx, o); err != nil {
+			t.Fatal(err)
+		}
+		st := waitGC(t, cl, o, "the first nextScheduleTime", func(st v1alpha1.RolloutStatus) bool { return st.NextScheduleTime != nil })
+		fired := st.NextScheduleTime.Time
+		clk.SetTime(fired)
+		st = waitGC(t, cl, o, "the first wave at work", func(st v1alpha1.RolloutStatus) bool {
+			return st.LastScheduleTime != nil && st.LastScheduleTime.Equal(&metav1.Time{Time: fired}) && st.CurrentWave == 1
+		})
+		id := st.RolloutID
+		stop()
+		// The next controller's clock is half a minute on: the firing is still within its deadline, and must
+		// not start again.
+		runControllerInProcess(t, kc, url, clocktesting.NewFakeClock(fired.Add(30*time.Second)))
+		st = waitGC(t, cl, o, "the run ended", func(st v1alpha1.RolloutStatus) bool { return st.CompletionTime != nil })
+		c := meta.FindStatusCondition(st.Conditions, v1alpha1.ConditionLastRunComplete)
+		if st.RolloutID != id || !st.LastScheduleTime.Time.Equal(fired) || st.Succeeded != nodes || st.Failed != 1 ||
+			c == nil || c.Status != metav1.ConditionTrue || c.Reason != "CompletedWithFailures" {
+			t.Errorf("status: %+v", st)
+		}
+		claims, _, err := rolloutRecordsPerNode(ctx, b, id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if bad := onceEach(append([]string{"gone-1"}, all...), claims); bad != "" {
+			t.Errorf("claims: %s", bad)
+		}
+		counts, err := gcFinishedPerNode(ctx, b, before, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if bad := onceEach(all, counts); bad != "" {
+			t.Errorf("gc.finished: %s", bad)
+		}
+		if err := cl.Delete(ctx, o); err != nil {
+			t.Fatal(err)
+		}
+	})
+
 	t.Run("an unknown time zone is a condition and an Event until mended", func(t *testing.T) {
 		clk := clocktesting.NewFakeClock(time.Now())
 		runControllerInProcess(t, kc, url, clk)
@@ -217,9 +267,9 @@ func TestControllerSchedulesImageGC(t *testing.T) {
 	})
 }
 
-// runControllerInProcess runs the controller in this test's process on clk until the test ends, with
-// its own connection to the bus.
-func runControllerInProcess(t *testing.T, kc *kubelab.Cluster, url string, clk *clocktesting.FakeClock) {
+// runControllerInProcess runs the controller in this test's process on clk until stop is called or the
+// test ends, with its own connection to the bus.
+func runControllerInProcess(t *testing.T, kc *kubelab.Cluster, url string, clk *clocktesting.FakeClock) (stop func()) {
 	t.Helper()
 	cb, err := bus.Connect(t.Context(), url, bus.Options{Name: "controller-" + t.Name(), ConnectTimeout: 5 * time.Second})
 	if err != nil {
@@ -233,13 +283,17 @@ func runControllerInProcess(t *testing.T, kc *kubelab.Cluster, url string, clk *
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- c.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("controller: %v", err)
-		}
-		cb.Close()
-	})
+	var once sync.Once
+	stop = func() {
+		once.Do(func() {
+			cancel()
+			if err := <-done; err != nil {
+				t.Errorf("controller: %v", err)
+			}
+			cb.Close()
+		})
+	}
+	t.Cleanup(stop)
 	select {
 	case <-c.Ready():
 	case err := <-done:
@@ -247,6 +301,7 @@ func runControllerInProcess(t *testing.T, kc *kubelab.Cluster, url string, clk *
 	case <-time.After(time.Minute):
 		t.Fatal("controller not ready after 1m")
 	}
+	return stop
 }
 
 // waitGC polls o until its status satisfies ok and returns that status.
