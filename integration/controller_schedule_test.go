@@ -30,8 +30,9 @@ import (
 // kube-apiserver with the chart's CRDs, over hollow agents with their real workers: the schema refuses
 // what it can check; an hourly schedule in Asia/Kolkata fires at :30 UTC, once, each run one rollout that
 // acts on every node once, and again at the next firing; a window that ends while the first wave is at work
-// starts no later wave and says how many nodes were not started; an unknown time zone is a condition and an
-// Event, mended by an edit.
+// starts no later wave and says how many nodes were not started; a controller stopped mid-run is replaced
+// and resumes the firing's rollout without starting the firing again; a paused schedule skips its firing;
+// an unknown time zone is a condition and an Event, mended by an edit.
 func TestControllerSchedulesImageGC(t *testing.T) {
 	const nodes = 4
 	kc := kubelab.StartT(t, kubelab.Options{})
@@ -234,6 +235,41 @@ func TestControllerSchedulesImageGC(t *testing.T) {
 		}
 		if bad := onceEach(all, counts); bad != "" {
 			t.Errorf("gc.finished: %s", bad)
+		}
+		if err := cl.Delete(ctx, o); err != nil {
+			t.Fatal(err)
+		}
+	})
+
+	t.Run("a paused schedule skips its firing and runs the next once resumed", func(t *testing.T) {
+		clk := clocktesting.NewFakeClock(time.Now())
+		runControllerInProcess(t, kc, url, clk)
+		o := &v1alpha1.ImageGC{ObjectMeta: metav1.ObjectMeta{Name: "gc-paused"}, Spec: v1alpha1.ImageGCSpec{Mode: "AllUnused", DryRun: true,
+			Schedule: "*/10 * * * *", RolloutSpec: v1alpha1.RolloutSpec{Paused: true}}}
+		if err := cl.Create(ctx, o); err != nil {
+			t.Fatal(err)
+		}
+		st := waitGC(t, cl, o, "the first nextScheduleTime", func(st v1alpha1.RolloutStatus) bool { return st.NextScheduleTime != nil })
+		fired := st.NextScheduleTime.Time
+		clk.SetTime(fired)
+		// Held until its deadline (1m without a window), then skipped.
+		clk.Step(61 * time.Second)
+		if reasons := objectEvents(t, kc, o.Name, "ScheduleSkipped"); !slices.Equal(reasons, []string{"ScheduleSkipped"}) {
+			t.Errorf("events %v", reasons)
+		}
+		st = waitGC(t, cl, o, "the next firing", func(st v1alpha1.RolloutStatus) bool {
+			return st.NextScheduleTime != nil && st.NextScheduleTime.Time.Equal(fired.Add(10*time.Minute))
+		})
+		if st.LastScheduleTime != nil || st.RolloutID != "" || st.Phase != v1alpha1.PhaseScheduled {
+			t.Errorf("a paused schedule ran: %+v", st)
+		}
+		if err := cl.Patch(ctx, o, client.RawPatch(types.MergePatchType, []byte(`{"spec":{"paused":false}}`))); err != nil {
+			t.Fatal(err)
+		}
+		clk.SetTime(fired.Add(10 * time.Minute))
+		st = waitGC(t, cl, o, "the next firing's run ended", func(st v1alpha1.RolloutStatus) bool { return st.CompletionTime != nil })
+		if !st.LastScheduleTime.Time.Equal(fired.Add(10*time.Minute)) || st.Succeeded != nodes {
+			t.Errorf("status: %+v", st)
 		}
 		if err := cl.Delete(ctx, o); err != nil {
 			t.Fatal(err)
