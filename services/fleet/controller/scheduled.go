@@ -172,6 +172,7 @@ func (r *reconciler) reconcileScheduled(ctx context.Context, o *v1alpha1.ImageGC
 		}
 		old := meta.FindStatusCondition(base.Conditions, v1alpha1.ConditionScheduled)
 		base.NextScheduleTime = nil
+		base.ObservedGeneration = o.Generation
 		if base.Phase == "" {
 			base.Phase = v1alpha1.PhaseScheduled
 		}
