@@ -6,6 +6,8 @@
 // One object is one rollout, its id derived from the object's UID, so a controller that restarts (or a
 // new leader) resumes the rollout where the bus recorded it: a node with an outcome is not acted on again,
 // and a node claimed without one counts as failed (at most once, as `imagefleet fleet gc --id` resumes).
+// A scheduled ImageGC is one rollout per firing, its id derived from the UID and the firing's time
+// (scheduled.go).
 package controller
 
 import (

@@ -50,8 +50,9 @@ type runner struct {
 	flushNow chan struct{}
 	flushMu  sync.Mutex // one status write at a time (flush)
 	// firing and window are a scheduled ImageGC's run's (scheduled.go); zero for an unscheduled object.
-	firing time.Time
-	window time.Duration
+	firing     time.Time
+	window     time.Duration
+	windowWave int // the wave the window ended before
 }
 
 type outcome struct {
@@ -236,7 +237,7 @@ func (run *runner) once(id string) (res events.RolloutResult, restart bool, err 
 	cfg.Progress = func(p fleet.Progress) {
 		if p.Batch != nil && runCtx.Err() == nil {
 			if run.windowDone() {
-				windowEnded = true
+				windowEnded, run.windowWave = true, p.Batch.Index
 				cancelRun()
 				return
 			}
@@ -244,7 +245,7 @@ func (run *runner) once(id string) (res events.RolloutResult, restart bool, err 
 				restart = true
 				cancelRun()
 			} else if run.windowDone() { // paused past the window
-				windowEnded = true
+				windowEnded, run.windowWave = true, p.Batch.Index
 				cancelRun()
 			}
 		}

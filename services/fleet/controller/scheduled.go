@@ -400,7 +400,7 @@ func (run *runner) endScheduled(res events.RolloutResult, reason, msg string) {
 	case res.StopReason == stopWindowEnded:
 		reason = stopWindowEnded
 		msg = fmt.Sprintf("the window %s ended before wave %d: %d of %d nodes succeeded, %d failed, %d not started", run.window,
-			run.status.CurrentWave+1, run.status.Succeeded, run.status.Desired, run.status.Failed, notStarted)
+			run.windowWave, run.status.Succeeded, run.status.Desired, run.status.Failed, notStarted)
 	case res.StopReason == events.RolloutMaxFailuresExceeded:
 		reason = "FailureBudgetExceeded"
 		msg = fmt.Sprintf("%d of %d nodes failed, over the failure budget %s (%d); %d not started", run.status.Failed, run.status.Desired,
