@@ -113,6 +113,10 @@ type ImagePrePullSpec struct {
 //
 // +kubebuilder:validation:XValidation:rule="!has(self.mode) || (self.mode == 'Named') == has(self.images)",message="mode Named goes with images, and images with mode Named"
 // +kubebuilder:validation:XValidation:rule="has(self.mode) == has(oldSelf.mode) && has(self.images) == has(oldSelf.images)",message="mode and images are immutable"
+// +kubebuilder:validation:XValidation:rule="has(self.schedule) == has(oldSelf.schedule)",message="schedule may be changed but not added or removed"
+// +kubebuilder:validation:XValidation:rule="!has(self.timeZone) || has(self.schedule)",message="timeZone goes with schedule"
+// +kubebuilder:validation:XValidation:rule="!has(self.window) || has(self.schedule)",message="window goes with schedule"
+// +kubebuilder:validation:XValidation:rule="!has(self.schedule) || !has(self.ttlSecondsAfterFinished)",message="a scheduled ImageGC never finishes: ttlSecondsAfterFinished does not apply"
 type ImageGCSpec struct {
 	// Mode is KubeletPolicy (the kubelet's pass: free down to the low threshold, oldest unused first, and
 	// every unused image past its maximum age), AllUnused (every eligible unused image, the kubelet's
@@ -142,6 +146,26 @@ type ImageGCSpec struct {
 	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="policy is immutable"
 	// +optional
 	Policy GCPolicyOverrides `json:"policy"`
+	// Schedule runs the GC again and again, as a CronJob runs Jobs: a cron expression with a CronJob's
+	// syntax (5 fields, or @hourly, @daily, @weekly, @monthly, @yearly). Each firing is one rollout; the
+	// object never completes. It may be changed (from the next firing) but not added or removed.
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=256
+	// +kubebuilder:validation:XValidation:rule="!self.contains('TZ')",message="schedule must not set a time zone (TZ= or CRON_TZ=): use timeZone"
+	// +optional
+	Schedule string `json:"schedule,omitempty"`
+	// TimeZone is the IANA time zone the schedule is read in ("Europe/Berlin"; default UTC).
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=64
+	// +kubebuilder:validation:XValidation:rule="self != 'Local'",message="timeZone must name a time zone, not Local"
+	// +optional
+	TimeZone string `json:"timeZone,omitempty"`
+	// Window bounds each scheduled run: no wave starts once this long has passed since the firing's time
+	// (the wave at work ends), and a firing that could not start within it is skipped (without a window:
+	// within 1m).
+	// +kubebuilder:validation:XValidation:rule="duration(self) >= duration('1m')",message="window must be at least 1m"
+	// +optional
+	Window *metav1.Duration `json:"window,omitempty"`
 
 	RolloutSpec `json:",inline"`
 }
@@ -223,6 +247,13 @@ type RolloutStatus struct {
 	// +listType=atomic
 	// +kubebuilder:validation:MaxItems=20
 	FailedNodes []NodeFailure `json:"failedNodes,omitempty"`
+	// LastScheduleTime is the firing time of a scheduled ImageGC's latest run (the counters above describe
+	// that run).
+	// +optional
+	LastScheduleTime *metav1.Time `json:"lastScheduleTime,omitempty"`
+	// NextScheduleTime is a scheduled ImageGC's next firing time.
+	// +optional
+	NextScheduleTime *metav1.Time `json:"nextScheduleTime,omitempty"`
 }
 
 // NodeFailure is a failed node and why.
@@ -237,11 +268,17 @@ const (
 	ConditionPaused      = "Paused"
 	ConditionComplete    = "Complete"
 	ConditionFailed      = "Failed"
+	// ConditionScheduled and ConditionLastRunComplete are a scheduled ImageGC's: its schedule is valid, and
+	// its latest run ran every wave.
+	ConditionScheduled       = "Scheduled"
+	ConditionLastRunComplete = "LastRunComplete"
 
 	PhaseRunning  = "Running"
 	PhasePaused   = "Paused"
 	PhaseComplete = "Complete"
 	PhaseFailed   = "Failed"
+	// PhaseScheduled: a scheduled ImageGC between runs.
+	PhaseScheduled = "Scheduled"
 )
 
 // ImagePrePull pulls images on a fleet's nodes in slow-start waves.
@@ -282,6 +319,8 @@ type ImagePrePullList struct {
 // +kubebuilder:printcolumn:name="Completions",type=string,JSONPath=`.status.progress`
 // +kubebuilder:printcolumn:name="Failed",type=integer,JSONPath=`.status.failed`
 // +kubebuilder:printcolumn:name="Freed",type=integer,JSONPath=`.status.bytesFreed`
+// +kubebuilder:printcolumn:name="Schedule",type=string,JSONPath=`.spec.schedule`
+// +kubebuilder:printcolumn:name="Last-Schedule",type=date,JSONPath=`.status.lastScheduleTime`
 // +kubebuilder:printcolumn:name="Mode",type=string,JSONPath=`.spec.mode`,priority=1
 // +kubebuilder:printcolumn:name="Images",type=string,JSONPath=`.spec.images`,priority=1
 // +kubebuilder:printcolumn:name="Dry-Run",type=boolean,JSONPath=`.spec.dryRun`,priority=1

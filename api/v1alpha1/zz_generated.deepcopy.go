@@ -112,6 +112,11 @@ func (in *ImageGCSpec) DeepCopyInto(out *ImageGCSpec) {
 		copy(*out, *in)
 	}
 	in.Policy.DeepCopyInto(&out.Policy)
+	if in.Window != nil {
+		in, out := &in.Window, &out.Window
+		*out = new(v1.Duration)
+		**out = **in
+	}
 	in.RolloutSpec.DeepCopyInto(&out.RolloutSpec)
 }
 
@@ -300,6 +305,14 @@ func (in *RolloutStatus) DeepCopyInto(out *RolloutStatus) {
 		in, out := &in.FailedNodes, &out.FailedNodes
 		*out = make([]NodeFailure, len(*in))
 		copy(*out, *in)
+	}
+	if in.LastScheduleTime != nil {
+		in, out := &in.LastScheduleTime, &out.LastScheduleTime
+		*out = (*in).DeepCopy()
+	}
+	if in.NextScheduleTime != nil {
+		in, out := &in.NextScheduleTime, &out.NextScheduleTime
+		*out = (*in).DeepCopy()
 	}
 }
 

@@ -6,6 +6,8 @@
 // One object is one rollout, its id derived from the object's UID, so a controller that restarts (or a
 // new leader) resumes the rollout where the bus recorded it: a node with an outcome is not acted on again,
 // and a node claimed without one counts as failed (at most once, as `imagefleet fleet gc --id` resumes).
+// A scheduled ImageGC is one rollout per firing, its id derived from the UID and the firing's time
+// (scheduled.go).
 package controller
 
 import (
@@ -22,6 +24,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
+	"k8s.io/utils/clock"
 	ctrl "sigs.k8s.io/controller-runtime"
 	ctrlconfig "sigs.k8s.io/controller-runtime/pkg/config"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
@@ -51,6 +54,9 @@ type Config struct {
 	Registerer prometheus.Registerer
 	// Logger (default slog.Default()).
 	Logger *slog.Logger
+	// Clock is what a scheduled ImageGC's firings and windows are read on (default the real clock; a test's
+	// fake one fires them when stepped).
+	Clock clock.WithTickerAndDelayedExecution
 }
 
 // Controller runs the reconcilers of ImagePrePull and ImageGC.
@@ -97,6 +103,9 @@ func New(cfg Config, b *bus.Bus) (*Controller, error) {
 	}
 	if cfg.Registerer == nil {
 		cfg.Registerer = prometheus.DefaultRegisterer
+	}
+	if cfg.Clock == nil {
+		cfg.Clock = clock.RealClock{}
 	}
 	m, err := newMetrics(cfg.Registerer)
 	if err != nil {
@@ -151,7 +160,7 @@ func (c *Controller) Run(ctx context.Context) error {
 	for _, k := range []kind{prePullKind(), gcKind()} {
 		r := &reconciler{kind: k, c: mgr.GetClient(), status: mgr.GetClient().Status(), b: c.b, rec: rec, cfg: c.cfg, log: c.cfg.Logger.With("worker", "controller", "kind", k.name),
 			base: ctx, m: c.m, runners: map[string]*runner{}}
-		if err := ctrl.NewControllerManagedBy(mgr).For(k.newObject()).Named(k.name).Complete(r); err != nil {
+		if err := ctrl.NewControllerManagedBy(mgr).For(k.newObject()).Named(k.name).WatchesRawSource(r.wakeSource()).Complete(r); err != nil {
 			return fmt.Errorf("controller: %s: %w", k.name, err)
 		}
 		defer r.stopAll()

@@ -10,6 +10,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/meta"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/event"
 	"sigs.k8s.io/controller-runtime/pkg/recorder"
 
 	"github.com/imagefleet/imagefleet/api/v1alpha1"
@@ -34,6 +35,8 @@ type reconciler struct {
 
 	mu      sync.Mutex
 	runners map[string]*runner
+	sched   map[string]*scheduled   // scheduled ImageGCs (scheduled.go)
+	wake    chan event.GenericEvent // the schedule's wake-ups (wakeSource)
 }
 
 // Reconcile implements reconcile.Reconciler.
@@ -49,6 +52,9 @@ func (r *reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	if obj.GetDeletionTimestamp() != nil {
 		r.forget(req.Name)
 		return ctrl.Result{}, nil
+	}
+	if o, ok := scheduledGC(obj); ok {
+		return r.reconcileScheduled(ctx, o)
 	}
 	if finished(r.kind.status(obj)) {
 		return r.expire(ctx, obj)
@@ -110,6 +116,7 @@ func (r *reconciler) forget(name string) {
 	if run != nil {
 		run.stop()
 	}
+	r.forgetSchedule(name)
 }
 
 // stopAll stops every runner (the controller stops or lost the Lease: the next holder resumes them).

@@ -49,6 +49,10 @@ type runner struct {
 	dirty    bool
 	flushNow chan struct{}
 	flushMu  sync.Mutex // one status write at a time (flush)
+	// firing and window are a scheduled ImageGC's run's (scheduled.go); zero for an unscheduled object.
+	firing     time.Time
+	window     time.Duration
+	windowWave int // the wave the window ended before
 }
 
 type outcome struct {
@@ -229,10 +233,19 @@ func (run *runner) once(id string) (res events.RolloutResult, restart bool, err 
 			run.record(nr)
 		}
 	}
+	windowEnded := false // a scheduled run's window ended at a wave's start: nothing is in flight then
 	cfg.Progress = func(p fleet.Progress) {
 		if p.Batch != nil && runCtx.Err() == nil {
+			if run.windowDone() {
+				windowEnded, run.windowWave = true, p.Batch.Index
+				cancelRun()
+				return
+			}
 			if run.waveStart(runCtx, *p.Batch, cfg.MaxInFlight) {
 				restart = true
+				cancelRun()
+			} else if run.windowDone() { // paused past the window
+				windowEnded, run.windowWave = true, p.Batch.Index
 				cancelRun()
 			}
 		}
@@ -244,6 +257,10 @@ func (run *runner) once(id string) (res events.RolloutResult, restart bool, err 
 	res, err = ro.Run(runCtx)
 	if restart && ctx.Err() == nil {
 		return res, true, nil
+	}
+	if windowEnded && ctx.Err() == nil {
+		res.StopReason = stopWindowEnded
+		return res, false, nil
 	}
 	return res, false, err
 }
@@ -375,6 +392,10 @@ func (run *runner) progressLocked() {
 // finish writes the rollout's end: Complete when every wave ran (failures within the budget included),
 // Failed when the budget stopped it.
 func (run *runner) finish(res events.RolloutResult) {
+	if !run.firing.IsZero() {
+		run.endScheduled(res, "", "")
+		return
+	}
 	run.mu.Lock()
 	now := metav1.Now()
 	run.status.CompletionTime, run.status.Active = &now, 0
@@ -412,6 +433,10 @@ func (run *runner) finish(res events.RolloutResult) {
 
 // fail ends the object as Failed without a rollout (a spec the engine refuses).
 func (run *runner) fail(reason, msg string) {
+	if !run.firing.IsZero() {
+		run.endScheduled(events.RolloutResult{}, reason, msg)
+		return
+	}
 	run.mu.Lock()
 	now := metav1.Now()
 	run.status.CompletionTime, run.status.Active, run.status.Phase = &now, 0, v1alpha1.PhaseFailed
