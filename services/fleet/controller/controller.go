@@ -19,10 +19,13 @@ import (
 
 	"github.com/go-logr/logr"
 	"github.com/prometheus/client_golang/prometheus"
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
 	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/cache"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 	ctrlconfig "sigs.k8s.io/controller-runtime/pkg/config"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
@@ -141,6 +144,8 @@ func (c *Controller) Run(ctx context.Context) error {
 		LeaderElectionNamespace:       c.cfg.Namespace,
 		LeaderElectionReleaseOnCancel: true,
 		Controller:                    ctrlconfig.Controller{SkipNameValidation: &skip},
+		// The readiness taint's reconciler reads Nodes: cached as their names and taints only (readiness.go).
+		Cache: cache.Options{ByObject: map[client.Object]cache.ByObject{&corev1.Node{}: {Transform: nodeTaintsOnly}}},
 	})
 	if err != nil {
 		return fmt.Errorf("controller: %w", err)
@@ -148,9 +153,21 @@ func (c *Controller) Run(ctx context.Context) error {
 	rec := mgr.GetEventRecorder("imagefleet-controller")
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
+	// The KeepNewNodes ImagePrePulls' new nodes and readiness taint (newnodes.go, readiness.go).
+	keep := newKeeper(ctx, c.cfg, c.b, prePullKind(), mgr.GetClient(), mgr.GetAPIReader(), mgr.GetClient().Status(), rec)
+	if err := keep.setupReadiness(mgr); err != nil {
+		return fmt.Errorf("controller: readiness taint: %w", err)
+	}
+	if err := mgr.Add(keep); err != nil {
+		return err
+	}
+	defer keep.stop()
 	for _, k := range []kind{prePullKind(), gcKind()} {
 		r := &reconciler{kind: k, c: mgr.GetClient(), status: mgr.GetClient().Status(), b: c.b, rec: rec, cfg: c.cfg, log: c.cfg.Logger.With("worker", "controller", "kind", k.name),
 			base: ctx, m: c.m, runners: map[string]*runner{}}
+		if k.name == "imageprepull" {
+			r.keep = keep
+		}
 		if err := ctrl.NewControllerManagedBy(mgr).For(k.newObject()).Named(k.name).Complete(r); err != nil {
 			return fmt.Errorf("controller: %s: %w", k.name, err)
 		}

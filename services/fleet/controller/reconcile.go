@@ -29,6 +29,8 @@ type reconciler struct {
 	cfg    Config
 	log    *slog.Logger
 	m      *metrics
+	// keep follows the KeepNewNodes ImagePrePulls (nil for ImageGC): newnodes.go.
+	keep *keeper
 
 	base context.Context // Run's: the runners end with the controller (Run stops them before it returns)
 
@@ -50,6 +52,7 @@ func (r *reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 		r.forget(req.Name)
 		return ctrl.Result{}, nil
 	}
+	r.keep.observe(obj)
 	if finished(r.kind.status(obj)) {
 		return r.expire(ctx, obj)
 	}
@@ -110,6 +113,7 @@ func (r *reconciler) forget(name string) {
 	if run != nil {
 		run.stop()
 	}
+	r.keep.forget(name)
 }
 
 // stopAll stops every runner (the controller stops or lost the Lease: the next holder resumes them).
