@@ -100,3 +100,36 @@ func TestKeptObjectSelectsWarmedAndCounts(t *testing.T) {
 		t.Error("names: want exactly the named nodes")
 	}
 }
+
+func TestWarmForNeedsEveryObjectOfTheKey(t *testing.T) {
+	warm := labels.Set{"pool": "warm"}
+	obj := func(name, key string, active bool, planned map[string]bool) *keptObject {
+		return &keptObject{name: name, key: key, sel: labels.SelectorFromSet(warm), active: active, planned: planned, joins: map[string]*join{}}
+	}
+	const key = v1alpha1.DefaultReadinessTaint
+	for _, tc := range []struct {
+		name   string
+		synced bool
+		objs   []*keptObject
+		want   []string
+	}{
+		{"the registry not read yet", false, []*keptObject{obj("a", key, true, map[string]bool{"n": true})}, nil},
+		{"one object warmed it", true, []*keptObject{obj("a", key, true, map[string]bool{"n": true})}, []string{"a"}},
+		{"one of two did not", true, []*keptObject{obj("a", key, true, map[string]bool{"n": true}), obj("b", key, true, map[string]bool{"n": false})}, nil},
+		{"one still in its first rollout", true, []*keptObject{obj("b", key, true, map[string]bool{"n": true}), obj("a", key, false, nil)}, nil},
+		{"another key's object does not count", true, []*keptObject{obj("b", key, true, map[string]bool{"n": true}), obj("a", "example.com/other", false, nil)}, []string{"b"}},
+		{"both warmed it", true, []*keptObject{obj("b", key, true, map[string]bool{"n": true}), obj("a", key, true, map[string]bool{"n": true})}, []string{"a", "b"}},
+		{"no object of the key", true, []*keptObject{obj("a", "example.com/other", true, map[string]bool{"n": true})}, nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			k := &keeper{synced: tc.synced, nodes: map[string]registryNode{"n": {labels: warm}}, objs: map[string]*keptObject{}}
+			for _, ko := range tc.objs {
+				k.objs[ko.name] = ko
+			}
+			by, ok := k.warmFor("n", key)
+			if ok != (tc.want != nil) || !slices.Equal(by, tc.want) {
+				t.Errorf("warmFor = %v, %t; want %v", by, ok, tc.want)
+			}
+		})
+	}
+}
