@@ -39,7 +39,7 @@ func TestControllerWarmsNewNodes(t *testing.T) {
 		t.Fatal(err)
 	}
 	taint := v1alpha1.DefaultReadinessTaint
-	for i := range 6 {
+	for i := range 7 {
 		registerNode(t, cs, name(i), taint)
 	}
 
@@ -60,9 +60,20 @@ func TestControllerWarmsNewNodes(t *testing.T) {
 	if err := cl.Create(ctx, o); err != nil {
 		t.Fatal(err)
 	}
+	// By names: node 6 is not there yet; it is skipped, and warmed when it joins. Node 1's taint waits for
+	// both objects.
+	named := &v1alpha1.ImagePrePull{ObjectMeta: metav1.ObjectMeta{Name: "warm-named"}, Spec: v1alpha1.ImagePrePullSpec{
+		Images: []string{"registry.example/named:v1"}, CompletionPolicy: v1alpha1.CompletionKeepNewNodes,
+		RolloutSpec: v1alpha1.RolloutSpec{Nodes: v1alpha1.NodeSelection{Names: []string{name(1), name(6)}}}}}
+	if err := cl.Create(ctx, named); err != nil {
+		t.Fatal(err)
+	}
 	st := waitCondition(t, cl, o, v1alpha1.ConditionComplete)
 	if st.Desired != 2 || st.Succeeded != 2 || st.Failed != 0 || o.Spec.ReadinessTaint != "" {
 		t.Errorf("first rollout: status %+v", st)
+	}
+	if st := waitCondition(t, cl, named, v1alpha1.ConditionComplete); st.Desired != 1 || st.Succeeded != 1 || st.Skipped != 1 {
+		t.Errorf("first rollout by names: status %+v", st)
 	}
 	waitTaint(t, cs, name(0), taint, false)
 	waitTaint(t, cs, name(1), taint, false)
@@ -115,6 +126,12 @@ func TestControllerWarmsNewNodes(t *testing.T) {
 		t.Errorf("after a controller restart: status %+v", st)
 	}
 	waitTaint(t, cs, name(5), taint, false)
+	agents("hollow-f", 6, "--node-labels", "pool=cold") // named: warm-named takes it, warm-new does not
+	st = waitStatus(t, cl, named, "node 6 warmed", func(st v1alpha1.RolloutStatus) bool { return st.Succeeded == 2 })
+	if st.Desired != 2 || st.Joined != 1 || st.Failed != 0 {
+		t.Errorf("warm-named after node 6 joined: status %+v", st)
+	}
+	waitTaint(t, cs, name(6), taint, false)
 	if pulls, err := pullResultsPerNode(ctx, b, 0, joinID); err != nil || pulls[name(2)] != 1 {
 		t.Errorf("pull results of %s after the restart: %v (%v)", joinID, pulls, err)
 	}

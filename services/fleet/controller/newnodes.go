@@ -595,3 +595,26 @@ func (k *keeper) flush(ctx context.Context, ko *keptObject) error {
 func (k *keeper) event(obj client.Object, eventType, reason, note string, args ...any) {
 	k.rec.Eventf(obj, nil, eventType, reason, reason, note, args...)
 }
+
+// readyNames plans a KeepNewNodes object's first rollout over names: the named nodes the registry shows
+// Ready, in the names' order; the others are skipped, and warmed when they join.
+func readyNames(ctx context.Context, b *bus.Bus, names []string) ([]string, []events.RolloutNodeError, map[string]string, error) {
+	p, err := fleet.Plan(ctx, b, "", false, time.Now)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	ready := map[string]bool{}
+	for _, n := range p.Nodes {
+		ready[n] = true
+	}
+	var nodes []string
+	var skipped []events.RolloutNodeError
+	for _, n := range names {
+		if ready[n] {
+			nodes = append(nodes, n)
+		} else {
+			skipped = append(skipped, events.RolloutNodeError{Node: n, Error: "not Ready in the registry: warmed when it joins"})
+		}
+	}
+	return nodes, skipped, p.Domains, nil
+}
