@@ -80,6 +80,7 @@ type keptObject struct {
 	names     map[string]bool
 
 	loading, active bool // the first rollout's outcomes are being read / were read: joins may start
+	settled         bool // the joins recorded before were read: the counters may be written
 	stopped         bool // forgotten: its joins end
 	ctx             context.Context
 	cancel          context.CancelFunc
@@ -267,12 +268,9 @@ func (k *keeper) activate(ko *keptObject) {
 	k.kickAll()
 	wait = time.Second
 	for {
-		p, err := fleet.Plan(ko.ctx, k.b, selectorString(ko), false, time.Now)
+		err := k.scan(ko)
 		if err == nil {
-			for _, n := range p.Nodes {
-				k.consider(ko, n, p.Domains[n])
-			}
-			return
+			break
 		}
 		if ko.ctx.Err() != nil {
 			return
@@ -285,9 +283,65 @@ func (k *keeper) activate(ko *keptObject) {
 		}
 		wait = min(2*wait, time.Minute)
 	}
+	k.mu.Lock()
+	ko.settled, ko.dirty = true, true
+	k.mu.Unlock()
 }
 
-// selectorString is ko's selector as fleet.Plan takes it ("" for names: every node, filtered by consider).
+// scan takes on the nodes that joined before: each matching node of the registry, Ready or lost, that the
+// first rollout did not plan. A node whose join recorded an outcome is counted with it, read here before the
+// counters are first written (a controller that restarts writes no dip in them); a Ready one without is
+// warmed.
+func (k *keeper) scan(ko *keptObject) error {
+	reg, err := fleet.OpenRegistry(ko.ctx, k.b, fleet.RegistryOptions{})
+	if err != nil {
+		return err
+	}
+	page, err := reg.List(ko.ctx, fleet.NodeQuery{Selector: ko.sel})
+	if err != nil {
+		return err
+	}
+	for _, n := range page.Nodes {
+		if err := k.adopt(ko, n.Node, n.JSDomain, n.State == events.NodeReady); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// adopt counts node's recorded join, or takes a Ready node on.
+func (k *keeper) adopt(ko *keptObject, node, domain string, ready bool) error {
+	k.mu.Lock()
+	_, planned := ko.planned[node]
+	_, taken := ko.joins[node]
+	skip := planned || taken || ko.stopped || (ko.names != nil && !ko.names[node])
+	k.mu.Unlock()
+	if skip {
+		return nil
+	}
+	_, _, results, err := fleet.LoadRollout(ko.ctx, k.b, JoinRolloutID(ko.rolloutID, node))
+	if err != nil {
+		return err
+	}
+	r, recorded := results[node]
+	if !recorded {
+		if ready {
+			k.consider(ko, node, domain)
+		}
+		return nil
+	}
+	k.mu.Lock()
+	if _, taken := ko.joins[node]; !taken {
+		ko.joins[node] = &join{}
+		k.mu.Unlock()
+		k.ended(ko, node, r, false)
+		return nil
+	}
+	k.mu.Unlock()
+	return nil
+}
+
+// selectorString is ko's selector as a join rollout records it ("" for names).
 func selectorString(ko *keptObject) string {
 	if ko.sel == nil {
 		return ""
@@ -316,7 +370,7 @@ func (k *keeper) load(ko *keptObject) error {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	ko.planned, ko.baseOK, ko.baseFailed = planned, ok, int32(len(planned))-ok
-	ko.loading, ko.active, ko.dirty = false, true, true
+	ko.loading, ko.active = false, true
 	return nil
 }
 
@@ -526,7 +580,7 @@ func (k *keeper) flusher(ctx context.Context) {
 		k.mu.Lock()
 		var todo []*keptObject
 		for _, ko := range k.objs {
-			if ko.dirty && ko.active {
+			if ko.dirty && ko.settled {
 				todo = append(todo, ko)
 			}
 		}
