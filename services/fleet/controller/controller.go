@@ -5,7 +5,9 @@
 //
 // One object is one rollout, its id derived from the object's UID, so a controller that restarts (or a
 // new leader) resumes the rollout where the bus recorded it: a node with an outcome is not acted on again,
-// and a node claimed without one counts as failed (at most once, as `imagefleet fleet gc --id` resumes).
+// and a node claimed without one counts as failed (at most once, as `imagefleet fleet gc --id` resumes). An
+// ImagePrePull with completionPolicy KeepNewNodes also runs a one-node rollout for each node that joins the
+// fleet after its first one, and removes its readiness taint from the Kubernetes Nodes (newnodes.go).
 package controller
 
 import (

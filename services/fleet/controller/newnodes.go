@@ -40,6 +40,9 @@ import (
 // taken on (activate): the registry's Ready nodes that match, less the first rollout's.
 //
 // The keeper also removes each object's readiness taint from the Kubernetes Nodes it warmed (readiness.go).
+//
+// Lock order: keeper.mu is taken alone, never while a reconciler's or a runner's lock is held, nor the other
+// way round.
 type keeper struct {
 	b      *bus.Bus
 	kind   kind
