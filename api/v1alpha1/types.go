@@ -77,6 +77,9 @@ type RolloutSpec struct {
 }
 
 // ImagePrePullSpec is what an ImagePrePull pulls, where.
+//
+// +kubebuilder:validation:XValidation:rule="!has(self.readinessTaint) || (has(self.completionPolicy) && self.completionPolicy == 'KeepNewNodes')",message="readinessTaint goes with completionPolicy KeepNewNodes"
+// +kubebuilder:validation:XValidation:rule="!has(self.ttlSecondsAfterFinished) || !has(self.completionPolicy) || self.completionPolicy != 'KeepNewNodes'",message="ttlSecondsAfterFinished does not apply to completionPolicy KeepNewNodes"
 type ImagePrePullSpec struct {
 	// Images are pulled on each node, in this order.
 	// +kubebuilder:validation:MinItems=1
@@ -100,11 +103,22 @@ type ImagePrePullSpec struct {
 	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="allowPrivate is immutable"
 	// +optional
 	AllowPrivate bool `json:"allowPrivate,omitempty"`
-	// CompletionPolicy is Once: the planned nodes are warmed once and the object completes.
+	// CompletionPolicy is Once (the planned nodes are warmed once and the object completes) or
+	// KeepNewNodes (the planned nodes are warmed once, the object completes, and from then on every node
+	// that joins the fleet and matches nodes is warmed as it joins; docs/kubernetes-objects.md, "New nodes").
 	// +kubebuilder:default=Once
-	// +kubebuilder:validation:Enum=Once
+	// +kubebuilder:validation:Enum=Once;KeepNewNodes
+	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="completionPolicy is immutable"
 	// +optional
 	CompletionPolicy string `json:"completionPolicy,omitempty"`
+	// ReadinessTaint is the key of the taint the controller removes from a Kubernetes Node once every
+	// KeepNewNodes ImagePrePull with this key that selects the node has warmed it (default
+	// readiness.k8s.io/imagefleet-prepull). Only with completionPolicy KeepNewNodes.
+	// +kubebuilder:validation:MaxLength=316
+	// +kubebuilder:validation:Pattern=`^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$`
+	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="readinessTaint is immutable"
+	// +optional
+	ReadinessTaint string `json:"readinessTaint,omitempty"`
 
 	RolloutSpec `json:",inline"`
 }
@@ -220,6 +234,10 @@ type RolloutStatus struct {
 	Failed int32 `json:"failed"`
 	// Skipped counts the matching nodes left out of the plan (lost ones).
 	Skipped int32 `json:"skipped"`
+	// Joined counts the nodes an ImagePrePull with completionPolicy KeepNewNodes took on after its first
+	// rollout, as they joined the fleet; desired, succeeded and failed count them too.
+	// +optional
+	Joined int32 `json:"joined,omitempty"`
 	// Progress is "<ended>/<desired>", for kubectl get.
 	// +optional
 	Progress string `json:"progress,omitempty"`
@@ -272,6 +290,11 @@ const (
 	// its latest run ran every wave.
 	ConditionScheduled       = "Scheduled"
 	ConditionLastRunComplete = "LastRunComplete"
+
+	CompletionOnce         = "Once"
+	CompletionKeepNewNodes = "KeepNewNodes"
+	// DefaultReadinessTaint is spec.readinessTaint's default.
+	DefaultReadinessTaint = "readiness.k8s.io/imagefleet-prepull"
 
 	PhaseRunning  = "Running"
 	PhasePaused   = "Paused"

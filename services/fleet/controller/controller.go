@@ -5,7 +5,9 @@
 //
 // One object is one rollout, its id derived from the object's UID, so a controller that restarts (or a
 // new leader) resumes the rollout where the bus recorded it: a node with an outcome is not acted on again,
-// and a node claimed without one counts as failed (at most once, as `imagefleet fleet gc --id` resumes).
+// and a node claimed without one counts as failed (at most once, as `imagefleet fleet gc --id` resumes). An
+// ImagePrePull with completionPolicy KeepNewNodes also runs a one-node rollout for each node that joins the
+// fleet after its first one, and removes its readiness taint from the Kubernetes Nodes (newnodes.go).
 // A scheduled ImageGC is one rollout per firing, its id derived from the UID and the firing's time
 // (scheduled.go).
 package controller
@@ -21,11 +23,14 @@ import (
 
 	"github.com/go-logr/logr"
 	"github.com/prometheus/client_golang/prometheus"
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
 	"k8s.io/utils/clock"
 	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/cache"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 	ctrlconfig "sigs.k8s.io/controller-runtime/pkg/config"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
@@ -150,6 +155,8 @@ func (c *Controller) Run(ctx context.Context) error {
 		LeaderElectionNamespace:       c.cfg.Namespace,
 		LeaderElectionReleaseOnCancel: true,
 		Controller:                    ctrlconfig.Controller{SkipNameValidation: &skip},
+		// The readiness taint's reconciler reads Nodes: cached as their names and taints only (readiness.go).
+		Cache: cache.Options{ByObject: map[client.Object]cache.ByObject{&corev1.Node{}: {Transform: nodeTaintsOnly}}},
 	})
 	if err != nil {
 		return fmt.Errorf("controller: %w", err)
@@ -157,9 +164,21 @@ func (c *Controller) Run(ctx context.Context) error {
 	rec := mgr.GetEventRecorder("imagefleet-controller")
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
+	// The KeepNewNodes ImagePrePulls' new nodes and readiness taint (newnodes.go, readiness.go).
+	keep := newKeeper(ctx, c.cfg, c.b, prePullKind(), mgr.GetClient(), mgr.GetAPIReader(), mgr.GetClient().Status(), rec)
+	if err := keep.setupReadiness(mgr); err != nil {
+		return fmt.Errorf("controller: readiness taint: %w", err)
+	}
+	if err := mgr.Add(keep); err != nil {
+		return err
+	}
+	defer keep.stop()
 	for _, k := range []kind{prePullKind(), gcKind()} {
 		r := &reconciler{kind: k, c: mgr.GetClient(), status: mgr.GetClient().Status(), b: c.b, rec: rec, cfg: c.cfg, log: c.cfg.Logger.With("worker", "controller", "kind", k.name),
 			base: ctx, m: c.m, runners: map[string]*runner{}}
+		if k.name == "imageprepull" {
+			r.keep = keep
+		}
 		if err := ctrl.NewControllerManagedBy(mgr).For(k.newObject()).Named(k.name).WatchesRawSource(r.wakeSource()).Complete(r); err != nil {
 			return fmt.Errorf("controller: %s: %w", k.name, err)
 		}

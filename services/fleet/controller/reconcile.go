@@ -30,6 +30,8 @@ type reconciler struct {
 	cfg    Config
 	log    *slog.Logger
 	m      *metrics
+	// keep follows the KeepNewNodes ImagePrePulls (nil for ImageGC): newnodes.go.
+	keep *keeper
 
 	base context.Context // Run's: the runners end with the controller (Run stops them before it returns)
 
@@ -53,6 +55,7 @@ func (r *reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 		r.forget(req.Name)
 		return ctrl.Result{}, nil
 	}
+	r.keep.observe(obj)
 	if o, ok := scheduledGC(obj); ok {
 		return r.reconcileScheduled(ctx, o)
 	}
@@ -117,6 +120,7 @@ func (r *reconciler) forget(name string) {
 		run.stop()
 	}
 	r.forgetSchedule(name)
+	r.keep.forget(name)
 }
 
 // stopAll stops every runner (the controller stops or lost the Lease: the next holder resumes them).

@@ -200,6 +200,11 @@ func (run *runner) once(id string) (res events.RolloutResult, restart bool, err 
 		cfg.Nodes, cfg.Skipped = started.Nodes, started.Skipped
 	case len(spec.Nodes.Names) > 0:
 		cfg.Nodes = spec.Nodes.Names
+		if _, keep := keepsNewNodes(run.obj); keep { // the named nodes not Ready yet are warmed as they join
+			if cfg.Nodes, cfg.Skipped, domains, err = readyNames(ctx, b, spec.Nodes.Names); err != nil {
+				return res, false, err
+			}
+		}
 	default:
 		p, err := fleet.Plan(ctx, b, selector, spec.Nodes.IncludeLost, time.Now)
 		if err != nil {

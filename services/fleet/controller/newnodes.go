@@ -1,0 +1,677 @@
+package controller
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/event"
+	"sigs.k8s.io/controller-runtime/pkg/recorder"
+
+	"github.com/imagefleet/imagefleet/api/v1alpha1"
+	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/services/fleet"
+)
+
+// New nodes: an ImagePrePull with completionPolicy KeepNewNodes keeps warming the nodes that join the fleet
+// after its first rollout completed.
+//
+// The keeper is one per controller, shared by every such object. It watches the registry's last-seen bucket
+// (events.NodesSeenBucket: a node's full record is written at its first heartbeat, when it changes, and every
+// few minutes; not every heartbeat): a record of a node it had not seen, or of a node whose agent started
+// again, after the bucket's initial values, is a node joining. A node that joins and that an object selects,
+// and that was not in the object's first rollout, is warmed by a one-node rollout of its own, id
+// JoinRolloutID(<rolloutID>, node), through the same engine (fleet.NewRollout): its claim and outcome are on
+// the bus, so a controller that restarts reads the outcome back (LoadRollout) instead of pulling again, and
+// resumes a join that was at work. Nodes that joined while no controller ran are found when an object is
+// taken on (activate): the registry's Ready nodes that match, less the first rollout's.
+//
+// The keeper also removes each object's readiness taint from the Kubernetes Nodes it warmed (readiness.go).
+//
+// Lock order: keeper.mu is taken alone, never while a reconciler's or a runner's lock is held, nor the other
+// way round.
+type keeper struct {
+	b      *bus.Bus
+	kind   kind
+	cfg    Config
+	log    *slog.Logger
+	c      client.Client            // the manager's (cached) client: Nodes, for the taint
+	api    client.Reader            // uncached reads: a Node before its taint is removed
+	status client.SubResourceWriter // the objects' status
+	rec    recorder.EventRecorder   // Events on the objects and the Nodes
+	kick   chan event.GenericEvent  // Nodes whose readiness taint to look at again
+	base   context.Context          // Run's: the joins end with the controller
+	wg     sync.WaitGroup           // the joins and activations at work
+	sem    chan struct{}            // bounds the joins at work at once
+	mu     sync.Mutex               // guards objects, nodes, synced and every keptObject's fields
+	synced bool                     // the registry watch passed its initial values
+	nodes  map[string]registryNode  // the registry's nodes, as their last-seen records show them
+	objs   map[string]*keptObject   // by object name
+}
+
+// maxJoinsAtWork bounds the one-node rollouts the keeper runs at once (a burst of joins waits its turn).
+const maxJoinsAtWork = 64
+
+// registryNode is what the keeper keeps of a node's registry record.
+type registryNode struct {
+	labels  labels.Set
+	domain  string
+	started time.Time
+}
+
+// keptObject is one KeepNewNodes ImagePrePull as the keeper follows it.
+type keptObject struct {
+	name      string
+	uid       types.UID
+	obj       *v1alpha1.ImagePrePull // as first seen: the spec (immutable but for pause) and the Events' subject
+	rolloutID string
+	key       string          // the readiness taint
+	sel       labels.Selector // nil with names
+	names     map[string]bool
+
+	loading, active bool // the first rollout's outcomes are being read / were read: joins may start
+	settled         bool // the joins recorded before were read: the counters may be written
+	stopped         bool // forgotten: its joins end
+	ctx             context.Context
+	cancel          context.CancelFunc
+
+	planned            map[string]bool // the first rollout's nodes: true for those warmed
+	baseOK, baseFailed int32
+	joins              map[string]*join
+	failedNodes        []v1alpha1.NodeFailure
+	dirty              bool
+}
+
+// join is one joined node's warm-up.
+type join struct {
+	done, ok bool
+}
+
+func newKeeper(base context.Context, cfg Config, b *bus.Bus, k kind, c client.Client, api client.Reader, status client.SubResourceWriter, rec recorder.EventRecorder) *keeper {
+	return &keeper{b: b, kind: k, cfg: cfg, log: cfg.Logger.With("worker", "controller", "part", "new-nodes"), c: c, api: api,
+		status: status, rec: rec, kick: make(chan event.GenericEvent, 1024), base: base, sem: make(chan struct{}, maxJoinsAtWork),
+		nodes: map[string]registryNode{}, objs: map[string]*keptObject{}}
+}
+
+// JoinRolloutID names the one-node rollout that warms a node that joined: <rolloutID>-join-<16 hex digits of
+// the node name's SHA-256> (a rollout id holds at most 64 lower-case letters, digits and '-'; a node name
+// more). `imagefleet fleet follow` shows the node by name.
+func JoinRolloutID(rolloutID, node string) string {
+	sum := sha256.Sum256([]byte(node))
+	return rolloutID + "-join-" + hex.EncodeToString(sum[:8])
+}
+
+// keepsNewNodes reports whether obj is an ImagePrePull with completionPolicy KeepNewNodes.
+func keepsNewNodes(obj client.Object) (*v1alpha1.ImagePrePull, bool) {
+	o, ok := obj.(*v1alpha1.ImagePrePull)
+	return o, ok && o.Spec.CompletionPolicy == v1alpha1.CompletionKeepNewNodes
+}
+
+// readinessTaint is o's taint key.
+func readinessTaint(o *v1alpha1.ImagePrePull) string {
+	if o.Spec.ReadinessTaint != "" {
+		return o.Spec.ReadinessTaint
+	}
+	return v1alpha1.DefaultReadinessTaint
+}
+
+// observe takes the object as the reconciler last read it: a KeepNewNodes object is followed from its
+// creation (while its first rollout runs it holds the taint of the nodes it selects) and takes on joining
+// nodes once it completed; a failed one, or any other, is let go.
+func (k *keeper) observe(obj client.Object) {
+	if k == nil {
+		return
+	}
+	o, keep := keepsNewNodes(obj)
+	if !keep || meta.IsStatusConditionTrue(o.Status.Conditions, v1alpha1.ConditionFailed) {
+		k.forget(obj.GetName())
+		return
+	}
+	k.mu.Lock()
+	ko := k.objs[o.Name]
+	if ko != nil && ko.uid != o.UID {
+		k.stopLocked(ko)
+		ko = nil
+	}
+	fresh := ko == nil
+	if fresh {
+		var err error
+		if ko, err = newKeptObject(k.base, o); err != nil {
+			k.mu.Unlock()
+			k.log.Warn("object not followed for new nodes", "name", o.Name, "err", err)
+			return
+		}
+		k.objs[o.Name] = ko
+	}
+	if ko.rolloutID == "" {
+		ko.rolloutID = o.Status.RolloutID
+	}
+	start := meta.IsStatusConditionTrue(o.Status.Conditions, v1alpha1.ConditionComplete) && !ko.active && !ko.loading && ko.rolloutID != ""
+	if start {
+		ko.loading = true
+		ko.failedNodes = append([]v1alpha1.NodeFailure(nil), o.Status.FailedNodes...)
+		k.wg.Add(1)
+	}
+	k.mu.Unlock()
+	if start {
+		go func() {
+			defer k.wg.Done()
+			k.activate(ko)
+		}()
+	}
+	if fresh {
+		k.kickAll() // an object in its first rollout holds the taint of the nodes it selects
+	}
+}
+
+func newKeptObject(base context.Context, o *v1alpha1.ImagePrePull) (*keptObject, error) {
+	ko := &keptObject{name: o.Name, uid: o.UID, obj: o.DeepCopy(), key: readinessTaint(o), joins: map[string]*join{}}
+	switch {
+	case len(o.Spec.Nodes.Names) > 0:
+		ko.names = map[string]bool{}
+		for _, n := range o.Spec.Nodes.Names {
+			ko.names[n] = true
+		}
+	case o.Spec.Nodes.Selector != nil:
+		sel, err := metav1.LabelSelectorAsSelector(o.Spec.Nodes.Selector)
+		if err != nil {
+			return nil, fmt.Errorf("nodes.selector: %w", err)
+		}
+		ko.sel = sel
+	default:
+		ko.sel = labels.Everything()
+	}
+	ko.ctx, ko.cancel = context.WithCancel(base)
+	return ko, nil
+}
+
+// selects reports whether ko takes node: by name, or by its registry labels. A node the registry does not
+// show (its agent never heartbeated) is taken as selected: its taint stays until the agent registers.
+func (ko *keptObject) selects(node string, n registryNode, known bool) bool {
+	if ko.names != nil {
+		return ko.names[node]
+	}
+	return !known || ko.sel.Matches(n.labels)
+}
+
+// warmed reports whether ko warmed node: in its first rollout, or as it joined.
+func (ko *keptObject) warmed(node string) bool {
+	if ok, planned := ko.planned[node]; planned {
+		return ok
+	}
+	j := ko.joins[node]
+	return j != nil && j.done && j.ok
+}
+
+// forget lets the object of name go: its joins end (each resumes if the object is taken on again).
+func (k *keeper) forget(name string) {
+	if k == nil {
+		return
+	}
+	k.mu.Lock()
+	ko := k.objs[name]
+	if ko != nil {
+		k.stopLocked(ko)
+	}
+	k.mu.Unlock()
+	if ko != nil {
+		k.kickAll() // the nodes it held may be free now
+	}
+}
+
+func (k *keeper) stopLocked(ko *keptObject) {
+	ko.stopped = true
+	ko.cancel()
+	if k.objs[ko.name] == ko {
+		delete(k.objs, ko.name)
+	}
+}
+
+// stop ends every object's joins and waits for them (the controller stops or lost its Lease).
+func (k *keeper) stop() {
+	k.mu.Lock()
+	for _, ko := range k.objs {
+		k.stopLocked(ko)
+	}
+	k.mu.Unlock()
+	k.wg.Wait()
+}
+
+// activate reads the object's first rollout (its nodes, and which were warmed), then takes on the nodes that
+// joined since: the registry's Ready nodes that match, less the first rollout's. Retried until it works or
+// the object is let go.
+func (k *keeper) activate(ko *keptObject) {
+	wait := time.Second
+	for {
+		err := k.load(ko)
+		if err == nil {
+			break
+		}
+		k.log.Warn("reading the first rollout failed; retrying", "name", ko.name, "rollout", ko.rolloutID, "err", err, "after", wait)
+		select {
+		case <-time.After(wait):
+		case <-ko.ctx.Done():
+			return
+		}
+		wait = min(2*wait, time.Minute)
+	}
+	k.kickAll()
+	wait = time.Second
+	for {
+		err := k.scan(ko)
+		if err == nil {
+			break
+		}
+		if ko.ctx.Err() != nil {
+			return
+		}
+		k.log.Warn("reading the registry failed; retrying", "name", ko.name, "err", err, "after", wait)
+		select {
+		case <-time.After(wait):
+		case <-ko.ctx.Done():
+			return
+		}
+		wait = min(2*wait, time.Minute)
+	}
+	k.mu.Lock()
+	ko.settled, ko.dirty = true, true
+	k.mu.Unlock()
+}
+
+// scan takes on the nodes that joined before: each matching node of the registry, Ready or lost, that the
+// first rollout did not plan. A node whose join recorded an outcome is counted with it, read here before the
+// counters are first written (a controller that restarts writes no dip in them); a Ready one without is
+// warmed.
+func (k *keeper) scan(ko *keptObject) error {
+	reg, err := fleet.OpenRegistry(ko.ctx, k.b, fleet.RegistryOptions{})
+	if err != nil {
+		return err
+	}
+	page, err := reg.List(ko.ctx, fleet.NodeQuery{Selector: ko.sel})
+	if err != nil {
+		return err
+	}
+	for _, n := range page.Nodes {
+		if err := k.adopt(ko, n.Node, n.JSDomain, n.State == events.NodeReady); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// adopt counts node's recorded join, or takes a Ready node on.
+func (k *keeper) adopt(ko *keptObject, node, domain string, ready bool) error {
+	k.mu.Lock()
+	_, planned := ko.planned[node]
+	_, taken := ko.joins[node]
+	skip := planned || taken || ko.stopped || (ko.names != nil && !ko.names[node])
+	k.mu.Unlock()
+	if skip {
+		return nil
+	}
+	_, _, results, err := fleet.LoadRollout(ko.ctx, k.b, JoinRolloutID(ko.rolloutID, node))
+	if err != nil {
+		return err
+	}
+	r, recorded := results[node]
+	if !recorded {
+		if ready {
+			k.consider(ko, node, domain)
+		}
+		return nil
+	}
+	k.mu.Lock()
+	if _, taken := ko.joins[node]; !taken {
+		ko.joins[node] = &join{}
+		k.mu.Unlock()
+		k.ended(ko, node, r, false)
+		return nil
+	}
+	k.mu.Unlock()
+	return nil
+}
+
+// selectorString is ko's selector as a join rollout records it ("" for names).
+func selectorString(ko *keptObject) string {
+	if ko.sel == nil {
+		return ""
+	}
+	return ko.sel.String()
+}
+
+// load reads the first rollout's plan and outcomes: the base of the counters and the planned nodes' warmth.
+// A Complete object's planned nodes all ended; one without a success counts as failed.
+func (k *keeper) load(ko *keptObject) error {
+	started, _, results, err := fleet.LoadRollout(ko.ctx, k.b, ko.rolloutID)
+	if err != nil {
+		return err
+	}
+	planned := map[string]bool{}
+	var ok int32
+	if started != nil {
+		for _, n := range started.Nodes {
+			r, has := results[n]
+			planned[n] = has && r.OK
+			if planned[n] {
+				ok++
+			}
+		}
+	}
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	ko.planned, ko.baseOK, ko.baseFailed = planned, ok, int32(len(planned))-ok
+	ko.loading, ko.active = false, true
+	return nil
+}
+
+// consider takes node on for ko if ko selects it, did not plan it and has not taken it on yet.
+func (k *keeper) consider(ko *keptObject, node, domain string) {
+	k.mu.Lock()
+	n, known := k.nodes[node]
+	if !ko.active || ko.stopped || !ko.selects(node, n, known) {
+		k.mu.Unlock()
+		return
+	}
+	if _, planned := ko.planned[node]; planned {
+		k.mu.Unlock()
+		return
+	}
+	if _, taken := ko.joins[node]; taken {
+		k.mu.Unlock()
+		return
+	}
+	ko.joins[node] = &join{}
+	ko.dirty = true
+	k.wg.Add(1)
+	k.mu.Unlock()
+	go func() {
+		defer k.wg.Done()
+		k.warm(ko, node, domain)
+	}()
+}
+
+// warm runs node's one-node rollout for ko, or reads its recorded outcome, and records the outcome.
+func (k *keeper) warm(ko *keptObject, node, domain string) {
+	select {
+	case k.sem <- struct{}{}:
+	case <-ko.ctx.Done():
+		return
+	}
+	defer func() { <-k.sem }()
+	id := JoinRolloutID(ko.rolloutID, node)
+	wait := time.Second
+	for {
+		nr, fresh, err := k.warmOnce(ko, id, node, domain)
+		if err == nil {
+			k.ended(ko, node, nr, fresh)
+			return
+		}
+		if ko.ctx.Err() != nil {
+			return
+		}
+		k.log.Warn("warming a joined node failed; resuming it", "name", ko.name, "node", node, "rollout", id, "err", err, "after", wait)
+		select {
+		case <-time.After(wait):
+		case <-ko.ctx.Done():
+			return
+		}
+		wait = min(2*wait, time.Minute)
+	}
+}
+
+// warmOnce reads node's recorded outcome, or runs (resumes) its rollout. fresh is false for an outcome
+// recorded before: nothing new happened to the node.
+func (k *keeper) warmOnce(ko *keptObject, id, node, domain string) (nr events.RolloutNodeResult, fresh bool, err error) {
+	ctx := ko.ctx
+	started, _, results, err := fleet.LoadRollout(ctx, k.b, id)
+	if err != nil {
+		return nr, false, err
+	}
+	if r, ok := results[node]; ok {
+		return r, false, nil
+	}
+	if started == nil {
+		k.event(ko.obj, corev1.EventTypeNormal, "NodeJoined", "Node %s joined: warming it (rollout %s)", node, id)
+	}
+	var timeout time.Duration
+	if ko.obj.Spec.NodeTimeout != nil {
+		timeout = ko.obj.Spec.NodeTimeout.Duration
+	}
+	cfg := fleet.RolloutConfig{ID: id, Kind: k.kind.rollout, Nodes: []string{node}, Selector: selectorString(ko), NodeTimeout: timeout,
+		Replicas: k.cfg.StreamReplicas, Logger: k.log}
+	domains := map[string]string{}
+	if domain != "" {
+		domains[node] = domain
+	}
+	act, stop, err := k.kind.prepare(ctx, k.b, ko.obj, &cfg, domains)
+	if err != nil {
+		return nr, false, err
+	}
+	defer stop()
+	var got *events.RolloutNodeResult
+	cfg.Results = func(r events.RolloutNodeResult) { got = &r }
+	ro, err := fleet.NewRollout(cfg, k.b, act)
+	if err != nil {
+		return nr, false, err
+	}
+	if _, err := ro.Run(ctx); err != nil {
+		return nr, false, err
+	}
+	if got == nil {
+		return nr, false, errors.New("the rollout reported no outcome")
+	}
+	return *got, !got.Resumed, nil
+}
+
+// ended records node's outcome: the counters, the failure (a new one: an Event), and the taint.
+func (k *keeper) ended(ko *keptObject, node string, nr events.RolloutNodeResult, fresh bool) {
+	k.mu.Lock()
+	j := ko.joins[node]
+	if j == nil || ko.stopped {
+		k.mu.Unlock()
+		return
+	}
+	j.done, j.ok = true, nr.OK
+	ko.dirty = true
+	if !nr.OK && len(ko.failedNodes) < maxFailedNodes && !hasFailure(ko.failedNodes, node) {
+		ko.failedNodes = append(ko.failedNodes, v1alpha1.NodeFailure{Node: node, Reason: nr.Error})
+	}
+	k.mu.Unlock()
+	switch {
+	case nr.OK:
+		k.kickNode(node)
+	case fresh:
+		k.event(ko.obj, corev1.EventTypeWarning, "NodeFailed", "Node %s: %s", node, nr.Error)
+	}
+}
+
+// Start watches the registry for joining nodes and writes the objects' counters; it blocks until ctx ends
+// (a manager Runnable: on the Lease's holder only).
+func (k *keeper) Start(ctx context.Context) error {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		k.flusher(ctx)
+	}()
+	defer func() { <-done }()
+	for wait := time.Second; ; wait = min(2*wait, 30*time.Second) {
+		kv, err := k.b.KVExisting(ctx, events.NodesSeenBucket)
+		if err == nil {
+			err = kv.Watch(ctx, ">", k.registryEntry)
+		}
+		if ctx.Err() != nil {
+			return nil
+		}
+		if !errors.Is(err, bus.ErrBucketNotFound) {
+			k.log.Warn("watching the node registry failed; watching again", "err", err, "after", wait)
+		}
+		select {
+		case <-time.After(wait):
+		case <-ctx.Done():
+			return nil
+		}
+	}
+}
+
+// registryEntry takes one last-seen record: after the initial values, a node not seen before, or whose agent
+// started again, is taken on by every object that selects it.
+func (k *keeper) registryEntry(e bus.Entry, initialDone bool) {
+	if initialDone {
+		k.mu.Lock()
+		k.synced = true
+		k.mu.Unlock()
+		k.kickAll()
+		return
+	}
+	node := events.NodeFromToken(e.Key)
+	if e.Deleted {
+		k.mu.Lock()
+		delete(k.nodes, node)
+		k.mu.Unlock()
+		return
+	}
+	var info events.NodeInfo
+	if json.Unmarshal(e.Value, &info) != nil {
+		return // a foreign or damaged value is not a node
+	}
+	if info.Node != "" {
+		node = info.Node
+	}
+	n := registryNode{labels: labels.Set(info.Labels), domain: info.JSDomain, started: info.Started}
+	k.mu.Lock()
+	prev, known := k.nodes[node]
+	k.nodes[node] = n
+	joined := k.synced && (!known || !prev.started.Equal(n.started))
+	var objs []*keptObject
+	if joined {
+		for _, ko := range k.objs {
+			objs = append(objs, ko)
+		}
+	}
+	k.mu.Unlock()
+	for _, ko := range objs {
+		k.consider(ko, node, n.domain)
+	}
+	if !known && joined {
+		k.kickNode(node) // its labels are known now: the objects that select it are too
+	}
+}
+
+// flusher writes each changed object's counters, at most every StatusInterval.
+func (k *keeper) flusher(ctx context.Context) {
+	t := time.NewTicker(k.cfg.StatusInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		k.mu.Lock()
+		var todo []*keptObject
+		for _, ko := range k.objs {
+			if ko.dirty && ko.settled {
+				todo = append(todo, ko)
+			}
+		}
+		k.mu.Unlock()
+		for _, ko := range todo {
+			if err := k.flush(ctx, ko); err != nil && ctx.Err() == nil {
+				k.log.Warn("status write failed; retrying", "name", ko.name, "err", err)
+			}
+		}
+	}
+}
+
+// keptCounts are an object's counters with its joined nodes.
+type keptCounts struct {
+	Desired     int32                  `json:"desired"`
+	Active      int32                  `json:"active"`
+	Succeeded   int32                  `json:"succeeded"`
+	Failed      int32                  `json:"failed"`
+	Joined      int32                  `json:"joined"`
+	Progress    string                 `json:"progress"`
+	FailedNodes []v1alpha1.NodeFailure `json:"failedNodes,omitempty"`
+}
+
+// countsLocked sums ko's counters: the first rollout's, plus each joined node (desired and joined as it is
+// taken on, succeeded or failed as it ends, active while it is at work). k.mu is held.
+func (ko *keptObject) countsLocked() keptCounts {
+	c := keptCounts{Succeeded: ko.baseOK, Failed: ko.baseFailed, Joined: int32(len(ko.joins)),
+		FailedNodes: append([]v1alpha1.NodeFailure(nil), ko.failedNodes...)}
+	for _, j := range ko.joins {
+		switch {
+		case !j.done:
+			c.Active++
+		case j.ok:
+			c.Succeeded++
+		default:
+			c.Failed++
+		}
+	}
+	c.Desired = int32(len(ko.planned)) + c.Joined
+	c.Progress = fmt.Sprintf("%d/%d", c.Succeeded+c.Failed, c.Desired)
+	return c
+}
+
+// flush writes ko's counters: a merge patch of the status, conditioned on the object's UID (the first
+// rollout's runner has ended: it writes no more).
+func (k *keeper) flush(ctx context.Context, ko *keptObject) error {
+	k.mu.Lock()
+	c := ko.countsLocked()
+	ko.dirty = false
+	k.mu.Unlock()
+	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{"uid": ko.uid}, "status": c})
+	if err == nil {
+		obj := &v1alpha1.ImagePrePull{}
+		obj.SetName(ko.name)
+		err = k.status.Patch(ctx, obj, client.RawPatch(types.MergePatchType, patch))
+	}
+	if err != nil {
+		k.mu.Lock()
+		ko.dirty = true
+		k.mu.Unlock()
+		return fmt.Errorf("patch status of %s: %w", ko.name, err)
+	}
+	return nil
+}
+
+func (k *keeper) event(obj client.Object, eventType, reason, note string, args ...any) {
+	k.rec.Eventf(obj, nil, eventType, reason, reason, note, args...)
+}
+
+// readyNames plans a KeepNewNodes object's first rollout over names: the named nodes the registry shows
+// Ready, in the names' order; the others are skipped, and warmed when they join.
+func readyNames(ctx context.Context, b *bus.Bus, names []string) ([]string, []events.RolloutNodeError, map[string]string, error) {
+	p, err := fleet.Plan(ctx, b, "", false, time.Now)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	ready := map[string]bool{}
+	for _, n := range p.Nodes {
+		ready[n] = true
+	}
+	var nodes []string
+	var skipped []events.RolloutNodeError
+	for _, n := range names {
+		if ready[n] {
+			nodes = append(nodes, n)
+		} else {
+			skipped = append(skipped, events.RolloutNodeError{Node: n, Error: "not Ready in the registry: warmed when it joins"})
+		}
+	}
+	return nodes, skipped, p.Domains, nil
+}
