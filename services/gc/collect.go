@@ -54,6 +54,10 @@ type collector struct {
 // pass is one GC pass: its policy and what it did.
 type pass struct {
 	policy Policy
+	// capacity is the byte quota of the node's ImageGCPolicy (0: the collector's, --image-fs-capacity).
+	capacity int64
+	// pins are the pinned images of the node's ImageGCPolicy objects, each kept with its policy's name.
+	pins   []policyPins
 	dryRun bool
 	res    events.GCResult
 	// meter measures the image filesystem during the space pass (nil: the kubelet's way, declared sizes).
@@ -115,7 +119,7 @@ func (c *collector) garbageCollect(ctx context.Context, p *pass, beganGC time.Ti
 	if err != nil {
 		return err
 	}
-	cands, skipped := c.order(ctx, recs)
+	cands, skipped := c.order(ctx, p, recs)
 	p.res.Skipped = append(p.res.Skipped, skipped...)
 
 	before := p.res.FreedBytes
@@ -170,8 +174,9 @@ func (c *collector) garbageCollect(ctx context.Context, p *pass, beganGC time.Ti
 // order is evictionOrder with the runtime's sandbox (pause) image kept as well: containerd 1.6 does not
 // report it pinned, and every pod sandbox runs it, so it is in use whenever a pod runs (the kubelet used to
 // exempt its configured --pod-infra-container-image the same way).
-func (c *collector) order(ctx context.Context, recs map[string]events.ImageRecord) ([]candidate, []events.GCSkipped) {
+func (c *collector) order(ctx context.Context, p *pass, recs map[string]events.ImageRecord) ([]candidate, []events.GCSkipped) {
 	cands, skipped := evictionOrder(recs, c.pinned)
+	cands, skipped = keepPinnedByPolicies(cands, skipped, p.pins)
 	if c.sandboxImage == nil {
 		return cands, skipped
 	}
@@ -198,7 +203,7 @@ func (c *collector) order(ctx context.Context, recs map[string]events.ImageRecor
 func (c *collector) newMeter(p *pass, capacity, available int64, fsUsed uint64, recs map[string]events.ImageRecord) *meter {
 	m := &meter{target: capacity * int64(100-p.policy.LowThresholdPercent) / 100, start: available, avail: available,
 		factor: 1, log: c.log}
-	if c.capacity == 0 && fsUsed > 0 {
+	if c.quota(p) == 0 && fsUsed > 0 {
 		var declared int64
 		for _, r := range recs {
 			declared += r.Size
@@ -208,25 +213,33 @@ func (c *collector) newMeter(p *pass, capacity, available int64, fsUsed uint64, 
 		}
 	}
 	if !p.dryRun {
-		m.measure = c.measureAvailable
+		m.measure = func(ctx context.Context) (int64, error) { return c.measureAvailable(ctx, c.quota(p)) }
 	}
 	return m
 }
 
 // measureAvailable measures the available bytes of the image filesystem now: statfs of the runtime's image
 // filesystem mountpoint, or with a byte quota the quota less the sum of the sizes of the images listed now.
-func (c *collector) measureAvailable(ctx context.Context) (int64, error) {
-	capacity, available, _, err := c.imageFs(ctx)
+func (c *collector) measureAvailable(ctx context.Context, quota int64) (int64, error) {
+	capacity, available, _, err := c.imageFs(ctx, quota)
 	if err != nil {
 		return 0, err
 	}
 	return min(available, capacity), nil
 }
 
+// quota is the pass's byte quota: its ImageGCPolicy's, else --image-fs-capacity (0: statfs).
+func (c *collector) quota(p *pass) int64 {
+	if p != nil && p.capacity > 0 {
+		return p.capacity
+	}
+	return c.capacity
+}
+
 // imageFs returns the image filesystem's capacity, available bytes and the runtime's reported usage (0
-// with a byte quota) now.
-func (c *collector) imageFs(ctx context.Context) (capacity, available int64, fsUsed uint64, err error) {
-	if c.capacity > 0 {
+// with a byte quota) now, with quota as the byte quota (0: statfs).
+func (c *collector) imageFs(ctx context.Context, quota int64) (capacity, available int64, fsUsed uint64, err error) {
+	if quota > 0 {
 		imgs, err := c.rt.ListImages(ctx)
 		if err != nil {
 			return 0, 0, 0, fmt.Errorf("image fs stats: %w", err)
@@ -235,7 +248,7 @@ func (c *collector) imageFs(ctx context.Context) (capacity, available int64, fsU
 		for _, im := range imgs {
 			used += im.Size
 		}
-		return c.capacity, c.capacity - used, 0, nil
+		return quota, quota - used, 0, nil
 	}
 	fs, err := c.rt.ImageFsInfo(ctx)
 	if err != nil {
@@ -261,7 +274,7 @@ func (c *collector) deleteUnusedImages(ctx context.Context, p *pass) error {
 	if err != nil {
 		return err
 	}
-	cands, skipped := c.order(ctx, recs)
+	cands, skipped := c.order(ctx, p, recs)
 	p.res.Skipped = append(p.res.Skipped, skipped...)
 	// What is reported: the image filesystem and the eligible bytes (the kubelet passes MaxInt64 as the
 	// amount to free, and it still does here: every eligible image goes).
@@ -272,7 +285,7 @@ func (c *collector) deleteUnusedImages(ctx context.Context, p *pass) error {
 		}
 	}
 	p.res.AmountToFree = eligible
-	if capacity, available, _, err := c.imageFs(ctx); err == nil && capacity > 0 {
+	if capacity, available, _, err := c.imageFs(ctx, c.quota(p)); err == nil && capacity > 0 {
 		available = min(available, capacity)
 		p.res.CapacityBytes, p.res.AvailableBytes = capacity, available
 		p.res.UsagePercent = 100 - int(available*100/capacity)
@@ -281,7 +294,7 @@ func (c *collector) deleteUnusedImages(ctx context.Context, p *pass) error {
 	}
 	_, err = c.freeSpace(ctx, p, math.MaxInt64, freeTime, cands, ReasonUnused)
 	if !p.dryRun && p.res.CapacityBytes > 0 {
-		if avail, mErr := c.measureAvailable(ctx); mErr == nil {
+		if avail, mErr := c.measureAvailable(ctx, c.quota(p)); mErr == nil {
 			p.res.MeasuredAvailableBytes = avail
 			p.res.MeasuredFreedBytes = avail - p.res.AvailableBytes
 		}
@@ -304,7 +317,7 @@ func (c *collector) deleteNamedImages(ctx context.Context, p *pass, patterns []s
 	if err != nil {
 		return err
 	}
-	cands, skipped := c.order(ctx, recs)
+	cands, skipped := c.order(ctx, p, recs)
 	for _, s := range skipped {
 		if r, ok := recs[s.ID]; ok && m.match(r) {
 			p.res.Skipped = append(p.res.Skipped, s)
@@ -586,14 +599,14 @@ func (c *collector) podIndexImages(ctx context.Context) ([]string, error) {
 // (used = the sum of the image sizes, less what the age pass removed), or statfs of the runtime's image
 // filesystem mountpoint. In a dry run, what the age pass would have removed is counted as available.
 func (c *collector) imageFsStats(ctx context.Context, p *pass, recs map[string]events.ImageRecord, ageFreed int64) (capacity, available int64, fsUsed uint64, err error) {
-	if c.capacity > 0 {
+	if q := c.quota(p); q > 0 {
 		var used int64
 		for _, r := range recs {
 			used += r.Size
 		}
-		return c.capacity, c.capacity - (used - ageFreed), 0, nil
+		return q, q - (used - ageFreed), 0, nil
 	}
-	capacity, available, fsUsed, err = c.imageFs(ctx)
+	capacity, available, fsUsed, err = c.imageFs(ctx, 0)
 	if err != nil {
 		return 0, 0, 0, err
 	}
