@@ -22,6 +22,14 @@ type GCPolicy struct {
 	// Pinned are the policies' pinned images (references and globs, as --pinned-images), per policy: added
 	// to the node's own.
 	Pinned []GCPolicyPins `json:"pinned,omitempty"`
+	// KeepLastTags keeps, per repository, the images of its newest Count tags (added field).
+	KeepLastTags *GCKeepLastTags `json:"keepLastTags,omitempty"`
+}
+
+// GCKeepLastTags is a policy's keepLastTags, with the policy that set it.
+type GCKeepLastTags struct {
+	Count  int    `json:"count"`
+	Policy string `json:"policy"`
 }
 
 // GCPolicySource names one ImageGCPolicy object at one generation.
@@ -67,6 +75,9 @@ func (p GCPolicy) Validate() error {
 				errs = append(errs, fmt.Errorf("pinned image %q of policy %s must be 1-512 characters without spaces", im, pp.Policy))
 			}
 		}
+	}
+	if k := p.KeepLastTags; k != nil && (k.Count < 1 || k.Policy == "") {
+		errs = append(errs, fmt.Errorf("keepLastTags count %d must be at least 1, with its policy's name", k.Count))
 	}
 	return errors.Join(errs...)
 }

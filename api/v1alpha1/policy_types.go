@@ -62,6 +62,19 @@ type ImageGCPolicySpec struct {
 	// +listType=atomic
 	// +optional
 	PinnedImages []string `json:"pinnedImages,omitempty"`
+	// KeepLastTags keeps, per repository, the images of its newest count tags: by semantic version when
+	// every tag of the repository on the node parses as one ("v1.2.3" or "1.2.3"), else by when each image was
+	// first detected. Images named by an ImageGC in Named mode are removed all the same.
+	// +optional
+	KeepLastTags *KeepLastTags `json:"keepLastTags,omitempty"`
+}
+
+// KeepLastTags is how many of each repository's newest tags a node keeps.
+type KeepLastTags struct {
+	// Count is how many tags of each repository are kept.
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=1000
+	Count int32 `json:"count"`
 }
 
 // ImageGCPolicyStatus is what the controller delivered.
@@ -100,6 +113,7 @@ const (
 // +kubebuilder:printcolumn:name="Low",type=integer,JSONPath=`.spec.lowThresholdPercent`,priority=1
 // +kubebuilder:printcolumn:name="Capacity",type=string,JSONPath=`.spec.capacityBytes`,priority=1
 // +kubebuilder:printcolumn:name="Pinned",type=string,JSONPath=`.spec.pinnedImages`,priority=1
+// +kubebuilder:printcolumn:name="Keep-Tags",type=integer,JSONPath=`.spec.keepLastTags.count`,priority=1
 // +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
 type ImageGCPolicy struct {
 	metav1.TypeMeta   `json:",inline"`

@@ -57,9 +57,11 @@ type pass struct {
 	// capacity is the byte quota of the node's ImageGCPolicy (0: the collector's, --image-fs-capacity).
 	capacity int64
 	// pins are the pinned images of the node's ImageGCPolicy objects, each kept with its policy's name.
-	pins   []policyPins
-	dryRun bool
-	res    events.GCResult
+	pins []policyPins
+	// keepLast is the node's ImageGCPolicy keepLastTags (nil: none; not applied to named images).
+	keepLast *keepLast
+	dryRun   bool
+	res      events.GCResult
 	// meter measures the image filesystem during the space pass (nil: the kubelet's way, declared sizes).
 	meter *meter
 }
@@ -177,6 +179,7 @@ func (c *collector) garbageCollect(ctx context.Context, p *pass, beganGC time.Ti
 func (c *collector) order(ctx context.Context, p *pass, recs map[string]events.ImageRecord) ([]candidate, []events.GCSkipped) {
 	cands, skipped := evictionOrder(recs, c.pinned)
 	cands, skipped = keepPinnedByPolicies(cands, skipped, p.pins)
+	cands, skipped = keepLastTags(cands, skipped, recs, p.keepLast)
 	if c.sandboxImage == nil {
 		return cands, skipped
 	}
@@ -311,6 +314,7 @@ func (c *collector) deleteNamedImages(ctx context.Context, p *pass, patterns []s
 		return fmt.Errorf("gc request images: %w", err)
 	}
 	c.log.Info("attempting to delete named images", "dry_run", p.dryRun, "images", len(patterns))
+	p.keepLast = nil // an image named for removal goes even if it is one of its repository's last tags
 	freeTime := c.now()
 	p.res.Started = freeTime
 	recs, err := c.records.Detect(ctx, freeTime)

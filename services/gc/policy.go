@@ -50,9 +50,10 @@ type policyPins struct {
 
 // appliedPolicy is the delivered policy in force.
 type appliedPolicy struct {
-	val  events.GCPolicy
-	rev  uint64
-	pins []policyPins
+	val      events.GCPolicy
+	rev      uint64
+	pins     []policyPins
+	keepLast *keepLast
 }
 
 // settings are what one pass applies: the flags with the policy's fields over them.
@@ -60,6 +61,7 @@ type settings struct {
 	policy   Policy
 	capacity int64 // the policy's byte quota (0: the flags')
 	pins     []policyPins
+	keepLast *keepLast
 	sources  []events.GCPolicySource
 }
 
@@ -78,7 +80,7 @@ func (s *Service) settings() settings {
 		return st
 	}
 	merged, _ := mergePolicy(s.cfg, cur.val) // validated when applied
-	st.policy, st.pins, st.sources = merged.Policy, cur.pins, cur.val.Sources
+	st.policy, st.pins, st.keepLast, st.sources = merged.Policy, cur.pins, cur.keepLast, cur.val.Sources
 	if cur.val.CapacityBytes != nil {
 		st.capacity = *cur.val.CapacityBytes
 	}
@@ -127,6 +129,9 @@ func (s *Service) applyPolicy(raw []byte, rev uint64) error {
 		return fmt.Errorf("policy %s: %w", p.Names(), err)
 	}
 	a := &appliedPolicy{val: p, rev: rev}
+	if k := p.KeepLastTags; k != nil {
+		a.keepLast = &keepLast{count: k.Count, policy: k.Policy}
+	}
 	for _, pp := range p.Pinned {
 		m, _ := newRefMatcher(pp.Images, true) // checked by mergePolicy
 		a.pins = append(a.pins, policyPins{policy: pp.Policy, m: m})

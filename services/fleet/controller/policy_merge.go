@@ -98,6 +98,9 @@ func effectivePolicy(ps []*v1alpha1.ImageGCPolicy) *events.GCPolicy {
 			v := s.CapacityBytes.Value()
 			out.CapacityBytes = &v
 		}
+		if out.KeepLastTags == nil && s.KeepLastTags != nil {
+			out.KeepLastTags = &events.GCKeepLastTags{Count: int(s.KeepLastTags.Count), Policy: p.Name}
+		}
 		var pins []string
 		for _, im := range s.PinnedImages {
 			if im = strings.TrimSpace(im); im != "" && !seen[im] {

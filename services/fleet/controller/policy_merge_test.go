@@ -41,6 +41,11 @@ func TestEffectivePolicyPrecedence(t *testing.T) {
 			pol("b", 0, 1, v1alpha1.ImageGCPolicySpec{PinnedImages: []string{"busybox", "*/pause:*"}}),
 			pol("a", 0, 1, v1alpha1.ImageGCPolicySpec{PinnedImages: []string{"*/pause:*", "nginx"}}),
 		}, `{"sources":[{"name":"a","generation":1},{"name":"b","generation":1}],"pinned":[{"policy":"a","images":["*/pause:*","nginx"]},{"policy":"b","images":["busybox"]}]}`},
+		{"keepLastTags from the first policy that sets it, named after it", []*v1alpha1.ImageGCPolicy{
+			pol("b", 3, 1, v1alpha1.ImageGCPolicySpec{KeepLastTags: &v1alpha1.KeepLastTags{Count: 5}}),
+			pol("c", 3, 1, v1alpha1.ImageGCPolicySpec{KeepLastTags: &v1alpha1.KeepLastTags{Count: 9}}),
+			pol("a", 1, 1, v1alpha1.ImageGCPolicySpec{KeepLastTags: &v1alpha1.KeepLastTags{Count: 2}}),
+		}, `{"sources":[{"name":"b","generation":1},{"name":"c","generation":1},{"name":"a","generation":1}],"keepLastTags":{"count":5,"policy":"b"}}`},
 		{"the thresholds are one setting", []*v1alpha1.ImageGCPolicy{
 			pol("first", 2, 1, v1alpha1.ImageGCPolicySpec{HighThresholdPercent: i32(60), LowThresholdPercent: i32(50)}),
 			pol("second", 1, 1, v1alpha1.ImageGCPolicySpec{HighThresholdPercent: i32(95), LowThresholdPercent: i32(90)}),
