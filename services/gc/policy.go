@@ -182,6 +182,7 @@ func (s *Service) watchPolicy(ctx context.Context) {
 			seen := false
 			err = kv.Watch(ctx, key, func(e bus.Entry, initialDone bool) {
 				if initialDone {
+					wait = s.cfg.PolicyRetry // the watch works: a later failure starts the backoff again
 					if !seen && s.clearPolicy() {
 						// The key went away while the watch was down.
 						s.policyRemoved()
