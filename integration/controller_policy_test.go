@@ -27,7 +27,7 @@ import (
 // ImageGCPolicy selecting zone z0 with a 40 MiB quota, thresholds 50/30 and app0 pinned reaches the two z0
 // agents without a restart; a fleet GC of one of them keeps app0 (pinned by the policy) and frees the other
 // two images, down to the policy's low threshold; the z1 node keeps its flags. Editing the policy (app1
-// pinned instead) changes the plan on the agents; deleting it restores the flags. A policy the schema lets
+// pinned instead) changes the plan on the agents, and so does keepLastTags; deleting it restores the flags. A policy the schema lets
 // through but the agents would refuse is InvalidSpec and delivered nowhere; one the schema refuses never
 // exists.
 func TestControllerDeliversImageGCPolicy(t *testing.T) {
@@ -91,6 +91,24 @@ func TestControllerDeliversImageGCPolicy(t *testing.T) {
 	res := waitNodePolicy(t, b, z0b, "keep-app0/2")
 	if !slices.Equal(removedTags(res), []string{"app0", "app2"}) || pinnedByGCPolicy(res) != "keep-app0" {
 		t.Errorf("%s plan after the edit: removed %v, %+v", z0b, removedTags(res), res)
+	}
+
+	// keepLastTags 1: each hollow image is its repository's only tag, so every one is kept (app1 by the pin).
+	if err := cl.Patch(ctx, pol, client.RawPatch(types.MergePatchType, []byte(`{"spec":{"keepLastTags":{"count":1}}}`))); err != nil {
+		t.Fatal(err)
+	}
+	waitPolicyReady(t, cl, pol, 3, 2)
+	res = waitNodePolicy(t, b, z0b, "keep-app0/3")
+	var lastTags []string
+	for _, s := range res.Skipped {
+		if strings.HasPrefix(s.Why, "kept: one of the last 1 tags of ") && s.Policy == "keep-app0" {
+			lastTags = append(lastTags, strings.TrimPrefix(s.Why, "kept: one of the last 1 tags of "))
+		}
+	}
+	slices.Sort(lastTags)
+	if len(res.Removed) != 0 || pinnedByGCPolicy(res) != "keep-app0" ||
+		!slices.Equal(lastTags, []string{"registry.local/hollow/app0 (policy keep-app0)", "registry.local/hollow/app2 (policy keep-app0)"}) {
+		t.Errorf("%s plan with keepLastTags: kept by it %v, %+v", z0b, lastTags, res)
 	}
 
 	// A schema-valid policy the agents could not parse is InvalidSpec and delivered nowhere.
