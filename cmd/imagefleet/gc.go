@@ -10,6 +10,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/services/gc"
 )
 
 func newGCCmd(cl *cli) *cobra.Command {
@@ -130,8 +131,8 @@ func printGCResult(cmd *cobra.Command, res events.GCResult) error {
 	}
 	for _, s := range res.Skipped {
 		why := s.Why
-		if s.Policy != "" {
-			why += " " + s.Policy
+		if s.Why == gc.WhyPinnedByGCPolicy {
+			why += " " + s.Policy // the other reasons of a policy name it themselves
 		}
 		fmt.Fprintf(tw, "%s\t\t\tkept\t%s\n", shortID(s.ID), why)
 	}
