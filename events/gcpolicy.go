@@ -24,6 +24,37 @@ type GCPolicy struct {
 	Pinned []GCPolicyPins `json:"pinned,omitempty"`
 	// KeepLastTags keeps, per repository, the images of its newest Count tags (added field).
 	KeepLastTags *GCKeepLastTags `json:"keepLastTags,omitempty"`
+	// KeepCopies keeps Count copies of every image in the fleet, or in the node's zone (added field).
+	KeepCopies *GCKeepCopies `json:"keepCopies,omitempty"`
+}
+
+// GCKeepCopies is a policy's keepCopies as one node applies it.
+type GCKeepCopies struct {
+	Count int `json:"count"`
+	// TopologyKey is the node label whose value is a zone ("": the whole fleet is one zone); Zone is this
+	// node's value of it, as the registry shows its labels.
+	TopologyKey string `json:"topologyKey,omitempty"`
+	Zone        string `json:"zone,omitempty"`
+	Policy      string `json:"policy"`
+}
+
+// CopiesRequest asks the fleet's copies arbiter (CopiesSubject) which of Images Node may remove without
+// leaving fewer than Count copies of one in its zone. Without DryRun the allowed removals are recorded in
+// GCCopiesBucket, so a concurrent request counts them as gone.
+type CopiesRequest struct {
+	Node        string   `json:"node"`
+	Images      []string `json:"images"`
+	Count       int      `json:"count"`
+	TopologyKey string   `json:"topologyKey,omitempty"`
+	Zone        string   `json:"zone,omitempty"`
+	DryRun      bool     `json:"dryRun,omitempty"`
+}
+
+// CopiesReply lists the images of a CopiesRequest that may go; Copies holds, for each image asked about,
+// the copies the arbiter counted in the zone (this node's included).
+type CopiesReply struct {
+	Allowed []string       `json:"allowed"`
+	Copies  map[string]int `json:"copies"`
 }
 
 // GCKeepLastTags is a policy's keepLastTags, with the policy that set it.
@@ -78,6 +109,9 @@ func (p GCPolicy) Validate() error {
 	}
 	if k := p.KeepLastTags; k != nil && (k.Count < 1 || k.Policy == "") {
 		errs = append(errs, fmt.Errorf("keepLastTags count %d must be at least 1, with its policy's name", k.Count))
+	}
+	if k := p.KeepCopies; k != nil && (k.Count < 1 || k.Policy == "") {
+		errs = append(errs, fmt.Errorf("keepCopies count %d must be at least 1, with its policy's name", k.Count))
 	}
 	return errors.Join(errs...)
 }

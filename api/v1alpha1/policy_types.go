@@ -67,6 +67,24 @@ type ImageGCPolicySpec struct {
 	// first detected. Images named by an ImageGC in Named mode are removed all the same.
 	// +optional
 	KeepLastTags *KeepLastTags `json:"keepLastTags,omitempty"`
+	// KeepCopies keeps count copies of every image in the fleet, or in each zone of topologyKey: a node's
+	// GC removes an image only when the fleet's copies arbiter grants it, which it does while as many other
+	// copies remain (grants are recorded, so two nodes removing at once never both take the same copies).
+	// +optional
+	KeepCopies *KeepCopies `json:"keepCopies,omitempty"`
+}
+
+// KeepCopies is how many copies of each image the fleet, or each zone, keeps.
+type KeepCopies struct {
+	// Count is how many copies are kept.
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=1000
+	Count int32 `json:"count"`
+	// TopologyKey is a node label (the agents' --node-labels) whose value is a zone: count copies are kept
+	// in each zone. Unset: the whole fleet is one zone.
+	// +kubebuilder:validation:MaxLength=317
+	// +optional
+	TopologyKey string `json:"topologyKey,omitempty"`
 }
 
 // KeepLastTags is how many of each repository's newest tags a node keeps.
@@ -114,6 +132,7 @@ const (
 // +kubebuilder:printcolumn:name="Capacity",type=string,JSONPath=`.spec.capacityBytes`,priority=1
 // +kubebuilder:printcolumn:name="Pinned",type=string,JSONPath=`.spec.pinnedImages`,priority=1
 // +kubebuilder:printcolumn:name="Keep-Tags",type=integer,JSONPath=`.spec.keepLastTags.count`,priority=1
+// +kubebuilder:printcolumn:name="Keep-Copies",type=integer,JSONPath=`.spec.keepCopies.count`,priority=1
 // +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
 type ImageGCPolicy struct {
 	metav1.TypeMeta   `json:",inline"`

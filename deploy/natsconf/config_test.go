@@ -173,7 +173,19 @@ func TestNodeReadsItsGCPolicyOnly(t *testing.T) {
 			}
 		}
 	}
-	if f := FleetPermissions("FPUB"); !slices.Contains(f.Publish, "$KV."+b+".>") {
-		t.Errorf("the fleet cannot write the policies: %v", f.Publish)
+	if f := FleetPermissions("FPUB"); !slices.Contains(f.Publish, "$KV."+b+".>") || !slices.Contains(f.Publish, "$KV."+events.GCCopiesBucket+".>") {
+		t.Errorf("the fleet cannot write the policies or the copies ledger: %v", f.Publish)
+	}
+	// keepCopies: a node asks the fleet's copies arbiter under its own name only, and never writes the ledger.
+	for _, s := range NodePermissions(node, "UPUB", "").Publish {
+		if strings.HasPrefix(s, events.Prefix+".fleet.") && s != events.CopiesSubject(node) {
+			t.Errorf("a fleet subject beyond its copies request: %s", s)
+		}
+		if strings.Contains(s, events.GCCopiesBucket) {
+			t.Errorf("a right on the copies ledger: %s", s)
+		}
+	}
+	if !slices.Contains(NodePermissions(node, "UPUB", "").Publish, events.CopiesSubject(node)) {
+		t.Error("a node cannot ask the copies arbiter")
 	}
 }

@@ -113,6 +113,8 @@ func NodePermissions(node, pub, hub string) Permissions {
 		"$JS.ACK." + events.EventsStream + "." + events.RemovalsDurable(node) + ".>",
 		// Dead letters of the node's consumers (bus.Consume keeps terminated messages there).
 		events.DeadLetterPrefix + ".>",
+		// Asking the fleet's copies arbiter which removals keepCopies allows, under its own name only.
+		events.CopiesSubject(node),
 	}...)
 	if hub != "" {
 		// The fleet-wide streams' and buckets' info (the bus reads a stream's info before using it).
@@ -193,8 +195,9 @@ func FleetPermissions(pub string) Permissions {
 		// The registry creates the heartbeat buckets if the nodes have not yet.
 		p = append(p, "$JS.API.STREAM.CREATE.KV_"+b, "$JS.API.STREAM.UPDATE.KV_"+b)
 	}
-	// The controller writes each node's effective ImageGCPolicy (and makes the bucket if bus init did not).
-	for _, b := range NodeReadBuckets {
+	// The controller writes each node's effective ImageGCPolicy (and makes the bucket if bus init did not);
+	// its copies arbiter keeps the keepCopies grants.
+	for _, b := range append(append([]string{}, NodeReadBuckets...), events.GCCopiesBucket) {
 		p = append(p, "$KV."+b+".>",
 			"$JS.API.STREAM.CREATE.KV_"+b, "$JS.API.STREAM.UPDATE.KV_"+b,
 			"$JS.API.DIRECT.GET.KV_"+b+".>",

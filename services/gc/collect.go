@@ -60,8 +60,10 @@ type pass struct {
 	pins []policyPins
 	// keepLast is the node's ImageGCPolicy keepLastTags (nil: none; not applied to named images).
 	keepLast *keepLast
-	dryRun   bool
-	res      events.GCResult
+	// keepCopies is the node's ImageGCPolicy keepCopies (nil: none): each removal is granted by the fleet.
+	keepCopies *events.GCKeepCopies
+	dryRun     bool
+	res        events.GCResult
 	// meter measures the image filesystem during the space pass (nil: the kubelet's way, declared sizes).
 	meter *meter
 }
@@ -367,8 +369,8 @@ func (c *collector) freeOldImages(ctx context.Context, p *pass, cands []candidat
 		batch := old[start:min(start+c.batchSize(), len(old))]
 		for _, o := range c.removeBatch(ctx, p, batch, ReasonAge) {
 			switch {
-			case o.inUse:
-				gone[o.c.ID] = true // in use: not a candidate of the space pass either
+			case o.inUse, o.kept != "":
+				gone[o.c.ID] = true // in use or kept by keepCopies: not a candidate of the space pass either
 			case o.err != nil:
 				errs = append(errs, o.err) // kept, as the kubelet keeps it
 			default:
@@ -447,7 +449,7 @@ func (c *collector) freeSpace(ctx context.Context, p *pass, bytesToFree int64, f
 		var batchFreed int64
 		for _, o := range c.removeBatch(ctx, p, batch, reason) {
 			switch {
-			case o.inUse:
+			case o.inUse, o.kept != "":
 			case o.err != nil:
 				errs = append(errs, o.err)
 			default:
@@ -482,12 +484,14 @@ func (c *collector) notNeeded(p *pass, cands []candidate) {
 // outcome is what happened to one image of a removal batch.
 type outcome struct {
 	c     candidate
-	inUse bool  // found in use by the re-check: not removed
-	err   error // removal failed
+	inUse bool   // found in use by the re-check: not removed
+	kept  string // kept by keepCopies, and why: not removed
+	err   error  // removal failed
 }
 
 // removeBatch re-checks that the batch is unused (containers listed by the runtime now, and the pod index's
-// image references), then removes the rest at once. "Already gone" counts as removed. Results are recorded
+// image references), then, under keepCopies, asks the fleet which of the rest may go (grantCopies), then
+// removes those at once. "Already gone" counts as removed. Results are recorded
 // in p in batch order; image.removed events are published.
 func (c *collector) removeBatch(ctx context.Context, p *pass, batch []candidate, reason string) []outcome {
 	out := make([]outcome, len(batch))
@@ -500,11 +504,14 @@ func (c *collector) removeBatch(ctx context.Context, p *pass, batch []candidate,
 			out[i].err = fmt.Errorf("re-check image %q in use before removal: %w", out[i].c.ID, err)
 		}
 	} else {
+		for i := range out {
+			out[i].inUse = inUse(out[i].c.ImageRecord)
+		}
+		c.grantCopies(ctx, p, out)
 		var wg sync.WaitGroup
 		sem := make(chan struct{}, c.parallelism)
 		for i := range out {
-			if inUse(out[i].c.ImageRecord) {
-				out[i].inUse = true
+			if out[i].inUse || out[i].kept != "" {
 				continue
 			}
 			if p.dryRun {
@@ -526,6 +533,8 @@ func (c *collector) removeBatch(ctx context.Context, p *pass, batch []candidate,
 		case o.inUse:
 			c.log.Info("image in use at removal time, kept", "image_id", o.c.ID)
 			p.res.Skipped = append(p.res.Skipped, events.GCSkipped{ID: o.c.ID, Why: WhyInUseAtRemoval})
+		case o.kept != "":
+			p.res.Skipped = append(p.res.Skipped, events.GCSkipped{ID: o.c.ID, Why: o.kept, Policy: p.keepCopies.Policy})
 		case o.err != nil:
 			p.res.Removed = append(p.res.Removed, events.GCRemoved{ID: o.c.ID, RepoTags: o.c.RepoTags, Size: o.c.Size, Reason: reason, Error: o.err.Error()})
 		default:

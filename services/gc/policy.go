@@ -58,11 +58,12 @@ type appliedPolicy struct {
 
 // settings are what one pass applies: the flags with the policy's fields over them.
 type settings struct {
-	policy   Policy
-	capacity int64 // the policy's byte quota (0: the flags')
-	pins     []policyPins
-	keepLast *keepLast
-	sources  []events.GCPolicySource
+	policy     Policy
+	capacity   int64 // the policy's byte quota (0: the flags')
+	pins       []policyPins
+	keepLast   *keepLast
+	keepCopies *events.GCKeepCopies
+	sources    []events.GCPolicySource
 }
 
 // policyState holds the applied policy; the watcher writes it, passes read it.
@@ -80,7 +81,7 @@ func (s *Service) settings() settings {
 		return st
 	}
 	merged, _ := mergePolicy(s.cfg, cur.val) // validated when applied
-	st.policy, st.pins, st.keepLast, st.sources = merged.Policy, cur.pins, cur.keepLast, cur.val.Sources
+	st.policy, st.pins, st.keepLast, st.keepCopies, st.sources = merged.Policy, cur.pins, cur.keepLast, cur.val.KeepCopies, cur.val.Sources
 	if cur.val.CapacityBytes != nil {
 		st.capacity = *cur.val.CapacityBytes
 	}

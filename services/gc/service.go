@@ -393,7 +393,8 @@ func (s *Service) runPass(ctx context.Context, req events.GCRequest, trigger str
 // runPassCtx runs the pass under pctx (cancelled when the lease is lost) and publishes under ctx.
 func (s *Service) runPassCtx(pctx, ctx context.Context, req events.GCRequest, trigger string, policy settings) (events.GCResult, error) {
 	var err error
-	p := &pass{policy: policy.policy, capacity: policy.capacity, pins: policy.pins, keepLast: policy.keepLast, dryRun: req.DryRun,
+	p := &pass{policy: policy.policy, capacity: policy.capacity, pins: policy.pins, keepLast: policy.keepLast,
+		keepCopies: policy.keepCopies, dryRun: req.DryRun,
 		res: events.GCResult{Node: s.cfg.Node, DryRun: req.DryRun, Trigger: trigger, Policies: policy.sources}}
 	start := time.Now()
 	switch {

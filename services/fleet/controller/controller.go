@@ -28,6 +28,7 @@ import (
 
 	"github.com/imagefleet/imagefleet/api/v1alpha1"
 	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/services/fleet"
 )
 
 // Config configures the controller.
@@ -167,6 +168,9 @@ func (c *Controller) Run(ctx context.Context) error {
 		return fmt.Errorf("controller: imagegcpolicy: %w", err)
 	}
 	if err := mgr.Add(ps); err != nil {
+		return err
+	}
+	if err := mgr.Add(copiesRunnable{fleet.NewCopiesArbiter(c.b, fleet.CopiesConfig{Logger: c.cfg.Logger.With("worker", "fleet-copies")})}); err != nil {
 		return err
 	}
 	if err := mgr.Add(readyRunnable{c}); err != nil {

@@ -153,7 +153,7 @@ func (p *policySync) sync(ctx context.Context) error {
 				outcomes[cp.obj.Name].matched++
 			}
 		}
-		eff := effectivePolicy(sel)
+		eff := effectivePolicy(sel, n.Labels)
 		if eff == nil {
 			continue
 		}
@@ -235,3 +235,11 @@ func (p *policySync) writeStatus(ctx context.Context, o *v1alpha1.ImageGCPolicy,
 	}
 	return nil
 }
+
+// copiesRunnable serves the fleet's keepCopies arbiter on every replica (its grants are compare-and-set
+// writes, so replicas need no leader).
+type copiesRunnable struct{ a *fleet.CopiesArbiter }
+
+func (r copiesRunnable) Start(ctx context.Context) error { return r.a.Run(ctx) }
+
+func (copiesRunnable) NeedLeaderElection() bool { return false }

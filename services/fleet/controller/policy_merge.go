@@ -73,7 +73,9 @@ func precedes(a, b *v1alpha1.ImageGCPolicy) int {
 // (the schema sets them together), so a node never gets one policy's high with another's low. Pinned
 // images are added up, each pattern under the first policy (in precedence order) that lists it. nil when
 // no policy is given.
-func effectivePolicy(ps []*v1alpha1.ImageGCPolicy) *events.GCPolicy {
+//
+// keepCopies carries the node's zone: its value of the winning policy's topologyKey in nodeLabels.
+func effectivePolicy(ps []*v1alpha1.ImageGCPolicy, nodeLabels map[string]string) *events.GCPolicy {
 	if len(ps) == 0 {
 		return nil
 	}
@@ -97,6 +99,10 @@ func effectivePolicy(ps []*v1alpha1.ImageGCPolicy) *events.GCPolicy {
 		if out.CapacityBytes == nil && s.CapacityBytes != nil {
 			v := s.CapacityBytes.Value()
 			out.CapacityBytes = &v
+		}
+		if out.KeepCopies == nil && s.KeepCopies != nil {
+			out.KeepCopies = &events.GCKeepCopies{Count: int(s.KeepCopies.Count), TopologyKey: s.KeepCopies.TopologyKey,
+				Zone: nodeLabels[s.KeepCopies.TopologyKey], Policy: p.Name}
 		}
 		if out.KeepLastTags == nil && s.KeepLastTags != nil {
 			out.KeepLastTags = &events.GCKeepLastTags{Count: int(s.KeepLastTags.Count), Policy: p.Name}

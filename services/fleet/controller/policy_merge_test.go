@@ -46,13 +46,16 @@ func TestEffectivePolicyPrecedence(t *testing.T) {
 			pol("c", 3, 1, v1alpha1.ImageGCPolicySpec{KeepLastTags: &v1alpha1.KeepLastTags{Count: 9}}),
 			pol("a", 1, 1, v1alpha1.ImageGCPolicySpec{KeepLastTags: &v1alpha1.KeepLastTags{Count: 2}}),
 		}, `{"sources":[{"name":"b","generation":1},{"name":"c","generation":1},{"name":"a","generation":1}],"keepLastTags":{"count":5,"policy":"b"}}`},
+		{"keepCopies carries the node's zone", []*v1alpha1.ImageGCPolicy{
+			pol("zonal", 0, 1, v1alpha1.ImageGCPolicySpec{KeepCopies: &v1alpha1.KeepCopies{Count: 2, TopologyKey: "zone"}}),
+		}, `{"sources":[{"name":"zonal","generation":1}],"keepCopies":{"count":2,"topologyKey":"zone","zone":"z1","policy":"zonal"}}`},
 		{"the thresholds are one setting", []*v1alpha1.ImageGCPolicy{
 			pol("first", 2, 1, v1alpha1.ImageGCPolicySpec{HighThresholdPercent: i32(60), LowThresholdPercent: i32(50)}),
 			pol("second", 1, 1, v1alpha1.ImageGCPolicySpec{HighThresholdPercent: i32(95), LowThresholdPercent: i32(90)}),
 		}, `{"sources":[{"name":"first","generation":1},{"name":"second","generation":1}],"highThresholdPercent":60,"lowThresholdPercent":50}`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			raw, err := json.Marshal(effectivePolicy(tc.in))
+			raw, err := json.Marshal(effectivePolicy(tc.in, map[string]string{"zone": "z1"}))
 			if err != nil {
 				t.Fatal(err)
 			}
