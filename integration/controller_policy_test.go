@@ -2,6 +2,7 @@ package integration_test
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"slices"
 	"strings"
@@ -233,4 +234,107 @@ func pinnedByGCPolicy(res events.GCResult) string {
 		return fmt.Sprint(names)
 	}
 	return names[0]
+}
+
+// TestControllerKeepCopiesAcrossTheFleet runs the controller (with its copies arbiter) and the inventory
+// over three hollow agents that each hold the same two images, delivers an ImageGCPolicy with keepCopies 2,
+// and runs an AllUnused ImageGC on the three nodes at once: each image is removed from exactly one node, so
+// two copies of each remain, although every node found both images unused and asked at the same moment.
+func TestControllerKeepCopiesAcrossTheFleet(t *testing.T) {
+	const nodes = 3
+	kc := kubelab.StartT(t, kubelab.Options{})
+	ctx := t.Context()
+	cl := controllerClient(t, kc.AdminConfig())
+	applyCRDs(t, cl)
+
+	bin := imagefleetBinary(t)
+	url, b := startBus(t, bin)
+	h := startHollow(t, bin, "hollow", url, nodes, "--images-per-node", "2")
+	all, _ := waitReady(t, b, h, "hollow-", nodes, 2*time.Minute)
+	startProc(t, "inventory", bin, "agent", "--node", "inventory", "--workers", "inventory", "--nats", url,
+		"--data-dir", t.TempDir(), "--no-journal")
+	startController(t, bin, url, kc, "ctl-copies")
+
+	// The images' IDs, and the inventory showing every node holding each.
+	plan := nodeAllUnused(t, b, all[0])
+	var ids []string
+	for _, r := range plan.Removed {
+		ids = append(ids, r.ID)
+	}
+	if len(ids) != 2 {
+		t.Fatalf("images on %s: %+v", all[0], plan)
+	}
+	holders := func(id string) ([]string, error) {
+		kv, err := b.KVExisting(ctx, events.InventoryBucket)
+		if err != nil {
+			return nil, err
+		}
+		entries, err := kv.List(ctx, events.InventoryImageKeys(id))
+		if err != nil {
+			return nil, err
+		}
+		var out []string
+		for _, e := range entries {
+			var p events.Placement
+			if json.Unmarshal(e.Value, &p) == nil && p.ID == id && !p.Gone {
+				out = append(out, p.Node)
+			}
+		}
+		slices.Sort(out)
+		return out, nil
+	}
+	for _, id := range ids {
+		bustest.Eventually(t, "the inventory shows "+id+" on every node", time.Minute, func() error {
+			h, err := holders(id)
+			if err != nil || len(h) != nodes {
+				return fmt.Errorf("holders %v (%v)", h, err)
+			}
+			return nil
+		})
+	}
+
+	pol := &v1alpha1.ImageGCPolicy{ObjectMeta: metav1.ObjectMeta{Name: "two-copies"}, Spec: v1alpha1.ImageGCPolicySpec{
+		KeepCopies: &v1alpha1.KeepCopies{Count: 2}}}
+	if err := cl.Create(ctx, pol); err != nil {
+		t.Fatal(err)
+	}
+	waitPolicyReady(t, cl, pol, 1, nodes)
+	for _, n := range all {
+		waitNodePolicy(t, b, n, "two-copies/1")
+	}
+	// A dry run asks without recording: every node may remove both (three copies each, two to keep).
+	if res := nodeAllUnused(t, b, all[1]); len(res.Removed) != 2 {
+		t.Errorf("dry run under keepCopies: %+v", res)
+	}
+
+	gcObj := &v1alpha1.ImageGC{ObjectMeta: metav1.ObjectMeta{Name: "all-unused-at-once"}, Spec: v1alpha1.ImageGCSpec{Mode: "AllUnused",
+		RolloutSpec: v1alpha1.RolloutSpec{Waves: v1alpha1.Waves{InitialBatch: nodes, MaxInFlight: nodes}}}}
+	if err := cl.Create(ctx, gcObj); err != nil {
+		t.Fatal(err)
+	}
+	st := waitCondition(t, cl, gcObj, v1alpha1.ConditionComplete)
+	if st.Succeeded != nodes || st.ImagesRemoved != 2 || !slices.Equal(st.Waves, []int32{nodes}) {
+		t.Errorf("AllUnused on every node at once under keepCopies 2: %+v", st)
+	}
+	for _, id := range ids {
+		bustest.Eventually(t, "two copies of "+id+" left", time.Minute, func() error {
+			h, err := holders(id)
+			if err != nil || len(h) != 2 {
+				return fmt.Errorf("holders %v (%v)", h, err)
+			}
+			return nil
+		})
+	}
+}
+
+// nodeAllUnused asks node's GC executor for a dry run of DeleteUnusedImages.
+func nodeAllUnused(t *testing.T, b *bus.Bus, node string) events.GCResult {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	var res events.GCResult
+	if err := b.Request(ctx, events.CommandSubject(node, events.VerbGC), events.GCRequest{DryRun: true, AllUnused: true}, &res); err != nil {
+		t.Fatalf("dry run on %s: %v", node, err)
+	}
+	return res
 }
