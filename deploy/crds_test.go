@@ -22,7 +22,7 @@ func TestCRDsGenerated(t *testing.T) {
 	}
 	fresh, _ := filepath.Glob(filepath.Join(dir, "*.yaml"))
 	kept, _ := filepath.Glob(filepath.Join(chartDir, "files", "crds", "*.yaml"))
-	if len(fresh) != 2 || len(kept) != len(fresh) {
+	if len(fresh) != 3 || len(kept) != len(fresh) {
 		t.Fatalf("generated %v, in the chart %v", fresh, kept)
 	}
 	for _, f := range fresh {
@@ -64,7 +64,7 @@ func TestChartCRDs(t *testing.T) {
 			t.Errorf("%s: annotations %v, labels %v", crd.Name, crd.Annotations, crd.Labels)
 		}
 	}
-	if len(want) != 2 || !reflect.DeepEqual(got, want) {
+	if len(want) != 3 || !reflect.DeepEqual(got, want) {
 		t.Errorf("rendered CRDs %d, generated %d (or their specs differ)", len(got), len(want))
 	}
 	for _, d := range renderChart(t, "--set", "crds.install=false") {

@@ -789,7 +789,8 @@ func checkRBAC(t *testing.T, c chart, callout bool) {
 		}
 		if w, _ := flagOf(c.pod(t, "Deployment/imagefleet-central").args(), "--workers"); slices.Contains(strings.Split(w, ","), "controller") {
 			want["ClusterRole/imagefleet-central-controller"] = "imagefleet.io/imageprepulls:get,list,watch,delete imagefleet.io/imagegcs:get,list,watch,delete " +
-				"imagefleet.io/imageprepulls/status:patch imagefleet.io/imagegcs/status:patch events.k8s.io/events:create,patch nodes:get,list,watch,patch"
+				"imagefleet.io/imageprepulls/status:patch imagefleet.io/imagegcs/status:patch " +
+				"imagefleet.io/imagegcpolicies:get,list,watch imagefleet.io/imagegcpolicies/status:patch events.k8s.io/events:create,patch nodes:get,list,watch,patch"
 			bound["ClusterRole/imagefleet-central-controller"] = "imagefleet/imagefleet-central"
 			want["Role/imagefleet-central-leader"] = "coordination.k8s.io/leases:create coordination.k8s.io/leases[imagefleet-controller]:get,update"
 			bound["Role/imagefleet-central-leader"] = "imagefleet/imagefleet-central"

@@ -42,7 +42,8 @@ func ValidateDomain(domain string) error {
 func FleetWideStream(stream string) bool {
 	switch stream {
 	case EventsStream, PodsStream, DeadLetterStream, RolloutStream,
-		"KV_" + NodesBucket, "KV_" + NodesSeenBucket, "KV_" + InventoryBucket, "KV_" + InventoryOwnersBucket:
+		"KV_" + NodesBucket, "KV_" + NodesSeenBucket, "KV_" + InventoryBucket, "KV_" + InventoryOwnersBucket,
+		"KV_" + GCPolicyBucket, "KV_" + GCCopiesBucket:
 		return true
 	}
 	return false

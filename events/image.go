@@ -194,6 +194,8 @@ type GCRemoved struct {
 type GCSkipped struct {
 	ID  string `json:"id"`
 	Why string `json:"why"`
+	// Policy names the ImageGCPolicy that kept the image (Why "pinned by ImageGCPolicy"); added field.
+	Policy string `json:"policy,omitempty"`
 }
 
 // GCResult answers a gc command and is the data of gc.finished.
@@ -226,6 +228,9 @@ type GCResult struct {
 	// Trigger is what started the pass: periodic, usage (the usage check), pull (room before a pull) or
 	// manual (a gc command).
 	Trigger string `json:"trigger,omitempty"`
+	// Policies are the ImageGCPolicy objects (name and generation) whose settings the pass applied, in
+	// precedence order; empty: the node's own flags only.
+	Policies []GCPolicySource `json:"policies,omitempty"`
 }
 
 // Succeeded returns the removals of the result that did not fail.

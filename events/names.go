@@ -47,6 +47,27 @@ const (
 // released at its end; a holder that dies stops renewing and its key expires.
 const GCLeaseBucket = "imagefleet-gc-lease"
 
+// GCPolicyBucket holds each node's effective image GC policy (GCPolicy, JSON), one key per node (its node
+// token): the fleet controller writes it from the ImageGCPolicy objects that select the node and deletes it
+// when none does; the node's GC executor watches its own key and may not write it.
+const GCPolicyBucket = "imagefleet-gc-policy"
+
+// GCCopiesBucket is the keepCopies ledger of the fleet's copies arbiter: one key per image (its
+// InventoryImageToken), holding the removals granted and not yet seen gone in the inventory, written under a
+// compare-and-set so that two grants for one image never both count the same copies.
+const GCCopiesBucket = "imagefleet-gc-copies"
+
+// CopiesQueue is the queue group of the copies arbiter's replicas (CopiesSubject).
+const CopiesQueue = "fleet-copies"
+
+// CopiesSubject is where node's GC executor asks the fleet which removals keepCopies allows:
+// imagefleet.fleet.copies.<node token>.
+func CopiesSubject(node string) string { return Prefix + ".fleet.copies." + NodeToken(node) }
+
+// GCPolicyBucketDescription is GCPolicyBucket's description; every opener passes the same one, since an
+// opener whose settings differ updates the bucket.
+const GCPolicyBucketDescription = "effective ImageGCPolicy per node"
+
 // Queue groups of the request/reply subjects: the replicas of a worker share its requests.
 const (
 	CacheQueue     = "cache"           // imagefleet.qry.<node>.images

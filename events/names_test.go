@@ -53,6 +53,8 @@ func wireNames() [][2]string {
 		c("NodesBucket", NodesBucket), c("NodesSeenBucket", NodesSeenBucket), c("InventoryBucket", InventoryBucket),
 		c("InventoryOwnersBucket", InventoryOwnersBucket),
 		c("KubeEventsBucket", KubeEventsBucket), c("GCLeaseBucket", GCLeaseBucket),
+		c("GCPolicyBucket", GCPolicyBucket), c("GCCopiesBucket", GCCopiesBucket), c("CopiesQueue", CopiesQueue),
+		c("CopiesSubject(node)", CopiesSubject(node)), c("GCPolicyBucketDescription", GCPolicyBucketDescription),
 		// Queue groups and durable consumers.
 		c("CacheQueue", CacheQueue), c("DetectorQueue", DetectorQueue), c("GCQueue", GCQueue),
 		c("PodIndexQueue", PodIndexQueue), c("InventoryQueue", InventoryQueue),

@@ -16,7 +16,8 @@ var (
 )
 
 func addKnownTypes(s *runtime.Scheme) error {
-	s.AddKnownTypes(GroupVersion, &ImagePrePull{}, &ImagePrePullList{}, &ImageGC{}, &ImageGCList{})
+	s.AddKnownTypes(GroupVersion, &ImagePrePull{}, &ImagePrePullList{}, &ImageGC{}, &ImageGCList{},
+		&ImageGCPolicy{}, &ImageGCPolicyList{})
 	metav1.AddToGroupVersion(s, GroupVersion)
 	return nil
 }

@@ -91,6 +91,8 @@ admin identity (--nkey admin.nk). Agents that find them open them as they are.`,
 				}},
 				{"kube-events", func() error { return kevents.EnsureBucket(ctx, b) }},
 				{"gc lease", func() error { return gc.EnsureLeaseBucket(ctx, b) }},
+				{"gc policy", func() error { return gc.EnsurePolicyBucket(ctx, b) }},
+				{"gc copies", func() error { _, err := b.KV(ctx, fleet.CopiesBucketConfig()); return err }},
 			}
 			for _, s := range steps {
 				if err := s.ensure(); err != nil {

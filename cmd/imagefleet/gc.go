@@ -10,6 +10,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/services/gc"
 )
 
 func newGCCmd(cl *cli) *cobra.Command {
@@ -97,6 +98,9 @@ func printGCResult(cmd *cobra.Command, res events.GCResult) error {
 		fmt.Fprintf(w, "node %s: image fs %d%% used of %s, %s available, to free %s%s\n", res.Node, res.UsagePercent,
 			FormatSize(res.CapacityBytes), FormatSize(res.AvailableBytes), FormatSize(max(res.AmountToFree, 0)), mode)
 	}
+	if len(res.Policies) > 0 {
+		fmt.Fprintf(w, "policy: ImageGCPolicy %s over the node's flags\n", events.GCPolicy{Sources: res.Policies}.Names())
+	}
 	verb := "freed"
 	if res.DryRun {
 		verb = "would free"
@@ -126,7 +130,11 @@ func printGCResult(cmd *cobra.Command, res events.GCResult) error {
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", shortID(r.ID), strings.Join(r.RepoTags, ","), FormatSize(r.Size), action, why)
 	}
 	for _, s := range res.Skipped {
-		fmt.Fprintf(tw, "%s\t\t\tkept\t%s\n", shortID(s.ID), s.Why)
+		why := s.Why
+		if s.Why == gc.WhyPinnedByGCPolicy {
+			why += " " + s.Policy // the other reasons of a policy name it themselves
+		}
+		fmt.Fprintf(tw, "%s\t\t\tkept\t%s\n", shortID(s.ID), why)
 	}
 	if err := tw.Flush(); err != nil {
 		return err

@@ -32,6 +32,10 @@ func TestNodePermissionsOnASite(t *testing.T) {
 		{"pod events read in the hub", "$JS.hub.API.CONSUMER.MSG.NEXT." + events.PodsStream + ".*", "$JS.API.CONSUMER.MSG.NEXT." + events.PodsStream + ".*"},
 		{"records at the site", "$KV." + events.RecordsBucket + "." + tok + ".>", "$JS.hub.API.$KV." + events.RecordsBucket + "." + tok + ".>"},
 		{"GC lease at the site", "$KV." + events.GCLeaseBucket + "." + tok, "$JS.hub.API.$KV." + events.GCLeaseBucket + "." + tok},
+		{"GC policy read in the hub", "$JS.hub.API.DIRECT.GET.KV_" + events.GCPolicyBucket + ".$KV." + events.GCPolicyBucket + "." + tok,
+			"$JS.API.DIRECT.GET.KV_" + events.GCPolicyBucket + ".$KV." + events.GCPolicyBucket + "." + tok},
+		{"GC policy watched in the hub", "$JS.hub.API.CONSUMER.CREATE.KV_" + events.GCPolicyBucket + ".*.$KV." + events.GCPolicyBucket + "." + tok,
+			"$JS.API.CONSUMER.CREATE.KV_" + events.GCPolicyBucket + ".*.$KV." + events.GCPolicyBucket + "." + tok},
 		{"pull consumer at the site", "$JS.API.CONSUMER.MSG.NEXT." + events.PullStreamOf(node) + "." + events.PullerDurable(node),
 			"$JS.hub.API.CONSUMER.MSG.NEXT." + events.PullStreamOf(node) + "." + events.PullerDurable(node)},
 	} {
@@ -142,5 +146,46 @@ func TestGenerateSitesRefusesBadLayouts(t *testing.T) {
 				t.Errorf("error %v, want %q", err, tc.want)
 			}
 		})
+	}
+}
+
+// TestNodeReadsItsGCPolicyOnly: a node may read its own key of the ImageGCPolicy bucket and write none,
+// on the fleet's servers and on a site; the fleet identity writes every key.
+func TestNodeReadsItsGCPolicyOnly(t *testing.T) {
+	const node = "node-1.example"
+	tok := events.NodeToken(node)
+	b := events.GCPolicyBucket
+	for _, hub := range []string{"", "hub"} {
+		p := NodePermissions(node, "UPUB", hub)
+		api := "$JS.API."
+		if hub != "" {
+			api = "$JS.hub.API."
+		}
+		if !slices.Contains(p.Publish, api+"DIRECT.GET.KV_"+b+".$KV."+b+"."+tok) {
+			t.Errorf("hub %q: cannot read its own policy", hub)
+		}
+		for _, s := range p.Publish {
+			if strings.Contains(s, "$KV."+b) && !strings.Contains(s, "$KV."+b+"."+tok) {
+				t.Errorf("hub %q: a right on another node's policy: %s", hub, s)
+			}
+			if strings.HasSuffix(s, "$KV."+b+"."+tok) && !strings.Contains(s, ".DIRECT.GET.") && !strings.Contains(s, ".CONSUMER.CREATE.") {
+				t.Errorf("hub %q: a write of its own policy: %s", hub, s)
+			}
+		}
+	}
+	if f := FleetPermissions("FPUB"); !slices.Contains(f.Publish, "$KV."+b+".>") || !slices.Contains(f.Publish, "$KV."+events.GCCopiesBucket+".>") {
+		t.Errorf("the fleet cannot write the policies or the copies ledger: %v", f.Publish)
+	}
+	// keepCopies: a node asks the fleet's copies arbiter under its own name only, and never writes the ledger.
+	for _, s := range NodePermissions(node, "UPUB", "").Publish {
+		if strings.HasPrefix(s, events.Prefix+".fleet.") && s != events.CopiesSubject(node) {
+			t.Errorf("a fleet subject beyond its copies request: %s", s)
+		}
+		if strings.Contains(s, events.GCCopiesBucket) {
+			t.Errorf("a right on the copies ledger: %s", s)
+		}
+	}
+	if !slices.Contains(NodePermissions(node, "UPUB", "").Publish, events.CopiesSubject(node)) {
+		t.Error("a node cannot ask the copies arbiter")
 	}
 }

@@ -31,6 +31,10 @@ var NodeKeyBuckets = []string{events.NodesBucket, events.NodesSeenBucket}
 // and writes (the GC pass lease): unlike NodeKeyBuckets the fleet does not read them.
 var NodeLeaseBuckets = []string{events.GCLeaseBucket}
 
+// NodeReadBuckets are buckets where a node reads exactly one key, its node token, and writes nothing: the
+// fleet controller writes them (the node's effective ImageGCPolicy).
+var NodeReadBuckets = []string{events.GCPolicyBucket}
+
 // Permissions of one user: what it may publish and subscribe to. AllowResponses lets it answer requests
 // (publish once to the reply subject of a request it received) without a publish permission on inboxes.
 type Permissions struct {
@@ -109,6 +113,8 @@ func NodePermissions(node, pub, hub string) Permissions {
 		"$JS.ACK." + events.EventsStream + "." + events.RemovalsDurable(node) + ".>",
 		// Dead letters of the node's consumers (bus.Consume keeps terminated messages there).
 		events.DeadLetterPrefix + ".>",
+		// Asking the fleet's copies arbiter which removals keepCopies allows, under its own name only.
+		events.CopiesSubject(node),
 	}...)
 	if hub != "" {
 		// The fleet-wide streams' and buckets' info (the bus reads a stream's info before using it).
@@ -129,6 +135,16 @@ func NodePermissions(node, pub, hub string) Permissions {
 	// subject (with expected-revision headers the server checks), reads a direct get of that key only.
 	for _, b := range append(append([]string{}, NodeKeyBuckets...), NodeLeaseBuckets...) {
 		pub1 = append(pub1, kv(b)+t, api("KV_"+b)+"DIRECT.GET.KV_"+b+".$KV."+b+"."+t)
+	}
+	// Its own key in the read-only buckets: a direct get and a watch (an ordered consumer filtered to the
+	// key), no publish to the key's subject.
+	for _, b := range NodeReadBuckets {
+		pub1 = append(pub1,
+			api("KV_"+b)+"DIRECT.GET.KV_"+b+".$KV."+b+"."+t,
+			api("KV_"+b)+"CONSUMER.CREATE.KV_"+b+".*.$KV."+b+"."+t,
+			api("KV_"+b)+"CONSUMER.MSG.NEXT.KV_"+b+".*",
+			api("KV_"+b)+"CONSUMER.DELETE.KV_"+b+".*",
+		)
 	}
 	return Permissions{
 		Publish: pub1,
@@ -178,6 +194,17 @@ func FleetPermissions(pub string) Permissions {
 	for _, b := range NodeKeyBuckets {
 		// The registry creates the heartbeat buckets if the nodes have not yet.
 		p = append(p, "$JS.API.STREAM.CREATE.KV_"+b, "$JS.API.STREAM.UPDATE.KV_"+b)
+	}
+	// The controller writes each node's effective ImageGCPolicy (and makes the bucket if bus init did not);
+	// its copies arbiter keeps the keepCopies grants.
+	for _, b := range append(append([]string{}, NodeReadBuckets...), events.GCCopiesBucket) {
+		p = append(p, "$KV."+b+".>",
+			"$JS.API.STREAM.CREATE.KV_"+b, "$JS.API.STREAM.UPDATE.KV_"+b,
+			"$JS.API.DIRECT.GET.KV_"+b+".>",
+			"$JS.API.CONSUMER.CREATE.KV_"+b+".>",
+			"$JS.API.CONSUMER.MSG.NEXT.KV_"+b+".*",
+			"$JS.API.CONSUMER.DELETE.KV_"+b+".*",
+		)
 	}
 	return Permissions{
 		Publish:        p,

@@ -54,8 +54,16 @@ type collector struct {
 // pass is one GC pass: its policy and what it did.
 type pass struct {
 	policy Policy
-	dryRun bool
-	res    events.GCResult
+	// capacity is the byte quota of the node's ImageGCPolicy (0: the collector's, --image-fs-capacity).
+	capacity int64
+	// pins are the pinned images of the node's ImageGCPolicy objects, each kept with its policy's name.
+	pins []policyPins
+	// keepLast is the node's ImageGCPolicy keepLastTags (nil: none; not applied to named images).
+	keepLast *keepLast
+	// keepCopies is the node's ImageGCPolicy keepCopies (nil: none): each removal is granted by the fleet.
+	keepCopies *events.GCKeepCopies
+	dryRun     bool
+	res        events.GCResult
 	// meter measures the image filesystem during the space pass (nil: the kubelet's way, declared sizes).
 	meter *meter
 }
@@ -115,7 +123,7 @@ func (c *collector) garbageCollect(ctx context.Context, p *pass, beganGC time.Ti
 	if err != nil {
 		return err
 	}
-	cands, skipped := c.order(ctx, recs)
+	cands, skipped := c.order(ctx, p, recs)
 	p.res.Skipped = append(p.res.Skipped, skipped...)
 
 	before := p.res.FreedBytes
@@ -170,8 +178,10 @@ func (c *collector) garbageCollect(ctx context.Context, p *pass, beganGC time.Ti
 // order is evictionOrder with the runtime's sandbox (pause) image kept as well: containerd 1.6 does not
 // report it pinned, and every pod sandbox runs it, so it is in use whenever a pod runs (the kubelet used to
 // exempt its configured --pod-infra-container-image the same way).
-func (c *collector) order(ctx context.Context, recs map[string]events.ImageRecord) ([]candidate, []events.GCSkipped) {
+func (c *collector) order(ctx context.Context, p *pass, recs map[string]events.ImageRecord) ([]candidate, []events.GCSkipped) {
 	cands, skipped := evictionOrder(recs, c.pinned)
+	cands, skipped = keepPinnedByPolicies(cands, skipped, p.pins)
+	cands, skipped = keepLastTags(cands, skipped, recs, p.keepLast)
 	if c.sandboxImage == nil {
 		return cands, skipped
 	}
@@ -198,7 +208,7 @@ func (c *collector) order(ctx context.Context, recs map[string]events.ImageRecor
 func (c *collector) newMeter(p *pass, capacity, available int64, fsUsed uint64, recs map[string]events.ImageRecord) *meter {
 	m := &meter{target: capacity * int64(100-p.policy.LowThresholdPercent) / 100, start: available, avail: available,
 		factor: 1, log: c.log}
-	if c.capacity == 0 && fsUsed > 0 {
+	if c.quota(p) == 0 && fsUsed > 0 {
 		var declared int64
 		for _, r := range recs {
 			declared += r.Size
@@ -208,25 +218,33 @@ func (c *collector) newMeter(p *pass, capacity, available int64, fsUsed uint64, 
 		}
 	}
 	if !p.dryRun {
-		m.measure = c.measureAvailable
+		m.measure = func(ctx context.Context) (int64, error) { return c.measureAvailable(ctx, c.quota(p)) }
 	}
 	return m
 }
 
 // measureAvailable measures the available bytes of the image filesystem now: statfs of the runtime's image
 // filesystem mountpoint, or with a byte quota the quota less the sum of the sizes of the images listed now.
-func (c *collector) measureAvailable(ctx context.Context) (int64, error) {
-	capacity, available, _, err := c.imageFs(ctx)
+func (c *collector) measureAvailable(ctx context.Context, quota int64) (int64, error) {
+	capacity, available, _, err := c.imageFs(ctx, quota)
 	if err != nil {
 		return 0, err
 	}
 	return min(available, capacity), nil
 }
 
+// quota is the pass's byte quota: its ImageGCPolicy's, else --image-fs-capacity (0: statfs).
+func (c *collector) quota(p *pass) int64 {
+	if p != nil && p.capacity > 0 {
+		return p.capacity
+	}
+	return c.capacity
+}
+
 // imageFs returns the image filesystem's capacity, available bytes and the runtime's reported usage (0
-// with a byte quota) now.
-func (c *collector) imageFs(ctx context.Context) (capacity, available int64, fsUsed uint64, err error) {
-	if c.capacity > 0 {
+// with a byte quota) now, with quota as the byte quota (0: statfs).
+func (c *collector) imageFs(ctx context.Context, quota int64) (capacity, available int64, fsUsed uint64, err error) {
+	if quota > 0 {
 		imgs, err := c.rt.ListImages(ctx)
 		if err != nil {
 			return 0, 0, 0, fmt.Errorf("image fs stats: %w", err)
@@ -235,7 +253,7 @@ func (c *collector) imageFs(ctx context.Context) (capacity, available int64, fsU
 		for _, im := range imgs {
 			used += im.Size
 		}
-		return c.capacity, c.capacity - used, 0, nil
+		return quota, quota - used, 0, nil
 	}
 	fs, err := c.rt.ImageFsInfo(ctx)
 	if err != nil {
@@ -261,7 +279,7 @@ func (c *collector) deleteUnusedImages(ctx context.Context, p *pass) error {
 	if err != nil {
 		return err
 	}
-	cands, skipped := c.order(ctx, recs)
+	cands, skipped := c.order(ctx, p, recs)
 	p.res.Skipped = append(p.res.Skipped, skipped...)
 	// What is reported: the image filesystem and the eligible bytes (the kubelet passes MaxInt64 as the
 	// amount to free, and it still does here: every eligible image goes).
@@ -272,7 +290,7 @@ func (c *collector) deleteUnusedImages(ctx context.Context, p *pass) error {
 		}
 	}
 	p.res.AmountToFree = eligible
-	if capacity, available, _, err := c.imageFs(ctx); err == nil && capacity > 0 {
+	if capacity, available, _, err := c.imageFs(ctx, c.quota(p)); err == nil && capacity > 0 {
 		available = min(available, capacity)
 		p.res.CapacityBytes, p.res.AvailableBytes = capacity, available
 		p.res.UsagePercent = 100 - int(available*100/capacity)
@@ -281,7 +299,7 @@ func (c *collector) deleteUnusedImages(ctx context.Context, p *pass) error {
 	}
 	_, err = c.freeSpace(ctx, p, math.MaxInt64, freeTime, cands, ReasonUnused)
 	if !p.dryRun && p.res.CapacityBytes > 0 {
-		if avail, mErr := c.measureAvailable(ctx); mErr == nil {
+		if avail, mErr := c.measureAvailable(ctx, c.quota(p)); mErr == nil {
 			p.res.MeasuredAvailableBytes = avail
 			p.res.MeasuredFreedBytes = avail - p.res.AvailableBytes
 		}
@@ -298,13 +316,14 @@ func (c *collector) deleteNamedImages(ctx context.Context, p *pass, patterns []s
 		return fmt.Errorf("gc request images: %w", err)
 	}
 	c.log.Info("attempting to delete named images", "dry_run", p.dryRun, "images", len(patterns))
+	p.keepLast = nil // an image named for removal goes even if it is one of its repository's last tags
 	freeTime := c.now()
 	p.res.Started = freeTime
 	recs, err := c.records.Detect(ctx, freeTime)
 	if err != nil {
 		return err
 	}
-	cands, skipped := c.order(ctx, recs)
+	cands, skipped := c.order(ctx, p, recs)
 	for _, s := range skipped {
 		if r, ok := recs[s.ID]; ok && m.match(r) {
 			p.res.Skipped = append(p.res.Skipped, s)
@@ -350,8 +369,8 @@ func (c *collector) freeOldImages(ctx context.Context, p *pass, cands []candidat
 		batch := old[start:min(start+c.batchSize(), len(old))]
 		for _, o := range c.removeBatch(ctx, p, batch, ReasonAge) {
 			switch {
-			case o.inUse:
-				gone[o.c.ID] = true // in use: not a candidate of the space pass either
+			case o.inUse, o.kept != "":
+				gone[o.c.ID] = true // in use or kept by keepCopies: not a candidate of the space pass either
 			case o.err != nil:
 				errs = append(errs, o.err) // kept, as the kubelet keeps it
 			default:
@@ -430,7 +449,7 @@ func (c *collector) freeSpace(ctx context.Context, p *pass, bytesToFree int64, f
 		var batchFreed int64
 		for _, o := range c.removeBatch(ctx, p, batch, reason) {
 			switch {
-			case o.inUse:
+			case o.inUse, o.kept != "":
 			case o.err != nil:
 				errs = append(errs, o.err)
 			default:
@@ -465,12 +484,14 @@ func (c *collector) notNeeded(p *pass, cands []candidate) {
 // outcome is what happened to one image of a removal batch.
 type outcome struct {
 	c     candidate
-	inUse bool  // found in use by the re-check: not removed
-	err   error // removal failed
+	inUse bool   // found in use by the re-check: not removed
+	kept  string // kept by keepCopies, and why: not removed
+	err   error  // removal failed
 }
 
 // removeBatch re-checks that the batch is unused (containers listed by the runtime now, and the pod index's
-// image references), then removes the rest at once. "Already gone" counts as removed. Results are recorded
+// image references), then, under keepCopies, asks the fleet which of the rest may go (grantCopies), then
+// removes those at once. "Already gone" counts as removed. Results are recorded
 // in p in batch order; image.removed events are published.
 func (c *collector) removeBatch(ctx context.Context, p *pass, batch []candidate, reason string) []outcome {
 	out := make([]outcome, len(batch))
@@ -483,11 +504,14 @@ func (c *collector) removeBatch(ctx context.Context, p *pass, batch []candidate,
 			out[i].err = fmt.Errorf("re-check image %q in use before removal: %w", out[i].c.ID, err)
 		}
 	} else {
+		for i := range out {
+			out[i].inUse = inUse(out[i].c.ImageRecord)
+		}
+		c.grantCopies(ctx, p, out)
 		var wg sync.WaitGroup
 		sem := make(chan struct{}, c.parallelism)
 		for i := range out {
-			if inUse(out[i].c.ImageRecord) {
-				out[i].inUse = true
+			if out[i].inUse || out[i].kept != "" {
 				continue
 			}
 			if p.dryRun {
@@ -509,6 +533,8 @@ func (c *collector) removeBatch(ctx context.Context, p *pass, batch []candidate,
 		case o.inUse:
 			c.log.Info("image in use at removal time, kept", "image_id", o.c.ID)
 			p.res.Skipped = append(p.res.Skipped, events.GCSkipped{ID: o.c.ID, Why: WhyInUseAtRemoval})
+		case o.kept != "":
+			p.res.Skipped = append(p.res.Skipped, events.GCSkipped{ID: o.c.ID, Why: o.kept, Policy: p.keepCopies.Policy})
 		case o.err != nil:
 			p.res.Removed = append(p.res.Removed, events.GCRemoved{ID: o.c.ID, RepoTags: o.c.RepoTags, Size: o.c.Size, Reason: reason, Error: o.err.Error()})
 		default:
@@ -586,14 +612,14 @@ func (c *collector) podIndexImages(ctx context.Context) ([]string, error) {
 // (used = the sum of the image sizes, less what the age pass removed), or statfs of the runtime's image
 // filesystem mountpoint. In a dry run, what the age pass would have removed is counted as available.
 func (c *collector) imageFsStats(ctx context.Context, p *pass, recs map[string]events.ImageRecord, ageFreed int64) (capacity, available int64, fsUsed uint64, err error) {
-	if c.capacity > 0 {
+	if q := c.quota(p); q > 0 {
 		var used int64
 		for _, r := range recs {
 			used += r.Size
 		}
-		return c.capacity, c.capacity - (used - ageFreed), 0, nil
+		return q, q - (used - ageFreed), 0, nil
 	}
-	capacity, available, fsUsed, err = c.imageFs(ctx)
+	capacity, available, fsUsed, err = c.imageFs(ctx, 0)
 	if err != nil {
 		return 0, 0, 0, err
 	}

@@ -81,6 +81,9 @@ type Config struct {
 	// LeaseWait bounds how long a manual or pull-triggered request waits for another replica's pass (default
 	// DefaultLeaseWait).
 	LeaseWait time.Duration
+	// PolicyRetry is how long the executor waits before it looks again for the ImageGCPolicy bucket, or
+	// watches its key again after the watch ended (default 1s, doubling up to 30s).
+	PolicyRetry time.Duration
 	// Registerer receives kubelet_image_garbage_collected_total (default prometheus.DefaultRegisterer).
 	Registerer prometheus.Registerer
 	// Logger (default slog.Default()).
@@ -163,6 +166,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.LeaseWait <= 0 {
 		c.LeaseWait = DefaultLeaseWait
+	}
+	if c.PolicyRetry <= 0 {
+		c.PolicyRetry = time.Second
 	}
 	if c.Registerer == nil {
 		c.Registerer = prometheus.DefaultRegisterer

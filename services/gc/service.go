@@ -9,6 +9,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
 	"github.com/imagefleet/imagefleet/services/cri"
@@ -58,6 +60,10 @@ type Service struct {
 	lease        *leaser
 	leaseMetrics *leaseMetrics
 
+	// policy is the node's delivered ImageGCPolicy in force (policy.go); policyUpdates counts deliveries.
+	policy        policyState
+	policyUpdates *prometheus.CounterVec
+
 	ready     chan struct{}
 	readyOnce sync.Once
 }
@@ -92,10 +98,14 @@ func New(cfg Config, deps Deps) (*Service, error) {
 	if err != nil {
 		return nil, fmt.Errorf("register image gc lease metrics: %w", err)
 	}
+	pu, err := newPolicyUpdates(cfg.Registerer)
+	if err != nil {
+		return nil, fmt.Errorf("register image gc policy metrics: %w", err)
+	}
 	pinned, _ := newRefMatcher(cfg.PinnedImages, true) // validated above
 	log := cfg.Logger.With("worker", events.GCQueue, "node", cfg.Node)
 	s := &Service{cfg: cfg, bus: deps.Bus, log: log, beganGC: deps.Now(), checkNow: make(chan struct{}, 1), metrics: m,
-		lease: newLeaser(deps.Bus, cfg.Node, cfg.LeaseTTL, log), leaseMetrics: lm, ready: make(chan struct{})}
+		lease: newLeaser(deps.Bus, cfg.Node, cfg.LeaseTTL, log), leaseMetrics: lm, policyUpdates: pu, ready: make(chan struct{})}
 	s.c = &collector{
 		node: cfg.Node, capacity: cfg.CapacityBytes, pinned: pinned, parallelism: cfg.RemovalParallelism,
 		rt: deps.Runtime, records: deps.Records, bus: deps.Bus, inUseTimeout: cfg.InUseTimeout,
@@ -152,6 +162,11 @@ func (s *Service) Run(ctx context.Context) error {
 	go func() {
 		defer wg.Done()
 		serveErr <- l.Serve(ctx)
+	}()
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		s.watchPolicy(ctx)
 	}()
 	wait := func() error {
 		select {
@@ -212,7 +227,8 @@ func (s *Service) checkUsage(ctx context.Context, timed bool) {
 	if s.running.Load() || (timed && time.Now().Before(s.quietUntil)) {
 		return
 	}
-	capacity, available, _, err := s.c.imageFs(ctx)
+	st := s.settings()
+	capacity, available, _, err := s.c.imageFs(ctx, s.c.quota(&pass{capacity: st.capacity}))
 	if err != nil || capacity <= 0 {
 		if ctx.Err() == nil {
 			s.log.Debug("image fs usage check failed", "err", err, "capacity", capacity)
@@ -221,11 +237,11 @@ func (s *Service) checkUsage(ctx context.Context, timed bool) {
 	}
 	usage := 100 - int(min(available, capacity)*100/capacity)
 	s.metrics.usage.Set(float64(usage))
-	if usage < s.cfg.Policy.HighThresholdPercent {
+	if usage < st.policy.HighThresholdPercent {
 		return
 	}
 	s.log.Info("image fs usage reached the high threshold between periods, running image GC",
-		"usage", usage, "high_threshold", s.cfg.Policy.HighThresholdPercent)
+		"usage", usage, "high_threshold", st.policy.HighThresholdPercent)
 	_, err = s.garbageCollect(ctx, events.GCRequest{}, events.GCTriggerUsage)
 	if errors.Is(err, errLeaseHeld) {
 		return // another replica's pass runs; the next check looks again
@@ -276,7 +292,7 @@ func (s *Service) GarbageCollect(ctx context.Context, req events.GCRequest) (eve
 }
 
 func (s *Service) garbageCollect(ctx context.Context, req events.GCRequest, trigger string) (events.GCResult, error) {
-	policy, err := s.policyFor(req)
+	policy, err := s.settingsFor(req)
 	if err != nil {
 		return events.GCResult{}, err
 	}
@@ -293,7 +309,7 @@ func (s *Service) garbageCollect(ctx context.Context, req events.GCRequest, trig
 // leasedPass takes the node's GC pass lease and runs the pass under it (see lease.go for what happens when
 // another replica holds it). It returns errLeaseHeld, without running a pass, to a periodic or usage
 // trigger that found the lease held.
-func (s *Service) leasedPass(ctx context.Context, req events.GCRequest, trigger string, policy Policy) (events.GCResult, error) {
+func (s *Service) leasedPass(ctx context.Context, req events.GCRequest, trigger string, policy settings) (events.GCResult, error) {
 	waits := trigger == events.GCTriggerManual || trigger == events.GCTriggerPull
 	var began time.Time
 	outcome := leaseAcquired
@@ -349,7 +365,7 @@ func (s *Service) leasedPass(ctx context.Context, req events.GCRequest, trigger 
 
 // passUnderLease runs the pass while renewing the lease, and releases it with the result. A pass whose lease
 // could not be renewed is stopped (its context cancelled) and fails with errLeaseLost.
-func (s *Service) passUnderLease(ctx context.Context, req events.GCRequest, trigger string, policy Policy, rev uint64, v leaseValue) (events.GCResult, error) {
+func (s *Service) passUnderLease(ctx context.Context, req events.GCRequest, trigger string, policy settings, rev uint64, v leaseValue) (events.GCResult, error) {
 	pctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	kctx, stopKeep := context.WithCancel(ctx)
@@ -370,14 +386,16 @@ func (s *Service) passUnderLease(ctx context.Context, req events.GCRequest, trig
 }
 
 // runPass runs one pass (without the lease) and publishes its result.
-func (s *Service) runPass(ctx context.Context, req events.GCRequest, trigger string, policy Policy) (events.GCResult, error) {
+func (s *Service) runPass(ctx context.Context, req events.GCRequest, trigger string, policy settings) (events.GCResult, error) {
 	return s.runPassCtx(ctx, ctx, req, trigger, policy)
 }
 
 // runPassCtx runs the pass under pctx (cancelled when the lease is lost) and publishes under ctx.
-func (s *Service) runPassCtx(pctx, ctx context.Context, req events.GCRequest, trigger string, policy Policy) (events.GCResult, error) {
+func (s *Service) runPassCtx(pctx, ctx context.Context, req events.GCRequest, trigger string, policy settings) (events.GCResult, error) {
 	var err error
-	p := &pass{policy: policy, dryRun: req.DryRun, res: events.GCResult{Node: s.cfg.Node, DryRun: req.DryRun, Trigger: trigger}}
+	p := &pass{policy: policy.policy, capacity: policy.capacity, pins: policy.pins, keepLast: policy.keepLast,
+		keepCopies: policy.keepCopies, dryRun: req.DryRun,
+		res: events.GCResult{Node: s.cfg.Node, DryRun: req.DryRun, Trigger: trigger, Policies: policy.sources}}
 	start := time.Now()
 	switch {
 	case len(req.Images) > 0:
@@ -418,10 +436,11 @@ func (s *Service) runPassCtx(pctx, ctx context.Context, req events.GCRequest, tr
 	return res, err
 }
 
-// policyFor applies req's overrides to the configured policy and checks the result as the kubelet's
-// NewImageGCManager does.
-func (s *Service) policyFor(req events.GCRequest) (Policy, error) {
-	p := s.cfg.Policy
+// settingsFor applies req's overrides to the settings in force (the flags, with the node's ImageGCPolicy
+// over them) and checks the result as the kubelet's NewImageGCManager does.
+func (s *Service) settingsFor(req events.GCRequest) (settings, error) {
+	st := s.settings()
+	p := st.policy
 	if req.HighThresholdPercent != nil {
 		p.HighThresholdPercent = *req.HighThresholdPercent
 	}
@@ -435,9 +454,10 @@ func (s *Service) policyFor(req events.GCRequest) (Policy, error) {
 		p.MaxAge = req.MaxAge.Duration
 	}
 	if err := p.Validate(); err != nil {
-		return Policy{}, fmt.Errorf("%w: %w", events.ErrMalformed, err)
+		return settings{}, fmt.Errorf("%w: %w", events.ErrMalformed, err)
 	}
-	return p, nil
+	st.policy = p
+	return st, nil
 }
 
 // stopped is nil when ctx ended (a shutdown while Run subscribed is a clean one), else err.

@@ -36,6 +36,7 @@ import (
 
 	"github.com/imagefleet/imagefleet/api/v1alpha1"
 	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/services/fleet"
 )
 
 // Config configures the controller.
@@ -55,6 +56,9 @@ type Config struct {
 	// StatusInterval is how often at most a running object's counters are written while nodes end (default
 	// 2s). Wave starts, failures (the first 20) and the end are written at once.
 	StatusInterval time.Duration
+	// PolicyResync is how often the leader delivers the ImageGCPolicy objects again without a change to
+	// them, for nodes that joined the registry or changed labels (default 30s).
+	PolicyResync time.Duration
 	// Registerer takes the controller's metrics (default prometheus.DefaultRegisterer).
 	Registerer prometheus.Registerer
 	// Logger (default slog.Default()).
@@ -105,6 +109,9 @@ func New(cfg Config, b *bus.Bus) (*Controller, error) {
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
+	}
+	if cfg.PolicyResync <= 0 {
+		cfg.PolicyResync = 30 * time.Second
 	}
 	if cfg.Registerer == nil {
 		cfg.Registerer = prometheus.DefaultRegisterer
@@ -183,6 +190,16 @@ func (c *Controller) Run(ctx context.Context) error {
 			return fmt.Errorf("controller: %s: %w", k.name, err)
 		}
 		defer r.stopAll()
+	}
+	ps := newPolicySync(mgr.GetClient(), c.b, rec, c.cfg)
+	if err := ctrl.NewControllerManagedBy(mgr).For(&v1alpha1.ImageGCPolicy{}).Named("imagegcpolicy").Complete(ps); err != nil {
+		return fmt.Errorf("controller: imagegcpolicy: %w", err)
+	}
+	if err := mgr.Add(ps); err != nil {
+		return err
+	}
+	if err := mgr.Add(copiesRunnable{fleet.NewCopiesArbiter(c.b, fleet.CopiesConfig{Logger: c.cfg.Logger.With("worker", "fleet-copies")})}); err != nil {
+		return err
 	}
 	if err := mgr.Add(readyRunnable{c}); err != nil {
 		return err
