@@ -479,7 +479,8 @@ type RolloutResult struct {
 	Started    time.Time `json:"started"`
 	Duration   Duration  `json:"duration"`
 	// MaxFailures is the failure budget as planned ("0", "10", "5%") and FailureBudget the failed nodes it
-	// allows; StopReason says why no further batch started: RolloutCompleted or RolloutMaxFailuresExceeded
+	// allows; StopReason says why no further batch started: RolloutCompleted, RolloutMaxFailuresExceeded,
+	// or the reason of the orchestrator that ended it at a batch's start (the controller's WindowEnded)
 	// (empty when the rollout was interrupted). Added fields: results written before them leave them empty.
 	MaxFailures   string `json:"maxFailures,omitempty"`
 	FailureBudget int    `json:"failureBudget"`

@@ -90,6 +90,11 @@ type RolloutConfig struct {
 	// Progress, when set, is called after each node's outcome and each batch start (from several
 	// goroutines; it must be safe for that).
 	Progress func(Progress)
+	// StopBefore, when set, is asked at each batch's start, after Progress has had the batch: a reason
+	// (not empty) ends the rollout there, no node of that batch or a later one acted on, and the finished
+	// record carries the reason as its StopReason (a schedule's window that ended, say). Nothing is in flight
+	// at a batch's start, so the rollout ends whole: a resumed one, or `fleet follow`, finds it finished.
+	StopBefore func(events.RolloutBatch) string
 	// Clock returns now (default time.Now).
 	Clock func() time.Time
 	// Logger (default slog.Default()).

@@ -35,9 +35,14 @@ func (r *Rollout) Run(ctx context.Context) (events.RolloutResult, error) {
 
 	t := newTally(cfg, &res, len(nodes))
 	batchIndex := 0
-	onBatch := func(start, size int) {
+	stopped := ""
+	onBatch := func(start, size int) bool {
 		batchIndex++
-		r.recordBatch(ctx, cfg, t, batchIndex, nodes[start:start+size])
+		b := r.recordBatch(ctx, cfg, t, batchIndex, nodes[start:start+size])
+		if cfg.StopBefore != nil && ctx.Err() == nil && st.actsOnAny(b.Nodes) {
+			stopped = cfg.StopBefore(b)
+		}
+		return stopped == ""
 	}
 	batchOf := batchIndexer(len(nodes), cfg.InitialBatch)
 	succeeded, batches, _, overBudget := slowStartBatch(len(nodes), cfg.InitialBatch, cfg.MaxInFlight, allowed, onBatch, func(i int) error {
@@ -56,6 +61,11 @@ func (r *Rollout) Run(ctx context.Context) (events.RolloutResult, error) {
 	res.StopReason = events.RolloutCompleted
 	if overBudget != nil { // the failures passed the budget: no batch started after
 		res.StopReason = events.RolloutMaxFailuresExceeded
+	}
+	if stopped != "" {
+		res.StopReason = stopped
+		cfg.Logger.Info("rollout stopped before a batch", "rollout", cfg.ID, "batch", batchIndex, "reason", stopped,
+			"not_started", len(nodes)-t.done)
 	}
 	if err := r.recordFinished(ctx, res); err != nil {
 		return res, err
@@ -152,8 +162,8 @@ func (r *Rollout) runNode(ctx context.Context, st rolloutState, t *tally, i int,
 }
 
 // recordBatch records batch index (informational: followers show it; losing it does not change any
-// outcome) and reports it to Progress.
-func (r *Rollout) recordBatch(ctx context.Context, cfg RolloutConfig, t *tally, index int, nodes []string) {
+// outcome), reports it to Progress and returns it.
+func (r *Rollout) recordBatch(ctx context.Context, cfg RolloutConfig, t *tally, index int, nodes []string) events.RolloutBatch {
 	b := events.RolloutBatch{Index: index, Size: len(nodes), Nodes: append([]string{}, nodes...), Time: cfg.Clock().UTC()}
 	if err := bus.Retry(ctx, func(ctx context.Context) error {
 		_, err := r.publish(ctx, events.RolloutSubject(cfg.ID, events.RolloutBatchKind, ""), fmt.Sprintf("batch.%d.%s", index, r.owner), b)
@@ -167,6 +177,7 @@ func (r *Rollout) recordBatch(ctx context.Context, cfg RolloutConfig, t *tally, 
 		t.mu.Unlock()
 		cfg.Progress(p)
 	}
+	return b
 }
 
 // recordFinished records the finished record: the summary. Each node's outcome is already a record of its

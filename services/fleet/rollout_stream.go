@@ -25,6 +25,19 @@ type rolloutState struct {
 	results map[string]events.RolloutNodeResult
 }
 
+// actsOnAny reports whether a run would act on one of nodes: one with neither an outcome nor a claim
+// recorded. A batch of a resumed rollout whose nodes all ended before only reports their outcomes again.
+func (st rolloutState) actsOnAny(nodes []string) bool {
+	for _, n := range nodes {
+		_, done := st.results[n]
+		_, claimed := st.claims[n]
+		if !done && !claimed {
+			return true
+		}
+	}
+	return false
+}
+
 // LoadRollout reads everything recorded about rollout id.
 func LoadRollout(ctx context.Context, b *bus.Bus, id string) (*events.RolloutStarted, map[string]events.RolloutClaim, map[string]events.RolloutNodeResult, error) {
 	st, err := loadRollout(ctx, b, id)

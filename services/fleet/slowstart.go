@@ -15,7 +15,8 @@ const SlowStartInitialBatchSize = 1
 // calls to items; count 0 (or initialBatchSize 0) calls nothing. It returns the successful calls, the sizes
 // of the batches it started, and the failed calls.
 //
-// onBatch(first index, size), when set, is called before each batch starts. At most maxInFlight calls of a
+// onBatch(first index, size), when set, is called before each batch starts; false ends the calls there,
+// that batch not started (nor counted in batches). At most maxInFlight calls of a
 // batch run at once (0: all of them, as the ReplicaSet controller does). The next batch starts while the
 // failed calls of all batches so far number at most maxFailures (0: none may fail, the ReplicaSet
 // controller's rule). The batch that takes the failures over the budget is the last one; err is its first
@@ -23,14 +24,14 @@ const SlowStartInitialBatchSize = 1
 // The cap changes when a call runs, never whether: every call of a started batch still runs, even after one
 // of them failed, and the batch ends when all its calls have. The calls of a batch start in index order,
 // maxInFlight goroutines taking the next index as one finishes.
-func slowStartBatch(count, initialBatchSize, maxInFlight, maxFailures int, onBatch func(start, size int), fn func(i int) error) (successes int, batches []int, failures int, err error) {
+func slowStartBatch(count, initialBatchSize, maxInFlight, maxFailures int, onBatch func(start, size int) bool, fn func(i int) error) (successes int, batches []int, failures int, err error) {
 	remaining := count
 	next := 0
 	for batchSize := min(remaining, initialBatchSize); batchSize > 0; batchSize = min(2*batchSize, remaining) {
-		batches = append(batches, batchSize)
-		if onBatch != nil {
-			onBatch(next, batchSize)
+		if onBatch != nil && !onBatch(next, batchSize) {
+			return successes, batches, failures, nil
 		}
+		batches = append(batches, batchSize)
 		workers := batchSize
 		if maxInFlight > 0 {
 			workers = min(workers, maxInFlight)

@@ -238,12 +238,13 @@ func (run *runner) once(id string) (res events.RolloutResult, restart bool, err 
 			run.record(nr)
 		}
 	}
-	windowEnded := false // a scheduled run's window ended at a wave's start: nothing is in flight then
+	// A scheduled run's window ends at a wave's start (nothing is in flight then): StopBefore ends the
+	// rollout there, and its finished record says WindowEnded.
+	windowEnded := false
 	cfg.Progress = func(p fleet.Progress) {
 		if p.Batch != nil && runCtx.Err() == nil {
 			if run.windowDone() {
 				windowEnded, run.windowWave = true, p.Batch.Index
-				cancelRun()
 				return
 			}
 			if run.waveStart(runCtx, *p.Batch, cfg.MaxInFlight) {
@@ -251,9 +252,14 @@ func (run *runner) once(id string) (res events.RolloutResult, restart bool, err 
 				cancelRun()
 			} else if run.windowDone() { // paused past the window
 				windowEnded, run.windowWave = true, p.Batch.Index
-				cancelRun()
 			}
 		}
+	}
+	cfg.StopBefore = func(events.RolloutBatch) string {
+		if windowEnded {
+			return stopWindowEnded
+		}
+		return ""
 	}
 	ro, err := fleet.NewRollout(cfg, b, act)
 	if err != nil {
@@ -262,10 +268,6 @@ func (run *runner) once(id string) (res events.RolloutResult, restart bool, err 
 	res, err = ro.Run(runCtx)
 	if restart && ctx.Err() == nil {
 		return res, true, nil
-	}
-	if windowEnded && ctx.Err() == nil {
-		res.StopReason = stopWindowEnded
-		return res, false, nil
 	}
 	return res, false, err
 }
