@@ -23,6 +23,7 @@ import (
 	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
 	"github.com/imagefleet/imagefleet/integration/kubelab"
+	"github.com/imagefleet/imagefleet/services/fleet"
 	"github.com/imagefleet/imagefleet/services/fleet/controller"
 )
 
@@ -182,6 +183,17 @@ func TestControllerSchedulesImageGC(t *testing.T) {
 			if claims[n] != 0 {
 				t.Errorf("node %s of a wave that never started claimed %d times", n, claims[n])
 			}
+		}
+		// The rollout ended on the bus too: its finished record says why.
+		fctx, fcancel := context.WithTimeout(ctx, 30*time.Second)
+		var fin *events.RolloutResult
+		err = fleet.FollowRollout(fctx, b, st.RolloutID, func(ev fleet.RolloutEvent) bool {
+			fin = ev.Finished
+			return fin == nil
+		})
+		fcancel()
+		if err != nil || fin == nil || fin.StopReason != "WindowEnded" || fin.FailedTotal() != 1 || !slices.Equal(fin.Batches, []int{1}) {
+			t.Errorf("finished record of %s: %+v, %v", st.RolloutID, fin, err)
 		}
 		reasons := objectEvents(t, kc, o.Name, "WindowEnded")
 		if !slices.Contains(reasons, "RunStarted") || !slices.Contains(reasons, "NodeFailed") {
