@@ -180,17 +180,27 @@ func waitTaint(t *testing.T, cs kubernetes.Interface, node, key string, present 
 	})
 }
 
-// waitStatus waits until o's status passes ok and returns it.
-func waitStatus(t *testing.T, cl client.Client, o *v1alpha1.ImagePrePull, what string, ok func(v1alpha1.RolloutStatus) bool) v1alpha1.RolloutStatus {
+// waitStatus waits until the status of o (an ImagePrePull or an ImageGC) passes ok and returns it.
+func waitStatus(t *testing.T, cl client.Client, o client.Object, what string, ok func(v1alpha1.RolloutStatus) bool) v1alpha1.RolloutStatus {
 	t.Helper()
-	bustest.Eventually(t, o.Name+": "+what, time.Minute, func() error {
+	status := func() v1alpha1.RolloutStatus {
+		switch o := o.(type) {
+		case *v1alpha1.ImagePrePull:
+			return o.Status
+		case *v1alpha1.ImageGC:
+			return o.Status
+		}
+		t.Fatalf("waitStatus: %T has no rollout status", o)
+		return v1alpha1.RolloutStatus{}
+	}
+	bustest.Eventually(t, o.GetName()+": "+what, time.Minute, func() error {
 		if err := cl.Get(t.Context(), client.ObjectKeyFromObject(o), o); err != nil {
 			return err
 		}
-		if !ok(o.Status) {
-			return fmt.Errorf("status %+v", o.Status)
+		if st := status(); !ok(st) {
+			return fmt.Errorf("status %+v", st)
 		}
 		return nil
 	})
-	return o.Status
+	return status()
 }

@@ -89,7 +89,7 @@ func TestControllerSchedulesImageGC(t *testing.T) {
 		if err := cl.Create(ctx, o); err != nil {
 			t.Fatal(err)
 		}
-		st := waitGC(t, cl, o, "the first nextScheduleTime", func(st v1alpha1.RolloutStatus) bool { return st.NextScheduleTime != nil })
+		st := waitStatus(t, cl, o, "the first nextScheduleTime", func(st v1alpha1.RolloutStatus) bool { return st.NextScheduleTime != nil })
 		first := st.NextScheduleTime.UTC()
 		if first.Minute() != 30 || first.Second() != 0 || st.LastScheduleTime != nil || st.Phase != v1alpha1.PhaseScheduled ||
 			!meta.IsStatusConditionTrue(st.Conditions, v1alpha1.ConditionScheduled) || st.RolloutID != "" {
@@ -102,7 +102,7 @@ func TestControllerSchedulesImageGC(t *testing.T) {
 				t.Fatal(err)
 			}
 			clk.SetTime(fired)
-			st := waitGC(t, cl, o, "the run of "+fired.String()+" ended", func(st v1alpha1.RolloutStatus) bool {
+			st := waitStatus(t, cl, o, "the run of "+fired.String()+" ended", func(st v1alpha1.RolloutStatus) bool {
 				return st.LastScheduleTime != nil && st.LastScheduleTime.Equal(&metav1.Time{Time: fired}) && st.CompletionTime != nil
 			})
 			c := meta.FindStatusCondition(st.Conditions, v1alpha1.ConditionLastRunComplete)
@@ -158,17 +158,17 @@ func TestControllerSchedulesImageGC(t *testing.T) {
 		if err := cl.Create(ctx, o); err != nil {
 			t.Fatal(err)
 		}
-		st := waitGC(t, cl, o, "the first nextScheduleTime", func(st v1alpha1.RolloutStatus) bool { return st.NextScheduleTime != nil })
+		st := waitStatus(t, cl, o, "the first nextScheduleTime", func(st v1alpha1.RolloutStatus) bool { return st.NextScheduleTime != nil })
 		fired := st.NextScheduleTime.Time
 		if berlin, _ := time.LoadLocation("Europe/Berlin"); fired.In(berlin).Hour() != 3 {
 			t.Errorf("next firing %s is not 03:00 in Berlin", fired)
 		}
 		clk.SetTime(fired)
-		waitGC(t, cl, o, "the first wave at work", func(st v1alpha1.RolloutStatus) bool {
+		waitStatus(t, cl, o, "the first wave at work", func(st v1alpha1.RolloutStatus) bool {
 			return st.LastScheduleTime != nil && st.LastScheduleTime.Equal(&metav1.Time{Time: fired}) && st.CurrentWave == 1 && st.CompletionTime == nil
 		})
 		clk.Step(11 * time.Minute) // the window ends while gone-1 is waited for
-		st = waitGC(t, cl, o, "the run ended", func(st v1alpha1.RolloutStatus) bool { return st.CompletionTime != nil })
+		st = waitStatus(t, cl, o, "the run ended", func(st v1alpha1.RolloutStatus) bool { return st.CompletionTime != nil })
 		c := meta.FindStatusCondition(st.Conditions, v1alpha1.ConditionLastRunComplete)
 		if c == nil || c.Status != metav1.ConditionFalse || c.Reason != "WindowEnded" ||
 			c.Message != "the window 10m0s ended before wave 2: 0 of 5 nodes succeeded, 1 failed, 4 not started" ||
@@ -217,10 +217,10 @@ func TestControllerSchedulesImageGC(t *testing.T) {
 		if err := cl.Create(ctx, o); err != nil {
 			t.Fatal(err)
 		}
-		st := waitGC(t, cl, o, "the first nextScheduleTime", func(st v1alpha1.RolloutStatus) bool { return st.NextScheduleTime != nil })
+		st := waitStatus(t, cl, o, "the first nextScheduleTime", func(st v1alpha1.RolloutStatus) bool { return st.NextScheduleTime != nil })
 		fired := st.NextScheduleTime.Time
 		clk.SetTime(fired)
-		st = waitGC(t, cl, o, "the first wave at work", func(st v1alpha1.RolloutStatus) bool {
+		st = waitStatus(t, cl, o, "the first wave at work", func(st v1alpha1.RolloutStatus) bool {
 			return st.LastScheduleTime != nil && st.LastScheduleTime.Equal(&metav1.Time{Time: fired}) && st.CurrentWave == 1
 		})
 		id := st.RolloutID
@@ -228,7 +228,7 @@ func TestControllerSchedulesImageGC(t *testing.T) {
 		// The next controller's clock is half a minute on: the firing is still within its deadline, and must
 		// not start again.
 		runControllerInProcess(t, kc, url, clocktesting.NewFakeClock(fired.Add(30*time.Second)))
-		st = waitGC(t, cl, o, "the run ended", func(st v1alpha1.RolloutStatus) bool { return st.CompletionTime != nil })
+		st = waitStatus(t, cl, o, "the run ended", func(st v1alpha1.RolloutStatus) bool { return st.CompletionTime != nil })
 		c := meta.FindStatusCondition(st.Conditions, v1alpha1.ConditionLastRunComplete)
 		if st.RolloutID != id || !st.LastScheduleTime.Time.Equal(fired) || st.Succeeded != nodes || st.Failed != 1 ||
 			c == nil || c.Status != metav1.ConditionTrue || c.Reason != "CompletedWithFailures" {
@@ -261,7 +261,7 @@ func TestControllerSchedulesImageGC(t *testing.T) {
 		if err := cl.Create(ctx, o); err != nil {
 			t.Fatal(err)
 		}
-		st := waitGC(t, cl, o, "the first nextScheduleTime", func(st v1alpha1.RolloutStatus) bool { return st.NextScheduleTime != nil })
+		st := waitStatus(t, cl, o, "the first nextScheduleTime", func(st v1alpha1.RolloutStatus) bool { return st.NextScheduleTime != nil })
 		fired := st.NextScheduleTime.Time
 		clk.SetTime(fired)
 		// Held until its deadline (1m without a window), then skipped.
@@ -269,7 +269,7 @@ func TestControllerSchedulesImageGC(t *testing.T) {
 		if reasons := objectEvents(t, kc, o.Name, "ScheduleSkipped"); !slices.Equal(reasons, []string{"ScheduleSkipped"}) {
 			t.Errorf("events %v", reasons)
 		}
-		st = waitGC(t, cl, o, "the next firing", func(st v1alpha1.RolloutStatus) bool {
+		st = waitStatus(t, cl, o, "the next firing", func(st v1alpha1.RolloutStatus) bool {
 			return st.NextScheduleTime != nil && st.NextScheduleTime.Time.Equal(fired.Add(10*time.Minute))
 		})
 		if st.LastScheduleTime != nil || st.RolloutID != "" || st.Phase != v1alpha1.PhaseScheduled {
@@ -279,7 +279,7 @@ func TestControllerSchedulesImageGC(t *testing.T) {
 			t.Fatal(err)
 		}
 		clk.SetTime(fired.Add(10 * time.Minute))
-		st = waitGC(t, cl, o, "the next firing's run ended", func(st v1alpha1.RolloutStatus) bool { return st.CompletionTime != nil })
+		st = waitStatus(t, cl, o, "the next firing's run ended", func(st v1alpha1.RolloutStatus) bool { return st.CompletionTime != nil })
 		if !st.LastScheduleTime.Time.Equal(fired.Add(10*time.Minute)) || st.Succeeded != nodes {
 			t.Errorf("status: %+v", st)
 		}
@@ -296,7 +296,7 @@ func TestControllerSchedulesImageGC(t *testing.T) {
 		if err := cl.Create(ctx, o); err != nil {
 			t.Fatal(err)
 		}
-		st := waitGC(t, cl, o, "Scheduled False", func(st v1alpha1.RolloutStatus) bool {
+		st := waitStatus(t, cl, o, "Scheduled False", func(st v1alpha1.RolloutStatus) bool {
 			return meta.IsStatusConditionFalse(st.Conditions, v1alpha1.ConditionScheduled)
 		})
 		c := meta.FindStatusCondition(st.Conditions, v1alpha1.ConditionScheduled)
@@ -309,7 +309,7 @@ func TestControllerSchedulesImageGC(t *testing.T) {
 		if err := cl.Patch(ctx, o, client.RawPatch(types.MergePatchType, []byte(`{"spec":{"timeZone":"Europe/Paris"}}`))); err != nil {
 			t.Fatal(err)
 		}
-		waitGC(t, cl, o, "Scheduled True", func(st v1alpha1.RolloutStatus) bool {
+		waitStatus(t, cl, o, "Scheduled True", func(st v1alpha1.RolloutStatus) bool {
 			return meta.IsStatusConditionTrue(st.Conditions, v1alpha1.ConditionScheduled) && st.NextScheduleTime != nil
 		})
 	})
@@ -350,19 +350,4 @@ func runControllerInProcess(t *testing.T, kc *kubelab.Cluster, url string, clk *
 		t.Fatal("controller not ready after 1m")
 	}
 	return stop
-}
-
-// waitGC polls o until its status satisfies ok and returns that status.
-func waitGC(t *testing.T, cl client.Client, o *v1alpha1.ImageGC, what string, ok func(v1alpha1.RolloutStatus) bool) v1alpha1.RolloutStatus {
-	t.Helper()
-	bustest.Eventually(t, o.Name+": "+what, time.Minute, func() error {
-		if err := cl.Get(t.Context(), client.ObjectKeyFromObject(o), o); err != nil {
-			return err
-		}
-		if !ok(o.Status) {
-			return fmt.Errorf("status %+v", o.Status)
-		}
-		return nil
-	})
-	return o.Status
 }
