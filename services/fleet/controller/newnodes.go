@@ -254,37 +254,16 @@ func (k *keeper) stop() {
 // joined since: the registry's Ready nodes that match, less the first rollout's. Retried until it works or
 // the object is let go.
 func (k *keeper) activate(ko *keptObject) {
-	wait := time.Second
-	for {
-		err := k.load(ko)
-		if err == nil {
-			break
-		}
+	if !untilDone(ko.ctx, func() error { return k.load(ko) }, func(err error, wait time.Duration) {
 		k.log.Warn("reading the first rollout failed; retrying", "name", ko.name, "rollout", ko.rolloutID, "err", err, "after", wait)
-		select {
-		case <-time.After(wait):
-		case <-ko.ctx.Done():
-			return
-		}
-		wait = min(2*wait, time.Minute)
+	}) {
+		return
 	}
 	k.kickAll()
-	wait = time.Second
-	for {
-		err := k.scan(ko)
-		if err == nil {
-			break
-		}
-		if ko.ctx.Err() != nil {
-			return
-		}
+	if !untilDone(ko.ctx, func() error { return k.scan(ko) }, func(err error, wait time.Duration) {
 		k.log.Warn("reading the registry failed; retrying", "name", ko.name, "err", err, "after", wait)
-		select {
-		case <-time.After(wait):
-		case <-ko.ctx.Done():
-			return
-		}
-		wait = min(2*wait, time.Minute)
+	}) {
+		return
 	}
 	k.mu.Lock()
 	ko.settled, ko.dirty = true, true
@@ -412,23 +391,35 @@ func (k *keeper) warm(ko *keptObject, node, domain string) {
 	}
 	defer func() { <-k.sem }()
 	id := JoinRolloutID(ko.rolloutID, node)
-	wait := time.Second
-	for {
-		nr, fresh, err := k.warmOnce(ko, id, node, domain)
-		if err == nil {
-			k.ended(ko, node, nr, fresh)
-			return
-		}
-		if ko.ctx.Err() != nil {
-			return
-		}
+	var nr events.RolloutNodeResult
+	var fresh bool
+	if untilDone(ko.ctx, func() (err error) {
+		nr, fresh, err = k.warmOnce(ko, id, node, domain)
+		return err
+	}, func(err error, wait time.Duration) {
 		k.log.Warn("warming a joined node failed; resuming it", "name", ko.name, "node", node, "rollout", id, "err", err, "after", wait)
+	}) {
+		k.ended(ko, node, nr, fresh)
+	}
+}
+
+// untilDone runs op until it succeeds or ctx ends, 1 s apart doubling to 1 min, telling failed of each
+// failure (not of one ctx ended) and the wait before the next try. It reports whether op succeeded.
+func untilDone(ctx context.Context, op func() error, failed func(err error, wait time.Duration)) bool {
+	for wait := time.Second; ; wait = min(2*wait, time.Minute) {
+		err := op()
+		if err == nil {
+			return true
+		}
+		if ctx.Err() != nil {
+			return false
+		}
+		failed(err, wait)
 		select {
 		case <-time.After(wait):
-		case <-ko.ctx.Done():
-			return
+		case <-ctx.Done():
+			return false
 		}
-		wait = min(2*wait, time.Minute)
 	}
 }
 
