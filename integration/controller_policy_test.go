@@ -66,7 +66,7 @@ func TestControllerDeliversImageGCPolicy(t *testing.T) {
 		}
 	}
 	// The z1 node keeps its flags.
-	if res := nodeDryRun(t, b, z1); len(res.Policies) != 0 || res.CapacityBytes != 100<<30 || len(res.Removed) != 0 {
+	if res := nodeDryRun(t, b, z1, false); len(res.Policies) != 0 || res.CapacityBytes != 100<<30 || len(res.Removed) != 0 {
 		t.Errorf("%s plan: %+v", z1, res)
 	}
 
@@ -80,7 +80,7 @@ func TestControllerDeliversImageGCPolicy(t *testing.T) {
 	if st.Succeeded != 1 || st.ImagesRemoved != 2 || st.BytesFreed != 20<<20 {
 		t.Errorf("fleet GC under the policy: %+v", st)
 	}
-	if res := nodeDryRun(t, b, z0a); res.UsagePercent != 25 || len(res.Removed) != 0 || policyNamesOf(res) != "keep-app0/1" {
+	if res := nodeDryRun(t, b, z0a, false); res.UsagePercent != 25 || len(res.Removed) != 0 || policyNamesOf(res) != "keep-app0/1" {
 		t.Errorf("%s after the fleet GC: usage %d%%, %+v", z0a, res.UsagePercent, res)
 	}
 
@@ -128,7 +128,7 @@ func TestControllerDeliversImageGCPolicy(t *testing.T) {
 		}
 		return nil
 	})
-	if res := nodeDryRun(t, b, z1); len(res.Policies) != 0 {
+	if res := nodeDryRun(t, b, z1, false); len(res.Policies) != 0 {
 		t.Errorf("%s got the invalid policy: %+v", z1, res.Policies)
 	}
 	// The schema refuses a low threshold at or above the high one, and one threshold alone.
@@ -181,13 +181,14 @@ func waitPolicyReady(t *testing.T, cl client.Client, o *v1alpha1.ImageGCPolicy, 
 	})
 }
 
-// nodeDryRun asks node's GC executor for a dry run of the kubelet's pass.
-func nodeDryRun(t *testing.T, b *bus.Bus, node string) events.GCResult {
+// nodeDryRun asks node's GC executor for a dry run of the kubelet's pass, or with allUnused of
+// DeleteUnusedImages.
+func nodeDryRun(t *testing.T, b *bus.Bus, node string, allUnused bool) events.GCResult {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
 	defer cancel()
 	var res events.GCResult
-	if err := b.Request(ctx, events.CommandSubject(node, events.VerbGC), events.GCRequest{DryRun: true}, &res); err != nil {
+	if err := b.Request(ctx, events.CommandSubject(node, events.VerbGC), events.GCRequest{DryRun: true, AllUnused: allUnused}, &res); err != nil {
 		t.Fatalf("dry run on %s: %v", node, err)
 	}
 	return res
@@ -198,7 +199,7 @@ func waitNodePolicy(t *testing.T, b *bus.Bus, node, want string) events.GCResult
 	t.Helper()
 	var res events.GCResult
 	bustest.Eventually(t, node+" applies "+want, 2*time.Minute, func() error {
-		res = nodeDryRun(t, b, node)
+		res = nodeDryRun(t, b, node, false)
 		if got := policyNamesOf(res); got != want {
 			return fmt.Errorf("applies %q", got)
 		}
@@ -256,7 +257,7 @@ func TestControllerKeepCopiesAcrossTheFleet(t *testing.T) {
 	startController(t, bin, url, kc, "ctl-copies")
 
 	// The images' IDs, and the inventory showing every node holding each.
-	plan := nodeAllUnused(t, b, all[0])
+	plan := nodeDryRun(t, b, all[0], true)
 	var ids []string
 	for _, r := range plan.Removed {
 		ids = append(ids, r.ID)
@@ -303,7 +304,7 @@ func TestControllerKeepCopiesAcrossTheFleet(t *testing.T) {
 		waitNodePolicy(t, b, n, "two-copies/1")
 	}
 	// A dry run asks without recording: every node may remove both (three copies each, two to keep).
-	if res := nodeAllUnused(t, b, all[1]); len(res.Removed) != 2 {
+	if res := nodeDryRun(t, b, all[1], true); len(res.Removed) != 2 {
 		t.Errorf("dry run under keepCopies: %+v", res)
 	}
 
@@ -325,16 +326,4 @@ func TestControllerKeepCopiesAcrossTheFleet(t *testing.T) {
 			return nil
 		})
 	}
-}
-
-// nodeAllUnused asks node's GC executor for a dry run of DeleteUnusedImages.
-func nodeAllUnused(t *testing.T, b *bus.Bus, node string) events.GCResult {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
-	defer cancel()
-	var res events.GCResult
-	if err := b.Request(ctx, events.CommandSubject(node, events.VerbGC), events.GCRequest{DryRun: true, AllUnused: true}, &res); err != nil {
-		t.Fatalf("dry run on %s: %v", node, err)
-	}
-	return res
 }

@@ -20,7 +20,6 @@ import (
 
 	"github.com/imagefleet/imagefleet/api/v1alpha1"
 	"github.com/imagefleet/imagefleet/bus"
-	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
 	"github.com/imagefleet/imagefleet/integration/kubelab"
 	"github.com/imagefleet/imagefleet/services/fleet"
@@ -120,16 +119,7 @@ func TestControllerSchedulesImageGC(t *testing.T) {
 			if bad := onceEach(all, claims); bad != "" {
 				t.Errorf("claims of %s: %s", st.RolloutID, bad)
 			}
-			bustest.Eventually(t, "one gc.finished from each node", 30*time.Second, func() error {
-				counts, err := gcFinishedPerNode(ctx, b, before, true)
-				if err != nil {
-					return err
-				}
-				if bad := onceEach(all, counts); bad != "" {
-					return fmt.Errorf("%s", bad)
-				}
-				return nil
-			})
+			waitGCFinishedOnceEach(t, ctx, b, all, before, true, 30*time.Second)
 			return st
 		}
 		runOnce(t, first)

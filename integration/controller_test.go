@@ -26,6 +26,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/imagefleet/imagefleet/api/v1alpha1"
+	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
 	"github.com/imagefleet/imagefleet/integration/kubelab"
@@ -105,16 +106,7 @@ func TestControllerRunsObjects(t *testing.T) {
 			meta.IsStatusConditionTrue(st.Conditions, v1alpha1.ConditionProgressing) {
 			t.Errorf("status: %+v", st)
 		}
-		bustest.Eventually(t, "one gc.finished from each node", time.Minute, func() error {
-			counts, err := gcFinishedPerNode(ctx, b, before, false)
-			if err != nil {
-				return err
-			}
-			if bad := onceEach(all, counts); bad != "" {
-				return fmt.Errorf("%s", bad)
-			}
-			return nil
-		})
+		waitGCFinishedOnceEach(t, ctx, b, all, before, false, time.Minute)
 		reasons := objectEvents(t, kc, o.Name, "Completed")
 		// The API server's Events aggregate a repeated reason into a series: the three waves are one Event.
 		if want := []string{"Started", "WaveStarted", "Completed"}; !slices.Equal(reasons, want) {
@@ -419,4 +411,20 @@ func objectEvents(t testing.TB, kc *kubelab.Cluster, name, last string) []string
 		return nil
 	})
 	return reasons
+}
+
+// waitGCFinishedOnceEach waits until each of nodes has published exactly one gc.finished of a rollout's
+// pass after seq (dry run as asked).
+func waitGCFinishedOnceEach(t testing.TB, ctx context.Context, b *bus.Bus, nodes []string, after uint64, dryRun bool, timeout time.Duration) {
+	t.Helper()
+	bustest.Eventually(t, "one gc.finished from each node", timeout, func() error {
+		counts, err := gcFinishedPerNode(ctx, b, after, dryRun)
+		if err != nil {
+			return err
+		}
+		if bad := onceEach(nodes, counts); bad != "" {
+			return fmt.Errorf("%s", bad)
+		}
+		return nil
+	})
 }
