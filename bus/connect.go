@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"os"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -88,6 +89,11 @@ type Bus struct {
 	perms        violations
 	// domains is the JetStream domain layout (Options.JSDomain; domains.go).
 	domains domains
+
+	// OnReconnect's callbacks.
+	reconnectMu  sync.Mutex
+	reconnectSeq uint64
+	reconnectFns map[uint64]func()
 }
 
 // syncQueueLen bounds the messages a synchronous subscription (SubscribeSync, Gather) holds before it drops

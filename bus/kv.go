@@ -179,25 +179,43 @@ func (k *KV) Delete(ctx context.Context, key string) error {
 // Batch writes many puts and deletes pipelined (async publish to the bucket's subjects) and waits for every
 // ack: one round trip instead of one per key.
 func (k *KV) Batch(ctx context.Context, puts map[string][]byte, deletes []string) error {
+	_, err := k.BatchRevisions(ctx, puts, deletes)
+	return err
+}
+
+// BatchRevisions is Batch, and returns each written key's new revision.
+func (k *KV) BatchRevisions(ctx context.Context, puts map[string][]byte, deletes []string) (map[string]uint64, error) {
 	futures := make([]jetstream.PubAckFuture, 0, len(puts)+len(deletes))
+	keys := make([]string, 0, len(puts)+len(deletes))
 	prefix := k.b.kvPutPrefix(k.kv.Bucket())
 	for key, v := range puts {
 		f, err := k.b.js.PublishAsync(prefix+key, v)
 		if err != nil {
-			return fmt.Errorf("kv batch put %s/%s: %w", k.kv.Bucket(), key, err)
+			return nil, fmt.Errorf("kv batch put %s/%s: %w", k.kv.Bucket(), key, err)
 		}
-		futures = append(futures, f)
+		futures, keys = append(futures, f), append(keys, key)
 	}
 	for _, key := range deletes {
 		m := nats.NewMsg(prefix + key)
 		m.Header.Set("KV-Operation", "DEL")
 		f, err := k.b.js.PublishMsgAsync(m)
 		if err != nil {
-			return fmt.Errorf("kv batch delete %s/%s: %w", k.kv.Bucket(), key, err)
+			return nil, fmt.Errorf("kv batch delete %s/%s: %w", k.kv.Bucket(), key, err)
 		}
-		futures = append(futures, f)
+		futures, keys = append(futures, f), append(keys, key)
 	}
-	return waitAcks(ctx, futures)
+	revs := make(map[string]uint64, len(keys))
+	for i, f := range futures {
+		select {
+		case ack := <-f.Ok():
+			revs[keys[i]] = ack.Sequence
+		case err := <-f.Err():
+			return nil, fmt.Errorf("publish %s: %w", f.Msg().Subject, err)
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
+	return revs, nil
 }
 
 // Entry is one key's value.

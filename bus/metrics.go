@@ -189,4 +189,5 @@ func subjectOf(m *nats.Msg) string {
 func (b *Bus) onReconnect() {
 	natsReconnects.Inc()
 	b.journalOnReconnect()
+	b.callReconnectFns()
 }

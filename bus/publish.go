@@ -306,17 +306,3 @@ func (b *Bus) PublishStored(ctx context.Context, msg RawMsg) (uint64, error) {
 	}
 	return ack.Sequence, nil
 }
-
-// waitAcks waits for every ack of futures; the first error is returned.
-func waitAcks(ctx context.Context, futures []jetstream.PubAckFuture) error {
-	for _, f := range futures {
-		select {
-		case <-f.Ok():
-		case err := <-f.Err():
-			return fmt.Errorf("publish %s: %w", f.Msg().Subject, err)
-		case <-ctx.Done():
-			return ctx.Err()
-		}
-	}
-	return nil
-}

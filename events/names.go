@@ -57,6 +57,14 @@ const GCPolicyBucket = "imagefleet-gc-policy"
 // compare-and-set so that two grants for one image never both count the same copies.
 const GCCopiesBucket = "imagefleet-gc-copies"
 
+// VerbGCPolicy is the command verb of GCPolicyNotice: the fleet controller announces on it, after each
+// write of a node's key in GCPolicyBucket is stored, the key's new revision (a JSON number), so the node's
+// GC executor reads its key within a round trip without holding a consumer of the bucket.
+const VerbGCPolicy = "gcpolicy"
+
+// GCPolicyNotice is the subject of node's GCPolicyBucket revision notices (VerbGCPolicy).
+func GCPolicyNotice(node string) string { return CommandSubject(node, VerbGCPolicy) }
+
 // CopiesQueue is the queue group of the copies arbiter's replicas (CopiesSubject).
 const CopiesQueue = "fleet-copies"
 

@@ -54,7 +54,7 @@ func wireNames() [][2]string {
 		c("InventoryOwnersBucket", InventoryOwnersBucket),
 		c("KubeEventsBucket", KubeEventsBucket), c("GCLeaseBucket", GCLeaseBucket),
 		c("GCPolicyBucket", GCPolicyBucket), c("GCCopiesBucket", GCCopiesBucket), c("CopiesQueue", CopiesQueue),
-		c("CopiesSubject(node)", CopiesSubject(node)), c("GCPolicyBucketDescription", GCPolicyBucketDescription),
+		c("CopiesSubject(node)", CopiesSubject(node)), c("GCPolicyNotice(node)", GCPolicyNotice(node)), c("VerbGCPolicy", VerbGCPolicy), c("GCPolicyBucketDescription", GCPolicyBucketDescription),
 		// Queue groups and durable consumers.
 		c("CacheQueue", CacheQueue), c("DetectorQueue", DetectorQueue), c("GCQueue", GCQueue),
 		c("PodIndexQueue", PodIndexQueue), c("InventoryQueue", InventoryQueue),

@@ -15,8 +15,9 @@ import (
 )
 
 // TestSecurityGCPolicyReadOwnKeyOnly checks the ImageGCPolicy bucket's permissions on a server started from
-// the generated config: the fleet identity (the controller's) writes every node's key; a node reads and
-// watches its own key, and may neither write it nor read or watch another node's.
+// the generated config: the fleet identity (the controller's) writes every node's key and announces it; a
+// node follows its own key (a direct get, and the notices on its command subjects), and may neither write
+// it, nor read another node's, nor hear another node's notices, nor make a consumer of the bucket.
 func TestSecurityGCPolicyReadOwnKeyOnly(t *testing.T) {
 	const nodeA, nodeB = "node-a", "node-b.example"
 	s := startSecured(t, nodeA, nodeB)
@@ -44,32 +45,60 @@ func TestSecurityGCPolicyReadOwnKeyOnly(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	// A reads and watches its own key.
-	if v, _, err := kvA.Get(ctx, own); err != nil || !strings.Contains(string(v), `"name":"p"`) {
-		t.Fatalf("A reads its own policy: %q %v", v, err)
-	}
+	// A follows its own key: generation 1 read at the start, generation 2 by the fleet's notice.
 	got := make(chan string, 4)
-	wctx, stopWatch := context.WithCancel(ctx)
-	watched := make(chan error, 1)
+	fctx, stopFollow := context.WithCancel(ctx)
+	followed := make(chan error, 1)
 	go func() {
-		watched <- kvA.Watch(wctx, own, func(e bus.Entry, initialDone bool) {
-			if !initialDone {
-				got <- e.Key
-			}
-		})
+		followed <- a.FollowKey(fctx, bus.KeyFollowerConfig{Bucket: bucket, Key: own, Notices: events.GCPolicyNotice(nodeA), Resync: time.Hour},
+			func(e bus.Entry, found bool) { got <- string(e.Value) })
 	}()
-	select {
-	case k := <-got:
-		if k != own {
-			t.Errorf("A's watch of its key gave %q", k)
+	next := func(what string) string {
+		t.Helper()
+		select {
+		case v := <-got:
+			return v
+		case <-time.After(bustest.Timeout):
+			t.Fatalf("A's follow of its own policy gave nothing: %s", what)
 		}
-	case <-time.After(bustest.Timeout):
-		t.Error("A's watch of its own policy gave nothing")
+		return ""
 	}
-	stopWatch()
-	if err := <-watched; err != nil {
-		t.Errorf("A's watch: %v", err)
+	if v := next("generation 1"); !strings.Contains(v, `"generation":1`) {
+		t.Errorf("A read %q, want generation 1", v)
 	}
+	revs, err := kvF.BatchRevisions(ctx, map[string][]byte{own: []byte(`{"sources":[{"name":"p","generation":2}]}`)}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := fleet.AnnounceRevision(events.GCPolicyNotice(nodeA), revs[own]); err != nil {
+		t.Fatal(err)
+	}
+	if v := next("generation 2"); !strings.Contains(v, `"generation":2`) {
+		t.Errorf("A read %q, want generation 2", v)
+	}
+	stopFollow()
+	if err := <-followed; err != nil {
+		t.Errorf("A's follow: %v", err)
+	}
+
+	// A may not make a consumer of the bucket, not even one filtered to its own key.
+	c0, cancel0 := short(t)
+	defer cancel0()
+	_ = kvA.Watch(c0, own, func(bus.Entry, bool) {})
+	bustest.Eventually(t, "a violation for a watch of A's own key", bustest.Timeout, func() error {
+		for _, v := range a.PermissionViolations() {
+			if strings.HasPrefix(v, "publish $JS.API.CONSUMER.CREATE.KV_"+bucket+".") {
+				return nil
+			}
+		}
+		return fmt.Errorf("violations %v", a.PermissionViolations())
+	})
+
+	// A may not hear B's notices.
+	if sub, err := a.SubscribeSync(ctx, events.GCPolicyNotice(nodeB)); err == nil {
+		defer sub.Close()
+	}
+	waitViolation(t, a, events.GCPolicyNotice(nodeB))
 
 	// A may not write its own key.
 	c, cancel := short(t)
@@ -84,36 +113,20 @@ func TestSecurityGCPolicyReadOwnKeyOnly(t *testing.T) {
 		t.Error("A deleted its own policy")
 	}
 
-	// A may not read B's key, by a get or a watch.
+	// A may not read B's key.
 	c3, cancel3 := short(t)
 	defer cancel3()
 	if v, _, err := kvA.Get(c3, other); err == nil {
 		t.Errorf("A read B's policy: %q", v)
 	}
 	waitViolation(t, a, "$JS.API.DIRECT.GET.KV_"+bucket+".$KV."+bucket+"."+other)
-	c4, cancel4 := short(t)
-	defer cancel4()
-	var seen []string
-	_ = kvA.Watch(c4, other, func(e bus.Entry, initialDone bool) {
-		if !initialDone {
-			seen = append(seen, e.Key)
-		}
-	})
-	if len(seen) != 0 {
-		t.Errorf("A watched B's policy: %v", seen)
-	}
-	bustest.Eventually(t, "a violation for the watch of B's key", bustest.Timeout, func() error {
-		for _, v := range a.PermissionViolations() {
-			if strings.HasPrefix(v, "publish $JS.API.CONSUMER.CREATE.KV_"+bucket+".") && strings.HasSuffix(v, ".$KV."+bucket+"."+other) {
-				return nil
-			}
-		}
-		return fmt.Errorf("violations %v", a.PermissionViolations())
-	})
-
 	// B's key and A's are as the fleet wrote them.
 	for _, k := range []string{own, other} {
-		if v, _, err := kvF.Get(ctx, k); err != nil || !strings.Contains(string(v), `"generation":1`) {
+		want := `"generation":1`
+		if k == own {
+			want = `"generation":2`
+		}
+		if v, _, err := kvF.Get(ctx, k); err != nil || !strings.Contains(string(v), want) {
 			t.Errorf("%s after A's attempts: %q %v", k, v, err)
 		}
 	}

@@ -34,8 +34,6 @@ func TestNodePermissionsOnASite(t *testing.T) {
 		{"GC lease at the site", "$KV." + events.GCLeaseBucket + "." + tok, "$JS.hub.API.$KV." + events.GCLeaseBucket + "." + tok},
 		{"GC policy read in the hub", "$JS.hub.API.DIRECT.GET.KV_" + events.GCPolicyBucket + ".$KV." + events.GCPolicyBucket + "." + tok,
 			"$JS.API.DIRECT.GET.KV_" + events.GCPolicyBucket + ".$KV." + events.GCPolicyBucket + "." + tok},
-		{"GC policy watched in the hub", "$JS.hub.API.CONSUMER.CREATE.KV_" + events.GCPolicyBucket + ".*.$KV." + events.GCPolicyBucket + "." + tok,
-			"$JS.API.CONSUMER.CREATE.KV_" + events.GCPolicyBucket + ".*.$KV." + events.GCPolicyBucket + "." + tok},
 		{"pull consumer at the site", "$JS.API.CONSUMER.MSG.NEXT." + events.PullStreamOf(node) + "." + events.PullerDurable(node),
 			"$JS.hub.API.CONSUMER.MSG.NEXT." + events.PullStreamOf(node) + "." + events.PullerDurable(node)},
 	} {
@@ -168,10 +166,19 @@ func TestNodeReadsItsGCPolicyOnly(t *testing.T) {
 			if strings.Contains(s, "$KV."+b) && !strings.Contains(s, "$KV."+b+"."+tok) {
 				t.Errorf("hub %q: a right on another node's policy: %s", hub, s)
 			}
-			if strings.HasSuffix(s, "$KV."+b+"."+tok) && !strings.Contains(s, ".DIRECT.GET.") && !strings.Contains(s, ".CONSUMER.CREATE.") {
+			// Its only right on the bucket is that direct get: no write, and no consumer (the controller
+			// announces each revision on the node's command subjects).
+			if strings.Contains(s, "KV_"+b) && s != api+"DIRECT.GET.KV_"+b+".$KV."+b+"."+tok {
+				t.Errorf("hub %q: a right on the policy bucket beyond reading its own key: %s", hub, s)
+			}
+			if strings.HasSuffix(s, "$KV."+b+"."+tok) && !strings.Contains(s, ".DIRECT.GET.") {
 				t.Errorf("hub %q: a write of its own policy: %s", hub, s)
 			}
 		}
+	}
+	if p := NodePermissions(node, "UPUB", ""); !slices.Contains(p.Subscribe, events.Prefix+".cmd."+tok+".>") ||
+		!strings.HasPrefix(events.GCPolicyNotice(node), events.Prefix+".cmd."+tok+".") {
+		t.Errorf("the node cannot hear its policy's notices on %s: subscribe %v", events.GCPolicyNotice(node), p.Subscribe)
 	}
 	if f := FleetPermissions("FPUB"); !slices.Contains(f.Publish, "$KV."+b+".>") || !slices.Contains(f.Publish, "$KV."+events.GCCopiesBucket+".>") {
 		t.Errorf("the fleet cannot write the policies or the copies ledger: %v", f.Publish)

@@ -136,15 +136,10 @@ func NodePermissions(node, pub, hub string) Permissions {
 	for _, b := range append(append([]string{}, NodeKeyBuckets...), NodeLeaseBuckets...) {
 		pub1 = append(pub1, kv(b)+t, api("KV_"+b)+"DIRECT.GET.KV_"+b+".$KV."+b+"."+t)
 	}
-	// Its own key in the read-only buckets: a direct get and a watch (an ordered consumer filtered to the
-	// key), no publish to the key's subject.
+	// Its own key in the read-only buckets: a direct get of that key, nothing else (no consumer: the writer
+	// announces each revision on the node's command subjects, which it subscribes to below).
 	for _, b := range NodeReadBuckets {
-		pub1 = append(pub1,
-			api("KV_"+b)+"DIRECT.GET.KV_"+b+".$KV."+b+"."+t,
-			api("KV_"+b)+"CONSUMER.CREATE.KV_"+b+".*.$KV."+b+"."+t,
-			api("KV_"+b)+"CONSUMER.MSG.NEXT.KV_"+b+".*",
-			api("KV_"+b)+"CONSUMER.DELETE.KV_"+b+".*",
-		)
+		pub1 = append(pub1, api("KV_"+b)+"DIRECT.GET.KV_"+b+".$KV."+b+"."+t)
 	}
 	return Permissions{
 		Publish: pub1,

@@ -81,9 +81,13 @@ type Config struct {
 	// LeaseWait bounds how long a manual or pull-triggered request waits for another replica's pass (default
 	// DefaultLeaseWait).
 	LeaseWait time.Duration
-	// PolicyRetry is how long the executor waits before it looks again for the ImageGCPolicy bucket, or
-	// watches its key again after the watch ended (default 1s, doubling up to 30s).
+	// PolicyRetry is how long the executor waits before it reads its ImageGCPolicy key again after a read
+	// failed (the bucket not there yet, NATS away) (default 1s, doubling up to 30s).
 	PolicyRetry time.Duration
+	// PolicyResync is how often the executor reads its ImageGCPolicy key whatever the controller announced
+	// (a notice lost with a connection), each wait drawn between half and one and a half times it (default
+	// 5m: 33 direct gets a second across 10,000 nodes).
+	PolicyResync time.Duration
 	// Registerer receives kubelet_image_garbage_collected_total (default prometheus.DefaultRegisterer).
 	Registerer prometheus.Registerer
 	// Logger (default slog.Default()).
@@ -166,6 +170,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.LeaseWait <= 0 {
 		c.LeaseWait = DefaultLeaseWait
+	}
+	if c.PolicyResync <= 0 {
+		c.PolicyResync = 5 * time.Minute
 	}
 	if c.PolicyRetry <= 0 {
 		c.PolicyRetry = time.Second

@@ -3,7 +3,6 @@ package gc
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"slices"
 	"sync"
@@ -17,8 +16,8 @@ import (
 )
 
 // The node's ImageGCPolicy (docs/gc-policies.md). The fleet controller writes the node's effective policy
-// to its key in events.GCPolicyBucket; the executor watches that key and applies the policy from its next
-// pass, without a restart: the node's flags (Config) overridden by the fields the policy sets, its pinned
+// to its key in events.GCPolicyBucket and announces the key's new revision; the executor reads that key
+// (watchPolicy) and applies the policy from its next pass, without a restart: the node's flags (Config) overridden by the fields the policy sets, its pinned
 // images added to --pinned-images. A delivered policy that would make an invalid configuration (Config.Validate
 // over the merged settings, as if they were the agent's flags) is refused with an error log and the last good
 // one is kept. A deleted key restores the flags. While NATS is away the last policy received stays in force.
@@ -171,30 +170,18 @@ func newPolicyUpdates(reg prometheus.Registerer) (*prometheus.CounterVec, error)
 	return cv, nil
 }
 
-// watchPolicy follows the node's key in events.GCPolicyBucket until ctx ends: it waits for the bucket to
-// exist (bus init or the controller makes it), watches the key, and watches again after the watch ends
-// (a server gone). Nothing it meets ends the executor.
+// watchPolicy follows the node's key in events.GCPolicyBucket until ctx ends, without a consumer of the
+// bucket (bus.FollowKey): a direct get of the key at the start, after each revision the controller announces
+// on events.GCPolicyNotice, after a reconnection and every PolicyResync. A bucket not there yet, or a read
+// that fails, leaves the policy in force and is tried again. Nothing it meets ends the executor.
 func (s *Service) watchPolicy(ctx context.Context) {
 	key := events.NodeToken(s.cfg.Node)
 	wait := s.cfg.PolicyRetry
 	for ctx.Err() == nil {
-		kv, err := s.bus.KVExisting(ctx, events.GCPolicyBucket)
-		if err == nil {
-			seen := false
-			err = kv.Watch(ctx, key, func(e bus.Entry, initialDone bool) {
-				if initialDone {
-					wait = s.cfg.PolicyRetry // the watch works: a later failure starts the backoff again
-					if !seen && s.clearPolicy() {
-						// The key went away while the watch was down.
-						s.policyRemoved()
-					}
-					return
-				}
-				if e.Key != key {
-					return
-				}
-				seen = true
-				if e.Deleted {
+		err := s.bus.FollowKey(ctx, bus.KeyFollowerConfig{Bucket: events.GCPolicyBucket, Key: key,
+			Notices: events.GCPolicyNotice(s.cfg.Node), Resync: s.cfg.PolicyResync, Retry: s.cfg.PolicyRetry},
+			func(e bus.Entry, found bool) {
+				if !found {
 					if s.clearPolicy() {
 						s.policyRemoved()
 					}
@@ -211,18 +198,10 @@ func (s *Service) watchPolicy(ctx context.Context) {
 					"high_threshold", st.policy.HighThresholdPercent, "low_threshold", st.policy.LowThresholdPercent,
 					"min_age", st.policy.MinAge, "max_age", st.policy.MaxAge, "capacity", st.capacity, "pinned_policies", len(st.pins))
 			})
-			if ctx.Err() != nil {
-				return
-			}
-			if err == nil {
-				err = errors.New("watch ended")
-			}
+		if ctx.Err() != nil {
+			return
 		}
-		if errors.Is(err, bus.ErrBucketNotFound) {
-			s.log.Debug("image GC policy bucket not there yet", "bucket", events.GCPolicyBucket, "retry_in", wait)
-		} else {
-			s.log.Warn("image GC policy watch failed, the policy in force stays", "err", err, "retry_in", wait)
-		}
+		s.log.Warn("image GC policy: following the key failed, the policy in force stays", "err", err, "retry_in", wait)
 		select {
 		case <-ctx.Done():
 			return

@@ -17,15 +17,17 @@ import (
 )
 
 // TestRunningExecutorFollowsItsImageGCPolicy delivers ImageGCPolicy values to a running executor through a
-// real NATS key-value bucket (made after the executor started, as when bus init runs late) and checks that
-// each pass applies the value in force then: thresholds, byte quota and pinned images over the flags; an
-// invalid value is refused and the last good one kept; a deleted key restores the flags.
+// real NATS key-value bucket (made after the executor started, as when bus init runs late), each write
+// announced as the controller announces it, and checks that each pass applies the value in force then:
+// thresholds, byte quota and pinned images over the flags; an invalid value is refused and the last good
+// one kept; a deleted key restores the flags. The executor's own resync is an hour away, so every change
+// arrives by its notice.
 func TestRunningExecutorFollowsItsImageGCPolicy(t *testing.T) {
 	_, b := bustest.Start(t)
 	rt := critest.NewRuntime(makeImage(0, 100), makeImage(1, 100), makeImage(2, 100), makeImage(3, 100))
 	// The flags: a 10000-byte quota (4 % used), thresholds 90/80, no minimum age.
 	s := newService(t, b, Config{Policy: Policy{HighThresholdPercent: 90, LowThresholdPercent: 80}, CapacityBytes: 10000,
-		PolicyRetry: 10 * time.Millisecond}, rt, gctest.NewRecords(rt, nil), nil)
+		PolicyRetry: 10 * time.Millisecond, PolicyResync: time.Hour}, rt, gctest.NewRecords(rt, nil), nil)
 	bustest.RunService(t, s)
 	ctx := t.Context()
 
@@ -76,15 +78,23 @@ func TestRunningExecutorFollowsItsImageGCPolicy(t *testing.T) {
 		t.Fatal(err)
 	}
 	key := events.NodeToken(testNode)
+	write := func(puts map[string][]byte, deletes []string) {
+		t.Helper()
+		revs, err := kv.BatchRevisions(ctx, puts, deletes)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := b.AnnounceRevision(events.GCPolicyNotice(testNode), revs[key]); err != nil {
+			t.Fatal(err)
+		}
+	}
 	put := func(p events.GCPolicy) {
 		t.Helper()
 		raw, err := json.Marshal(p)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if _, err := kv.Put(ctx, key, raw); err != nil {
-			t.Fatal(err)
-		}
+		write(map[string][]byte{key: raw}, nil)
 	}
 	ip := func(v int) *int { return &v }
 	quota := int64(500)
@@ -128,9 +138,7 @@ func TestRunningExecutorFollowsItsImageGCPolicy(t *testing.T) {
 	}
 
 	// Deleted: the flags again (10000-byte quota, nothing to free).
-	if err := kv.Delete(ctx, key); err != nil {
-		t.Fatal(err)
-	}
+	write(nil, []string{key})
 	res = waitPolicy("")
 	if res.CapacityBytes != 10000 || len(res.Removed) != 0 {
 		t.Errorf("after delete: %+v", res)
@@ -138,6 +146,48 @@ func TestRunningExecutorFollowsItsImageGCPolicy(t *testing.T) {
 	if n := testutil.ToFloat64(s.policyUpdates.WithLabelValues(policyRemoved)); n != 1 {
 		t.Errorf("removed counted %v times", n)
 	}
+}
+
+// TestExecutorReadsItsImageGCPolicyWithoutANotice writes the node's key without announcing it (a notice lost
+// with a connection, or a writer that died after its write) and checks that the executor's periodic read
+// applies it, and then a deletion, all the same.
+func TestExecutorReadsItsImageGCPolicyWithoutANotice(t *testing.T) {
+	_, b := bustest.Start(t)
+	rt := critest.NewRuntime(makeImage(0, 100))
+	s := newService(t, b, Config{Policy: Policy{HighThresholdPercent: 90, LowThresholdPercent: 80}, CapacityBytes: 10000,
+		PolicyRetry: 10 * time.Millisecond, PolicyResync: 100 * time.Millisecond}, rt, gctest.NewRecords(rt, nil), nil)
+	bustest.RunService(t, s)
+	ctx := t.Context()
+	kv, err := b.KV(ctx, PolicyBucketConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	key := events.NodeToken(testNode)
+	quota := int64(500)
+	raw, err := json.Marshal(events.GCPolicy{Sources: []events.GCPolicySource{{Name: "p1", Generation: 1}}, CapacityBytes: &quota})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := kv.Put(ctx, key, raw); err != nil {
+		t.Fatal(err)
+	}
+	applied := func(want string, capacity int64) func() error {
+		return func() error {
+			res, err := s.GarbageCollect(ctx, events.GCRequest{DryRun: true})
+			if err != nil {
+				return err
+			}
+			if got := policyNames(res.Policies); got != want || res.CapacityBytes != capacity {
+				return fmt.Errorf("pass applied policy %q, capacity %d", got, res.CapacityBytes)
+			}
+			return nil
+		}
+	}
+	bustest.Eventually(t, "p1/1 read without a notice", 10*time.Second, applied("p1/1", 500))
+	if err := kv.Delete(ctx, key); err != nil {
+		t.Fatal(err)
+	}
+	bustest.Eventually(t, "the deletion read without a notice", 10*time.Second, applied("", 10000))
 }
 
 func TestMergePolicyChecksAsTheFlags(t *testing.T) {

@@ -178,13 +178,15 @@ func (p *policySync) sync(ctx context.Context) error {
 	slices.Sort(deletes)
 	var writeErr error
 	if len(puts) > 0 || len(deletes) > 0 {
-		if writeErr = p.kv.Batch(ctx, puts, deletes); writeErr != nil {
+		var revs map[string]uint64
+		if revs, writeErr = p.kv.BatchRevisions(ctx, puts, deletes); writeErr != nil {
 			p.written = nil // read the bucket again before the next sync
 		} else {
 			maps.Copy(p.written, puts)
 			for _, k := range deletes {
 				delete(p.written, k)
 			}
+			p.announce(revs)
 			p.log.Info("image GC policies delivered", "written", len(puts), "deleted", len(deletes), "nodes", len(want))
 		}
 	}
@@ -197,6 +199,17 @@ func (p *policySync) sync(ctx context.Context) error {
 		}
 	}
 	return writeErr
+}
+
+// announce tells each node whose key was written its key's new revision (events.GCPolicyNotice), so its GC
+// executor reads the key at once; a notice lost is made up by the node's own periodic read.
+func (p *policySync) announce(revs map[string]uint64) {
+	for token, rev := range revs {
+		if err := p.b.AnnounceRevision(events.GCPolicyNotice(events.NodeFromToken(token)), rev); err != nil {
+			p.log.Warn("image GC policy notice not sent; the node reads its key at its next resync", "node", events.NodeFromToken(token), "err", err)
+			return
+		}
+	}
 }
 
 // writeStatus writes o's status when it changed, and posts an Event when its Ready reason or generation did.

@@ -1,0 +1,167 @@
+package bus_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/bus/bustest"
+)
+
+func TestGetKeyReadsOneKeyWithoutOpeningTheBucket(t *testing.T) {
+	_, b := bustest.Start(t)
+	ctx := t.Context()
+	if _, err := b.GetKey(ctx, "follow-test", "node-a"); !errors.Is(err, bus.ErrBucketNotFound) {
+		t.Fatalf("missing bucket: err = %v, want ErrBucketNotFound", err)
+	}
+	kv, err := b.KV(ctx, bus.KVConfig{Bucket: "follow-test"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.GetKey(ctx, "follow-test", "node-a"); !errors.Is(err, bus.ErrKeyNotFound) {
+		t.Fatalf("missing key: err = %v, want ErrKeyNotFound", err)
+	}
+	rev, err := kv.Put(ctx, "node-a", []byte("v1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := kv.Put(ctx, "node-b", []byte("other")); err != nil {
+		t.Fatal(err)
+	}
+	e, err := b.GetKey(ctx, "follow-test", "node-a")
+	if err != nil || string(e.Value) != "v1" || e.Revision != rev || e.Deleted || e.Created.IsZero() {
+		t.Fatalf("GetKey = %+v, %v; want v1 at revision %d", e, err, rev)
+	}
+	if err := kv.Delete(ctx, "node-a"); err != nil {
+		t.Fatal(err)
+	}
+	e, err = b.GetKey(ctx, "follow-test", "node-a")
+	if err != nil || !e.Deleted || e.Value != nil || e.Revision <= rev {
+		t.Fatalf("after delete: GetKey = %+v, %v; want a deletion past revision %d", e, err, rev)
+	}
+}
+
+// follower records what FollowKey passes on.
+type follower struct {
+	mu  sync.Mutex
+	got []string
+}
+
+func (f *follower) fn(e bus.Entry, found bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if !found {
+		f.got = append(f.got, "-")
+		return
+	}
+	f.got = append(f.got, string(e.Value))
+}
+
+func (f *follower) wait(t *testing.T, what string, want ...string) {
+	t.Helper()
+	bustest.Eventually(t, what, 10*time.Second, func() error {
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		if fmt.Sprint(f.got) != fmt.Sprint(want) {
+			return fmt.Errorf("passed on %q", f.got)
+		}
+		return nil
+	})
+}
+
+// TestFollowKeyByNotices follows a key whose bucket does not exist yet, with an hour between resyncs: each
+// write reaches the follower by its notice alone, a write with no notice waits for the next notice, and
+// the same revision is passed on once.
+func TestFollowKeyByNotices(t *testing.T) {
+	_, b := bustest.Start(t)
+	ctx := t.Context()
+	var f follower
+	done := make(chan error, 1)
+	fctx, cancel := context.WithCancel(ctx)
+	go func() {
+		done <- b.FollowKey(fctx, bus.KeyFollowerConfig{Bucket: "follow-test", Key: "node-a", Notices: "test.notice.node-a",
+			Resync: time.Hour, Retry: 10 * time.Millisecond}, f.fn)
+	}()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("FollowKey: %v", err)
+		}
+	})
+	kv, err := b.KV(ctx, bus.KVConfig{Bucket: "follow-test"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.wait(t, "the key's absence once the bucket exists", "-")
+
+	write := func(puts map[string][]byte, deletes []string) uint64 {
+		t.Helper()
+		revs, err := kv.BatchRevisions(ctx, puts, deletes)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return revs["node-a"]
+	}
+	rev := write(map[string][]byte{"node-a": []byte("v1"), "node-b": []byte("x")}, nil)
+	if err := b.AnnounceRevision("test.notice.node-a", rev); err != nil {
+		t.Fatal(err)
+	}
+	f.wait(t, "v1 by its notice", "-", "v1")
+
+	// Unannounced: not read. Then a notice of the same revision twice: read once.
+	rev = write(map[string][]byte{"node-a": []byte("v2")}, nil)
+	rev2 := write(map[string][]byte{"node-a": []byte("v3")}, nil)
+	for range 2 {
+		if err := b.AnnounceRevision("test.notice.node-a", rev2); err != nil {
+			t.Fatal(err)
+		}
+	}
+	f.wait(t, "v3 by its notice, v2 never seen", "-", "v1", "v3")
+	if rev2 <= rev {
+		t.Fatalf("revisions %d then %d", rev, rev2)
+	}
+
+	rev = write(nil, []string{"node-a"})
+	if err := b.AnnounceRevision("test.notice.node-a", rev); err != nil {
+		t.Fatal(err)
+	}
+	f.wait(t, "the deletion by its notice", "-", "v1", "v3", "-")
+}
+
+// TestFollowKeyReadsAgainAfterAReconnect writes the key without a notice, then restarts the server: the
+// reconnection alone (no notice, resync an hour away) makes the follower read the key again.
+func TestFollowKeyReadsAgainAfterAReconnect(t *testing.T) {
+	r := startRestartable(t)
+	b, err := bus.Connect(t.Context(), r.url(), bus.Options{Name: t.Name()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(b.Close)
+	ctx := t.Context()
+	kv, err := b.KV(ctx, bus.KVConfig{Bucket: "follow-test"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := kv.Put(ctx, "node-a", []byte("v1")); err != nil {
+		t.Fatal(err)
+	}
+	var f follower
+	fctx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() {
+		done <- b.FollowKey(fctx, bus.KeyFollowerConfig{Bucket: "follow-test", Key: "node-a", Resync: time.Hour, Retry: 10 * time.Millisecond}, f.fn)
+	}()
+	t.Cleanup(func() { cancel(); <-done })
+	f.wait(t, "v1 at the start", "v1")
+
+	if _, err := kv.Put(ctx, "node-a", []byte("v2")); err != nil {
+		t.Fatal(err)
+	}
+	r.stop()
+	r.start()
+	f.wait(t, "v2 read after the reconnection", "v1", "v2")
+}
