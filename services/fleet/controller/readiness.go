@@ -9,6 +9,7 @@ import (
 	"strings"
 
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/util/retry"
@@ -19,6 +20,8 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/handler"
 	"sigs.k8s.io/controller-runtime/pkg/predicate"
 	"sigs.k8s.io/controller-runtime/pkg/source"
+
+	"github.com/imagefleet/imagefleet/api/v1alpha1"
 )
 
 // The readiness taint: a node registers with the taint an ImagePrePull with completionPolicy KeepNewNodes
@@ -26,6 +29,12 @@ import (
 // its images are warm; the keeper removes it from the Kubernetes Node of the same name (the agent's --node)
 // once every such object with that key that selects the node has warmed it. A node that failed to warm
 // keeps it. A Node whose taint no object names is left alone.
+//
+// The decision waits for the keeper to follow every KeepNewNodes object of the key that exists (the objects
+// listed from the manager's cache, which a List waits to be synced): after a restart the Node reconciler can
+// run before the ImagePrePull reconciler has handed the keeper each object, and a node warmed by the objects
+// seen so far must not lose the taint that an object not seen yet holds. An object taken on kicks every
+// tainted Node (kickAll).
 //
 // The Nodes are read from the manager's cache, cut down to their names and taints (nodeTaintsOnly): a fleet
 // of Nodes costs the controller little memory. The Node reconciler is level-based: it looks at a Node when
@@ -91,7 +100,14 @@ func (k *keeper) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, 
 	if err := k.c.Get(ctx, req.NamespacedName, node); err != nil {
 		return ctrl.Result{}, client.IgnoreNotFound(err)
 	}
+	unseen, err := k.unfollowed(ctx)
+	if err != nil {
+		return ctrl.Result{}, err
+	}
 	for _, t := range node.Spec.Taints {
+		if unseen[t.Key] {
+			continue
+		}
 		by, warm := k.warmFor(node.Name, t.Key)
 		if !warm {
 			continue
@@ -106,6 +122,28 @@ func (k *keeper) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, 
 		}
 	}
 	return ctrl.Result{}, nil
+}
+
+// unfollowed returns the readiness taint keys of the KeepNewNodes objects that exist (in the manager's cache)
+// and that the keeper does not follow yet: their taints wait.
+func (k *keeper) unfollowed(ctx context.Context) (map[string]bool, error) {
+	var list v1alpha1.ImagePrePullList
+	if err := k.c.List(ctx, &list); err != nil {
+		return nil, fmt.Errorf("list ImagePrePulls: %w", err)
+	}
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	unseen := map[string]bool{}
+	for i := range list.Items {
+		o, keep := keepsNewNodes(&list.Items[i])
+		if !keep || o.DeletionTimestamp != nil || meta.IsStatusConditionTrue(o.Status.Conditions, v1alpha1.ConditionFailed) {
+			continue // not followed, by design
+		}
+		if ko := k.objs[o.Name]; ko == nil || ko.uid != o.UID {
+			unseen[readinessTaint(o)] = true
+		}
+	}
+	return unseen, nil
 }
 
 // warmFor reports whether node's taint key may go: some object with that key selects the node, and every

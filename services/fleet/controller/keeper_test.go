@@ -1,0 +1,117 @@
+package controller
+
+import (
+	"log/slog"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/tools/events"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/client/fake"
+
+	"github.com/imagefleet/imagefleet/api/v1alpha1"
+)
+
+// keepNew is a KeepNewNodes ImagePrePull over every node, Complete.
+func keepNew(name, key string) *v1alpha1.ImagePrePull {
+	o := &v1alpha1.ImagePrePull{ObjectMeta: metav1.ObjectMeta{Name: name, UID: types.UID("uid-" + name)},
+		Spec: v1alpha1.ImagePrePullSpec{Images: []string{"x"}, CompletionPolicy: v1alpha1.CompletionKeepNewNodes, ReadinessTaint: key}}
+	o.Status.RolloutID = "pull-" + name
+	meta.SetStatusCondition(&o.Status.Conditions, metav1.Condition{Type: v1alpha1.ConditionComplete, Status: metav1.ConditionTrue, Reason: "Done"})
+	return o
+}
+
+// taintedNode is a Node with the default readiness taint and another one.
+func taintedNode(name string, uid types.UID, created time.Time) *corev1.Node {
+	return &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, UID: uid, CreationTimestamp: metav1.NewTime(created)},
+		Spec: corev1.NodeSpec{Taints: []corev1.Taint{{Key: "example.com/other", Effect: corev1.TaintEffectNoSchedule},
+			{Key: v1alpha1.DefaultReadinessTaint, Effect: corev1.TaintEffectNoSchedule}}}}
+}
+
+// testKeeper is a keeper over a fake API server holding objs, its registry synced and showing node n.
+func testKeeper(t *testing.T, objs ...client.Object) *keeper {
+	t.Helper()
+	s, err := Scheme()
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := fake.NewClientBuilder().WithScheme(s).WithObjects(objs...).Build()
+	k := newKeeper(t.Context(), Config{Logger: slog.New(slog.DiscardHandler), StatusInterval: time.Second}, nil, prePullKind(), c, c, c.Status(), events.NewFakeRecorder(100))
+	k.synced = true
+	k.nodes["n"] = registryNode{}
+	k.sem = make(chan struct{}) // no join gets to work: the tests look at what was taken on
+	t.Cleanup(func() {
+		k.stop()
+	})
+	return k
+}
+
+// follow registers o with k as activated with planned as its first rollout's nodes.
+func follow(t *testing.T, k *keeper, o *v1alpha1.ImagePrePull, planned map[string]bool) *keptObject {
+	t.Helper()
+	ko, err := newKeptObject(k.base, o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ko.rolloutID, ko.active, ko.planned = o.Status.RolloutID, true, planned
+	k.objs[o.Name] = ko
+	t.Cleanup(ko.cancel)
+	return ko
+}
+
+func hasReadinessTaint(t *testing.T, c client.Client, node string) bool {
+	t.Helper()
+	n := &corev1.Node{}
+	if err := c.Get(t.Context(), client.ObjectKey{Name: node}, n); err != nil {
+		t.Fatal(err)
+	}
+	return hasTaintKey(n.Spec.Taints, v1alpha1.DefaultReadinessTaint)
+}
+
+func hasTaintKey(ts []corev1.Taint, key string) bool {
+	for _, t := range ts {
+		if t.Key == key {
+			return true
+		}
+	}
+	return false
+}
+
+// After a restart the Node reconciler can run before the ImagePrePull reconciler has handed the keeper
+// every object: an object the keeper does not follow yet holds the taint of its key.
+func TestReadinessWaitsForEveryObjectOfTheKey(t *testing.T) {
+	other := keepNew("b", "example.com/other-key")
+	failed := keepNew("b", "")
+	meta.SetStatusCondition(&failed.Status.Conditions, metav1.Condition{Type: v1alpha1.ConditionFailed, Status: metav1.ConditionTrue, Reason: "Budget"})
+	for _, tc := range []struct {
+		name     string
+		b        *v1alpha1.ImagePrePull // in the cluster besides a
+		followed bool                   // the keeper follows b
+		keep     bool                   // the taint stays
+	}{
+		{"an object of the key not followed yet", keepNew("b", ""), false, true},
+		{"both followed and warm", keepNew("b", ""), true, false},
+		{"an object of another key", other, false, false},
+		{"a failed object", failed, false, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			a := keepNew("a", "")
+			k := testKeeper(t, a, tc.b, taintedNode("n", "node-uid", time.Time{}))
+			follow(t, k, a, map[string]bool{"n": true})
+			if tc.followed {
+				follow(t, k, tc.b, map[string]bool{"n": true})
+			}
+			if _, err := k.Reconcile(t.Context(), ctrl.Request{NamespacedName: types.NamespacedName{Name: "n"}}); err != nil {
+				t.Fatal(err)
+			}
+			if got := hasReadinessTaint(t, k.c, "n"); got != tc.keep {
+				t.Errorf("taint kept: %t, want %t", got, tc.keep)
+			}
+		})
+	}
+}
