@@ -2,6 +2,8 @@ package controller
 
 import (
 	"log/slog"
+	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -15,6 +17,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client/fake"
 
 	"github.com/imagefleet/imagefleet/api/v1alpha1"
+	"github.com/imagefleet/imagefleet/bus"
 )
 
 // keepNew is a KeepNewNodes ImagePrePull over every node, Complete.
@@ -113,5 +116,29 @@ func TestReadinessWaitsForEveryObjectOfTheKey(t *testing.T) {
 				t.Errorf("taint kept: %t, want %t", got, tc.keep)
 			}
 		})
+	}
+}
+
+// The registry watch's initial values are not joins: a node written after an object's scan and before the
+// watch passed them would be missed, so each activated object scans the registry again at the marker.
+func TestRegistryMarkerScansAgain(t *testing.T) {
+	k := testKeeper(t)
+	k.synced = false
+	var scanned []string
+	var mu sync.Mutex
+	k.scan = func(ko *keptObject) error {
+		mu.Lock()
+		defer mu.Unlock()
+		scanned = append(scanned, ko.name)
+		return nil
+	}
+	follow(t, k, keepNew("active", ""), map[string]bool{})
+	follow(t, k, keepNew("loading", ""), nil).active = false // it scans once it has read its first rollout
+	k.registryEntry(bus.Entry{}, true)
+	k.wg.Wait()
+	mu.Lock()
+	defer mu.Unlock()
+	if !slices.Equal(scanned, []string{"active"}) {
+		t.Errorf("scanned again: %v, want [active]", scanned)
 	}
 }

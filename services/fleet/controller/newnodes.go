@@ -37,7 +37,8 @@ import (
 // JoinRolloutID(<rolloutID>, node), through the same engine (fleet.NewRollout): its claim and outcome are on
 // the bus, so a controller that restarts reads the outcome back (LoadRollout) instead of pulling again, and
 // resumes a join that was at work. Nodes that joined while no controller ran are found when an object is
-// taken on (activate): the registry's Ready nodes that match, less the first rollout's.
+// taken on (activate): the registry's Ready nodes that match, less the first rollout's; and again when the
+// registry watch has passed its initial values (registryEntry).
 //
 // The keeper also removes each object's readiness taint from the Kubernetes Nodes it warmed (readiness.go).
 //
@@ -60,6 +61,9 @@ type keeper struct {
 	synced bool                     // the registry watch passed its initial values
 	nodes  map[string]registryNode  // the registry's nodes, as their last-seen records show them
 	objs   map[string]*keptObject   // by object name
+
+	// scan takes on the nodes of the registry for an object (scanRegistry; a test's fake stands in).
+	scan func(ko *keptObject) error
 }
 
 // maxJoinsAtWork bounds the one-node rollouts the keeper runs at once (a burst of joins waits its turn).
@@ -101,9 +105,11 @@ type join struct {
 }
 
 func newKeeper(base context.Context, cfg Config, b *bus.Bus, k kind, c client.Client, api client.Reader, status client.SubResourceWriter, rec recorder.EventRecorder) *keeper {
-	return &keeper{b: b, kind: k, cfg: cfg, log: cfg.Logger.With("worker", "controller", "part", "new-nodes"), c: c, api: api,
+	kp := &keeper{b: b, kind: k, cfg: cfg, log: cfg.Logger.With("worker", "controller", "part", "new-nodes"), c: c, api: api,
 		status: status, rec: rec, kick: make(chan event.GenericEvent, 1024), base: base, sem: make(chan struct{}, maxJoinsAtWork),
 		nodes: map[string]registryNode{}, objs: map[string]*keptObject{}}
+	kp.scan = kp.scanRegistry
+	return kp
 }
 
 // JoinRolloutID names the one-node rollout that warms a node that joined: <rolloutID>-join-<16 hex digits of
@@ -260,9 +266,7 @@ func (k *keeper) activate(ko *keptObject) {
 		return
 	}
 	k.kickAll()
-	if !untilDone(ko.ctx, func() error { return k.scan(ko) }, func(err error, wait time.Duration) {
-		k.log.Warn("reading the registry failed; retrying", "name", ko.name, "err", err, "after", wait)
-	}) {
+	if !k.rescan(ko) {
 		return
 	}
 	k.mu.Lock()
@@ -270,11 +274,18 @@ func (k *keeper) activate(ko *keptObject) {
 	k.mu.Unlock()
 }
 
+// rescan runs k.scan for ko until it works or ko is let go, and reports whether it worked.
+func (k *keeper) rescan(ko *keptObject) bool {
+	return untilDone(ko.ctx, func() error { return k.scan(ko) }, func(err error, wait time.Duration) {
+		k.log.Warn("reading the registry failed; retrying", "name", ko.name, "err", err, "after", wait)
+	})
+}
+
 // scan takes on the nodes that joined before: each matching node of the registry, Ready or lost, that the
 // first rollout did not plan. A node whose join recorded an outcome is counted with it, read here before the
 // counters are first written (a controller that restarts writes no dip in them); a Ready one without is
 // warmed.
-func (k *keeper) scan(ko *keptObject) error {
+func (k *keeper) scanRegistry(ko *keptObject) error {
 	reg, err := fleet.OpenRegistry(ko.ctx, k.b, fleet.RegistryOptions{})
 	if err != nil {
 		return err
@@ -521,8 +532,20 @@ func (k *keeper) Start(ctx context.Context) error {
 // started again, is taken on by every object that selects it.
 func (k *keeper) registryEntry(e bus.Entry, initialDone bool) {
 	if initialDone {
+		// A node written after an object's scan read the registry and before the watch passed its initial
+		// values came as an initial value, not as a join: each object whose scan may have run before now
+		// scans again. One that activates later scans after this.
 		k.mu.Lock()
 		k.synced = true
+		for _, ko := range k.objs {
+			if ko.active && !ko.stopped {
+				k.wg.Add(1)
+				go func() {
+					defer k.wg.Done()
+					k.rescan(ko)
+				}()
+			}
+		}
 		k.mu.Unlock()
 		k.kickAll()
 		return
