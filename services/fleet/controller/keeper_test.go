@@ -61,7 +61,7 @@ func follow(t *testing.T, k *keeper, o *v1alpha1.ImagePrePull, planned map[strin
 	if err != nil {
 		t.Fatal(err)
 	}
-	ko.rolloutID, ko.active, ko.planned = o.Status.RolloutID, true, planned
+	ko.rolloutID, ko.active, ko.planned, ko.plannedAt = o.Status.RolloutID, true, planned, time.Now()
 	k.objs[o.Name] = ko
 	t.Cleanup(ko.cancel)
 	return ko
@@ -119,6 +119,61 @@ func TestReadinessWaitsForEveryObjectOfTheKey(t *testing.T) {
 	}
 }
 
+// A Node made after the outcome that warmed its name (a reused name: a new machine) is not warm.
+func TestReadinessHoldsANodeMadeAfterItsOutcome(t *testing.T) {
+	a := keepNew("a", "")
+	k := testKeeper(t, a, taintedNode("n", "new-machine", time.Now()))
+	ko := follow(t, k, a, map[string]bool{})
+	ko.joins["n"] = &join{done: true, ok: true} // an outcome that names no Node: an earlier machine's
+	if _, err := k.Reconcile(t.Context(), ctrl.Request{NamespacedName: types.NamespacedName{Name: "n"}}); err != nil {
+		t.Fatal(err)
+	}
+	if !hasReadinessTaint(t, k.c, "n") {
+		t.Error("the taint of a Node made after its name was warmed was removed")
+	}
+	k.mu.Lock()
+	j := ko.joins["n"]
+	k.mu.Unlock()
+	if j == nil || j.done || j.uid != "new-machine" {
+		t.Errorf("join %+v: want one at work for the new Node", j)
+	}
+}
+
+// A Node made again under a reused name gets a join of its own once an agent started after the Node was
+// made shows in the registry; the agent of the machine before does not get it.
+func TestReadinessRejoinsAReusedName(t *testing.T) {
+	made := time.Now().Truncate(time.Second)
+	for _, tc := range []struct {
+		name    string
+		started time.Time // the registry's agent start
+		rejoin  bool
+	}{
+		{"the new machine's agent", made.Add(time.Second), true},
+		{"the machine before's agent", made.Add(-time.Hour), false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			a := keepNew("a", "")
+			k := testKeeper(t, a, taintedNode("n", "new", made))
+			k.nodes["n"] = registryNode{started: tc.started}
+			ko := follow(t, k, a, map[string]bool{})
+			old := &join{done: true, ok: true, uid: "old"}
+			ko.joins["n"] = old
+			if _, err := k.Reconcile(t.Context(), ctrl.Request{NamespacedName: types.NamespacedName{Name: "n"}}); err != nil {
+				t.Fatal(err)
+			}
+			if !hasReadinessTaint(t, k.c, "n") {
+				t.Error("the taint of a new Node under a warmed name was removed")
+			}
+			k.mu.Lock()
+			j := ko.joins["n"]
+			k.mu.Unlock()
+			if got := j != old && j.uid == "new" && !j.done; got != tc.rejoin {
+				t.Errorf("join %+v: a new one for the Node: %t, want %t", j, got, tc.rejoin)
+			}
+		})
+	}
+}
+
 // The registry watch's initial values are not joins: a node written after an object's scan and before the
 // watch passed them would be missed, so each activated object scans the registry again at the marker.
 func TestRegistryMarkerScansAgain(t *testing.T) {
@@ -140,5 +195,22 @@ func TestRegistryMarkerScansAgain(t *testing.T) {
 	defer mu.Unlock()
 	if !slices.Equal(scanned, []string{"active"}) {
 		t.Errorf("scanned again: %v, want [active]", scanned)
+	}
+}
+
+// A Node that no object took on before is not taken on by the Node reconciler: joins come from the registry
+// (a node the registry shows lost is not warmed).
+func TestReadinessTakesOnlyAReusedNameOn(t *testing.T) {
+	a := keepNew("a", "")
+	k := testKeeper(t, a, taintedNode("n", "uid", time.Now()))
+	k.nodes["n"] = registryNode{started: time.Now().Add(time.Hour)}
+	ko := follow(t, k, a, map[string]bool{})
+	if _, err := k.Reconcile(t.Context(), ctrl.Request{NamespacedName: types.NamespacedName{Name: "n"}}); err != nil {
+		t.Fatal(err)
+	}
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if j := ko.joins["n"]; j != nil {
+		t.Errorf("join %+v of a node never taken on", j)
 	}
 }
