@@ -139,6 +139,30 @@ func TestReadinessHoldsANodeMadeAfterItsOutcome(t *testing.T) {
 	}
 }
 
+// A paused object takes no node on; it takes the held ones on when it resumes.
+func TestPausedObjectHoldsJoins(t *testing.T) {
+	o := keepNew("a", "")
+	o.Spec.Paused = true
+	k := testKeeper(t)
+	ko := follow(t, k, o, map[string]bool{})
+	k.consider(ko, "n", "")
+	k.mu.Lock()
+	_, taken := ko.joins["n"]
+	k.mu.Unlock()
+	if taken {
+		t.Error("a paused object took a joining node on")
+	}
+	resumed := o.DeepCopy()
+	resumed.Spec.Paused = false
+	k.observe(resumed)
+	k.mu.Lock()
+	_, taken = ko.joins["n"]
+	k.mu.Unlock()
+	if !taken {
+		t.Error("the object did not take the held node on when it resumed")
+	}
+}
+
 // A Node made again under a reused name gets a join of its own once an agent started after the Node was
 // made shows in the registry; the agent of the machine before does not get it.
 func TestReadinessRejoinsAReusedName(t *testing.T) {

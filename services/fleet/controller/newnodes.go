@@ -41,7 +41,8 @@ import (
 // are found when an object is taken on (activate): the registry's Ready nodes that match, less the first
 // rollout's; and again when the registry watch has passed its initial values (registryEntry).
 //
-// An outcome is of one Kubernetes Node (nodeID): a Node made again under a reused name is a new node.
+// An outcome is of one Kubernetes Node (nodeID): a Node made again under a reused name is a new node. A
+// paused object takes no node on: the nodes that join meanwhile are held, and taken on when it resumes.
 //
 // The keeper also removes each object's readiness taint from the Kubernetes Nodes it warmed (readiness.go).
 //
@@ -94,6 +95,9 @@ type keptObject struct {
 	stopped         bool // forgotten: its joins end
 	ctx             context.Context
 	cancel          context.CancelFunc
+
+	paused bool              // spec.paused: no join starts
+	held   map[string]string // the nodes that joined while paused, with their JetStream domains
 
 	planned            map[string]bool // the first rollout's nodes: true for those warmed
 	plannedAt          time.Time       // the first rollout's start: its outcomes are of the Nodes made before
@@ -200,6 +204,11 @@ func (k *keeper) observe(obj client.Object) {
 	if ko.rolloutID == "" {
 		ko.rolloutID = o.Status.RolloutID
 	}
+	var resumed map[string]string
+	if ko.paused && !o.Spec.Paused {
+		resumed, ko.held = ko.held, nil
+	}
+	ko.paused = o.Spec.Paused
 	start := meta.IsStatusConditionTrue(o.Status.Conditions, v1alpha1.ConditionComplete) && !ko.active && !ko.loading && ko.rolloutID != ""
 	if start {
 		ko.loading = true
@@ -213,13 +222,16 @@ func (k *keeper) observe(obj client.Object) {
 			k.activate(ko)
 		}()
 	}
+	for node, domain := range resumed {
+		k.consider(ko, node, domain)
+	}
 	if fresh {
 		k.kickAll() // an object in its first rollout holds the taint of the nodes it selects
 	}
 }
 
 func newKeptObject(base context.Context, o *v1alpha1.ImagePrePull) (*keptObject, error) {
-	ko := &keptObject{name: o.Name, uid: o.UID, obj: o.DeepCopy(), key: readinessTaint(o), joins: map[string]*join{}}
+	ko := &keptObject{name: o.Name, uid: o.UID, obj: o.DeepCopy(), key: readinessTaint(o), joins: map[string]*join{}, paused: o.Spec.Paused}
 	switch {
 	case len(o.Spec.Nodes.Names) > 0:
 		ko.names = map[string]bool{}
@@ -445,12 +457,20 @@ func (k *keeper) load(ko *keptObject) error {
 }
 
 // consider takes node on for ko if ko selects it and has not taken its Kubernetes Node on yet (planned it,
-// or a join of it).
+// or a join of it). While ko is paused the node is held: taken on when ko resumes.
 func (k *keeper) consider(ko *keptObject, node, domain string) {
 	id := k.nodeID(ko.ctx, node)
 	k.mu.Lock()
 	n, known := k.nodes[node]
 	if !ko.active || ko.stopped || !ko.selects(node, n, known) || ko.hasOutcomeLocked(node, id) {
+		k.mu.Unlock()
+		return
+	}
+	if ko.paused {
+		if ko.held == nil {
+			ko.held = map[string]string{}
+		}
+		ko.held[node] = domain
 		k.mu.Unlock()
 		return
 	}
@@ -465,7 +485,8 @@ func (k *keeper) consider(ko *keptObject, node, domain string) {
 	}()
 }
 
-// warm runs node's one-node rollout for ko, or reads its recorded outcome, and records the outcome.
+// warm runs node's one-node rollout for ko, or reads its recorded outcome, and records the outcome. A join
+// that waited for its turn while ko was paused is held again instead.
 func (k *keeper) warm(ko *keptObject, node, domain string, j *join) {
 	select {
 	case k.sem <- struct{}{}:
@@ -473,6 +494,17 @@ func (k *keeper) warm(ko *keptObject, node, domain string, j *join) {
 		return
 	}
 	defer func() { <-k.sem }()
+	k.mu.Lock()
+	if ko.paused && ko.joins[node] == j {
+		delete(ko.joins, node)
+		if ko.held == nil {
+			ko.held = map[string]string{}
+		}
+		ko.held[node], ko.dirty = domain, true
+		k.mu.Unlock()
+		return
+	}
+	k.mu.Unlock()
 	id := JoinRolloutID(ko.rolloutID, node, j.uid)
 	var nr events.RolloutNodeResult
 	var fresh bool
