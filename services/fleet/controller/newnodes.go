@@ -42,7 +42,8 @@ import (
 // rollout's; and again when the registry watch has passed its initial values (registryEntry).
 //
 // An outcome is of one Kubernetes Node (nodeID): a Node made again under a reused name is a new node. A
-// paused object takes no node on: the nodes that join meanwhile are held, and taken on when it resumes.
+// paused object takes no node on: the nodes that join meanwhile are held, and taken on when it resumes. A
+// failed join is not tried again by its object (docs/kubernetes-objects.md says how to retry one).
 //
 // The keeper also removes each object's readiness taint from the Kubernetes Nodes it warmed (readiness.go).
 //
