@@ -11,6 +11,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -98,7 +99,7 @@ func TestControllerWarmsNewNodes(t *testing.T) {
 		t.Errorf("after a join: status %+v", st)
 	}
 	waitTaint(t, cs, name(2), taint, false)
-	joinID := controller.JoinRolloutID(st.RolloutID, name(2))
+	joinID := controller.JoinRolloutID(st.RolloutID, name(2), nodeUID(t, cs, name(2)))
 	if pulls, err := pullResultsPerNode(ctx, b, 0, joinID); err != nil || pulls[name(2)] != 1 || len(pulls) != 1 {
 		t.Errorf("pull results of %s: %v (%v)", joinID, pulls, err)
 	}
@@ -141,7 +142,7 @@ func TestControllerWarmsNewNodes(t *testing.T) {
 			t.Errorf("node %s: taints %v (%v), want %s kept", name(i), n.Spec.Taints, err, taint)
 		}
 	}
-	if c, r, err := rolloutRecordsPerNode(ctx, b, controller.JoinRolloutID(st.RolloutID, name(4))); err != nil || len(c)+len(r) != 0 {
+	if c, r, err := rolloutRecordsPerNode(ctx, b, controller.JoinRolloutID(st.RolloutID, name(4), nodeUID(t, cs, name(4)))); err != nil || len(c)+len(r) != 0 {
 		t.Errorf("the node left out was acted on: claims %v, outcomes %v (%v)", c, r, err)
 	}
 }
@@ -155,6 +156,16 @@ func registerNode(t *testing.T, cs kubernetes.Interface, name, taint string) {
 	if _, err := cs.CoreV1().Nodes().Create(t.Context(), n, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// nodeUID is the UID of the Node of name: a join rollout's id holds it.
+func nodeUID(t *testing.T, cs kubernetes.Interface, name string) types.UID {
+	t.Helper()
+	n, err := cs.CoreV1().Nodes().Get(t.Context(), name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n.UID
 }
 
 func hasTaint(n *corev1.Node, key string) bool {

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
@@ -34,10 +35,15 @@ import (
 // few minutes; not every heartbeat): a record of a node it had not seen, or of a node whose agent started
 // again, after the bucket's initial values, is a node joining. A node that joins and that an object selects,
 // and that was not in the object's first rollout, is warmed by a one-node rollout of its own, id
-// JoinRolloutID(<rolloutID>, node), through the same engine (fleet.NewRollout): its claim and outcome are on
-// the bus, so a controller that restarts reads the outcome back (LoadRollout) instead of pulling again, and
-// resumes a join that was at work. Nodes that joined while no controller ran are found when an object is
-// taken on (activate): the registry's Ready nodes that match, less the first rollout's.
+// JoinRolloutID(<rolloutID>, node, <its Kubernetes Node's UID>), through the same engine (fleet.NewRollout):
+// its claim and outcome are on the bus, so a controller that restarts reads the outcome back (LoadRollout)
+// instead of pulling again, and resumes a join that was at work. Nodes that joined while no controller ran
+// are found when an object is taken on (activate): the registry's Ready nodes that match, less the first
+// rollout's; and again when the registry watch has passed its initial values (registryEntry).
+//
+// An outcome is of one Kubernetes Node (nodeID): a Node made again under a reused name is a new node. A
+// paused object takes no node on: the nodes that join meanwhile are held, and taken on when it resumes. A
+// failed join is not tried again by its object (docs/kubernetes-objects.md says how to retry one).
 //
 // The keeper also removes each object's readiness taint from the Kubernetes Nodes it warmed (readiness.go).
 //
@@ -60,6 +66,9 @@ type keeper struct {
 	synced bool                     // the registry watch passed its initial values
 	nodes  map[string]registryNode  // the registry's nodes, as their last-seen records show them
 	objs   map[string]*keptObject   // by object name
+
+	// scan takes on the nodes of the registry for an object (scanRegistry; a test's fake stands in).
+	scan func(ko *keptObject) error
 }
 
 // maxJoinsAtWork bounds the one-node rollouts the keeper runs at once (a burst of joins waits its turn).
@@ -88,7 +97,11 @@ type keptObject struct {
 	ctx             context.Context
 	cancel          context.CancelFunc
 
+	paused bool              // spec.paused: no join starts
+	held   map[string]string // the nodes that joined while paused, with their JetStream domains
+
 	planned            map[string]bool // the first rollout's nodes: true for those warmed
+	plannedAt          time.Time       // the first rollout's start: its outcomes are of the Nodes made before
 	baseOK, baseFailed int32
 	joins              map[string]*join
 	failedNodes        []v1alpha1.NodeFailure
@@ -98,19 +111,52 @@ type keptObject struct {
 // join is one joined node's warm-up.
 type join struct {
 	done, ok bool
+	uid      types.UID // the Kubernetes Node's it warms ("": no such Node, or a join recorded under the name only)
+	started  time.Time // its rollout's start, for a join recorded under the name only
+}
+
+// nodeID tells the Kubernetes Nodes of one name apart: a Node deleted and made again under its name (a new
+// machine) has another UID and a later creation time. The zero nodeID is a node with no Kubernetes Node (or
+// none read yet): the name is all there is.
+type nodeID struct {
+	uid     types.UID
+	created time.Time
+}
+
+// covers reports whether an outcome is of id's Node: one recorded for the Node's UID, or, for an outcome
+// recorded under the name only (the first rollout's, and joins recorded before the UID was), one whose
+// rollout started after the Node was made (to the second: the API server's creation time has no finer grain).
+func (id nodeID) covers(uid types.UID, started time.Time) bool {
+	switch {
+	case id.uid == "":
+		return true
+	case uid != "":
+		return uid == id.uid
+	default:
+		return !started.IsZero() && !started.Before(id.created)
+	}
 }
 
 func newKeeper(base context.Context, cfg Config, b *bus.Bus, k kind, c client.Client, api client.Reader, status client.SubResourceWriter, rec recorder.EventRecorder) *keeper {
-	return &keeper{b: b, kind: k, cfg: cfg, log: cfg.Logger.With("worker", "controller", "part", "new-nodes"), c: c, api: api,
+	kp := &keeper{b: b, kind: k, cfg: cfg, log: cfg.Logger.With("worker", "controller", "part", "new-nodes"), c: c, api: api,
 		status: status, rec: rec, kick: make(chan event.GenericEvent, 1024), base: base, sem: make(chan struct{}, maxJoinsAtWork),
 		nodes: map[string]registryNode{}, objs: map[string]*keptObject{}}
+	kp.scan = kp.scanRegistry
+	return kp
 }
 
 // JoinRolloutID names the one-node rollout that warms a node that joined: <rolloutID>-join-<16 hex digits of
-// the node name's SHA-256> (a rollout id holds at most 64 lower-case letters, digits and '-'; a node name
-// more). `imagefleet fleet follow` shows the node by name.
-func JoinRolloutID(rolloutID, node string) string {
-	sum := sha256.Sum256([]byte(node))
+// a SHA-256> (a rollout id holds at most 64 lower-case letters, digits and '-'; a node name more), over the
+// node name and the UID of its Kubernetes Node, so that a new Node under a reused name is warmed by a rollout
+// of its own. With uid empty (a node with no Kubernetes Node) the hash is of the name alone: the ids that
+// joins were recorded under before the UID was part of them, which a controller still reads back.
+// `imagefleet fleet follow` shows the node by name.
+func JoinRolloutID(rolloutID, node string, uid types.UID) string {
+	in := node
+	if uid != "" {
+		in = node + "\x00" + string(uid)
+	}
+	sum := sha256.Sum256([]byte(in))
 	return rolloutID + "-join-" + hex.EncodeToString(sum[:8])
 }
 
@@ -159,6 +205,11 @@ func (k *keeper) observe(obj client.Object) {
 	if ko.rolloutID == "" {
 		ko.rolloutID = o.Status.RolloutID
 	}
+	var resumed map[string]string
+	if ko.paused && !o.Spec.Paused {
+		resumed, ko.held = ko.held, nil
+	}
+	ko.paused = o.Spec.Paused
 	start := meta.IsStatusConditionTrue(o.Status.Conditions, v1alpha1.ConditionComplete) && !ko.active && !ko.loading && ko.rolloutID != ""
 	if start {
 		ko.loading = true
@@ -172,13 +223,16 @@ func (k *keeper) observe(obj client.Object) {
 			k.activate(ko)
 		}()
 	}
+	for node, domain := range resumed {
+		k.consider(ko, node, domain)
+	}
 	if fresh {
 		k.kickAll() // an object in its first rollout holds the taint of the nodes it selects
 	}
 }
 
 func newKeptObject(base context.Context, o *v1alpha1.ImagePrePull) (*keptObject, error) {
-	ko := &keptObject{name: o.Name, uid: o.UID, obj: o.DeepCopy(), key: readinessTaint(o), joins: map[string]*join{}}
+	ko := &keptObject{name: o.Name, uid: o.UID, obj: o.DeepCopy(), key: readinessTaint(o), joins: map[string]*join{}, paused: o.Spec.Paused}
 	switch {
 	case len(o.Spec.Nodes.Names) > 0:
 		ko.names = map[string]bool{}
@@ -207,13 +261,23 @@ func (ko *keptObject) selects(node string, n registryNode, known bool) bool {
 	return !known || ko.sel.Matches(n.labels)
 }
 
-// warmed reports whether ko warmed node: in its first rollout, or as it joined.
-func (ko *keptObject) warmed(node string) bool {
-	if ok, planned := ko.planned[node]; planned {
+// warmed reports whether ko warmed node's Node id: in its first rollout, or as it joined.
+func (ko *keptObject) warmed(node string, id nodeID) bool {
+	if ok, planned := ko.planned[node]; planned && id.covers("", ko.plannedAt) {
 		return ok
 	}
 	j := ko.joins[node]
-	return j != nil && j.done && j.ok
+	return j != nil && j.done && j.ok && id.covers(j.uid, j.started)
+}
+
+// hasOutcomeLocked reports whether ko took node's Node id on already: it planned it, or it has a join of it
+// (at work, or ended with either outcome). k.mu is held.
+func (ko *keptObject) hasOutcomeLocked(node string, id nodeID) bool {
+	if _, planned := ko.planned[node]; planned && id.covers("", ko.plannedAt) {
+		return true
+	}
+	j := ko.joins[node]
+	return j != nil && (j.uid == id.uid || (j.done && id.covers(j.uid, j.started)))
 }
 
 // forget lets the object of name go: its joins end (each resumes if the object is taken on again).
@@ -260,9 +324,7 @@ func (k *keeper) activate(ko *keptObject) {
 		return
 	}
 	k.kickAll()
-	if !untilDone(ko.ctx, func() error { return k.scan(ko) }, func(err error, wait time.Duration) {
-		k.log.Warn("reading the registry failed; retrying", "name", ko.name, "err", err, "after", wait)
-	}) {
+	if !k.rescan(ko) {
 		return
 	}
 	k.mu.Lock()
@@ -270,11 +332,18 @@ func (k *keeper) activate(ko *keptObject) {
 	k.mu.Unlock()
 }
 
+// rescan runs k.scan for ko until it works or ko is let go, and reports whether it worked.
+func (k *keeper) rescan(ko *keptObject) bool {
+	return untilDone(ko.ctx, func() error { return k.scan(ko) }, func(err error, wait time.Duration) {
+		k.log.Warn("reading the registry failed; retrying", "name", ko.name, "err", err, "after", wait)
+	})
+}
+
 // scan takes on the nodes that joined before: each matching node of the registry, Ready or lost, that the
 // first rollout did not plan. A node whose join recorded an outcome is counted with it, read here before the
 // counters are first written (a controller that restarts writes no dip in them); a Ready one without is
 // warmed.
-func (k *keeper) scan(ko *keptObject) error {
+func (k *keeper) scanRegistry(ko *keptObject) error {
 	reg, err := fleet.OpenRegistry(ko.ctx, k.b, fleet.RegistryOptions{})
 	if err != nil {
 		return err
@@ -291,21 +360,32 @@ func (k *keeper) scan(ko *keptObject) error {
 	return nil
 }
 
-// adopt counts node's recorded join, or takes a Ready node on.
+// adopt counts node's recorded join, or takes a Ready node on. The join is looked up under the id of the
+// node's Kubernetes Node, then under the node's name only (a join recorded before the UID was part of the
+// id), which counts if it started after the Node was made.
 func (k *keeper) adopt(ko *keptObject, node, domain string, ready bool) error {
+	id := k.nodeID(ko.ctx, node)
 	k.mu.Lock()
-	_, planned := ko.planned[node]
-	_, taken := ko.joins[node]
-	skip := planned || taken || ko.stopped || (ko.names != nil && !ko.names[node])
+	skip := ko.hasOutcomeLocked(node, id) || ko.stopped || (ko.names != nil && !ko.names[node])
 	k.mu.Unlock()
 	if skip {
 		return nil
 	}
-	_, _, results, err := fleet.LoadRollout(ko.ctx, k.b, JoinRolloutID(ko.rolloutID, node))
+	started, _, results, err := fleet.LoadRollout(ko.ctx, k.b, JoinRolloutID(ko.rolloutID, node, id.uid))
 	if err != nil {
 		return err
 	}
 	r, recorded := results[node]
+	j := &join{uid: id.uid, started: timeOf(started)}
+	if !recorded && id.uid != "" {
+		started, _, results, err = fleet.LoadRollout(ko.ctx, k.b, JoinRolloutID(ko.rolloutID, node, ""))
+		if err != nil {
+			return err
+		}
+		r, recorded = results[node]
+		j = &join{started: timeOf(started)}
+		recorded = recorded && id.covers("", j.started)
+	}
 	if !recorded {
 		if ready {
 			k.consider(ko, node, domain)
@@ -313,14 +393,33 @@ func (k *keeper) adopt(ko *keptObject, node, domain string, ready bool) error {
 		return nil
 	}
 	k.mu.Lock()
-	if _, taken := ko.joins[node]; !taken {
-		ko.joins[node] = &join{}
+	if !ko.hasOutcomeLocked(node, id) {
+		ko.joins[node] = j
 		k.mu.Unlock()
-		k.ended(ko, node, r, false)
+		k.ended(ko, node, j, r, false)
 		return nil
 	}
 	k.mu.Unlock()
 	return nil
+}
+
+func timeOf(started *events.RolloutStarted) time.Time {
+	if started == nil {
+		return time.Time{}
+	}
+	return started.Time
+}
+
+// nodeID reads the Kubernetes Node of node from the cache: the zero nodeID if there is none.
+func (k *keeper) nodeID(ctx context.Context, node string) nodeID {
+	n := &corev1.Node{}
+	if err := k.c.Get(ctx, client.ObjectKey{Name: node}, n); err != nil {
+		if !apierrors.IsNotFound(err) && ctx.Err() == nil {
+			k.log.Warn("reading the Node failed; taking the node by its name", "node", node, "err", err)
+		}
+		return nodeID{}
+	}
+	return nodeID{uid: n.UID, created: n.CreationTimestamp.Time}
 }
 
 // selectorString is ko's selector as a join rollout records it ("" for names).
@@ -340,7 +439,9 @@ func (k *keeper) load(ko *keptObject) error {
 	}
 	planned := map[string]bool{}
 	var ok int32
+	var at time.Time
 	if started != nil {
+		at = started.Time
 		for _, n := range started.Nodes {
 			r, has := results[n]
 			planned[n] = has && r.OK
@@ -351,46 +452,61 @@ func (k *keeper) load(ko *keptObject) error {
 	}
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	ko.planned, ko.baseOK, ko.baseFailed = planned, ok, int32(len(planned))-ok
+	ko.planned, ko.plannedAt, ko.baseOK, ko.baseFailed = planned, at, ok, int32(len(planned))-ok
 	ko.loading, ko.active = false, true
 	return nil
 }
 
-// consider takes node on for ko if ko selects it, did not plan it and has not taken it on yet.
+// consider takes node on for ko if ko selects it and has not taken its Kubernetes Node on yet (planned it,
+// or a join of it). While ko is paused the node is held: taken on when ko resumes.
 func (k *keeper) consider(ko *keptObject, node, domain string) {
+	id := k.nodeID(ko.ctx, node)
 	k.mu.Lock()
 	n, known := k.nodes[node]
-	if !ko.active || ko.stopped || !ko.selects(node, n, known) {
+	if !ko.active || ko.stopped || !ko.selects(node, n, known) || ko.hasOutcomeLocked(node, id) {
 		k.mu.Unlock()
 		return
 	}
-	if _, planned := ko.planned[node]; planned {
+	if ko.paused {
+		if ko.held == nil {
+			ko.held = map[string]string{}
+		}
+		ko.held[node] = domain
 		k.mu.Unlock()
 		return
 	}
-	if _, taken := ko.joins[node]; taken {
-		k.mu.Unlock()
-		return
-	}
-	ko.joins[node] = &join{}
+	j := &join{uid: id.uid}
+	ko.joins[node] = j // a join of an earlier Node of the name gives way: its outcome is not this Node's
 	ko.dirty = true
 	k.wg.Add(1)
 	k.mu.Unlock()
 	go func() {
 		defer k.wg.Done()
-		k.warm(ko, node, domain)
+		k.warm(ko, node, domain, j)
 	}()
 }
 
-// warm runs node's one-node rollout for ko, or reads its recorded outcome, and records the outcome.
-func (k *keeper) warm(ko *keptObject, node, domain string) {
+// warm runs node's one-node rollout for ko, or reads its recorded outcome, and records the outcome. A join
+// that waited for its turn while ko was paused is held again instead.
+func (k *keeper) warm(ko *keptObject, node, domain string, j *join) {
 	select {
 	case k.sem <- struct{}{}:
 	case <-ko.ctx.Done():
 		return
 	}
 	defer func() { <-k.sem }()
-	id := JoinRolloutID(ko.rolloutID, node)
+	k.mu.Lock()
+	if ko.paused && ko.joins[node] == j {
+		delete(ko.joins, node)
+		if ko.held == nil {
+			ko.held = map[string]string{}
+		}
+		ko.held[node], ko.dirty = domain, true
+		k.mu.Unlock()
+		return
+	}
+	k.mu.Unlock()
+	id := JoinRolloutID(ko.rolloutID, node, j.uid)
 	var nr events.RolloutNodeResult
 	var fresh bool
 	if untilDone(ko.ctx, func() (err error) {
@@ -399,7 +515,7 @@ func (k *keeper) warm(ko *keptObject, node, domain string) {
 	}, func(err error, wait time.Duration) {
 		k.log.Warn("warming a joined node failed; resuming it", "name", ko.name, "node", node, "rollout", id, "err", err, "after", wait)
 	}) {
-		k.ended(ko, node, nr, fresh)
+		k.ended(ko, node, j, nr, fresh)
 	}
 }
 
@@ -467,11 +583,11 @@ func (k *keeper) warmOnce(ko *keptObject, id, node, domain string) (nr events.Ro
 	return *got, !got.Resumed, nil
 }
 
-// ended records node's outcome: the counters, the failure (a new one: an Event), and the taint.
-func (k *keeper) ended(ko *keptObject, node string, nr events.RolloutNodeResult, fresh bool) {
+// ended records the outcome of node's join j: the counters, the failure (a new one: an Event), and the
+// taint. A join that gave way to one of a newer Node of the name records nothing.
+func (k *keeper) ended(ko *keptObject, node string, j *join, nr events.RolloutNodeResult, fresh bool) {
 	k.mu.Lock()
-	j := ko.joins[node]
-	if j == nil || ko.stopped {
+	if ko.joins[node] != j || ko.stopped {
 		k.mu.Unlock()
 		return
 	}
@@ -521,8 +637,20 @@ func (k *keeper) Start(ctx context.Context) error {
 // started again, is taken on by every object that selects it.
 func (k *keeper) registryEntry(e bus.Entry, initialDone bool) {
 	if initialDone {
+		// A node written after an object's scan read the registry and before the watch passed its initial
+		// values came as an initial value, not as a join: each object whose scan may have run before now
+		// scans again. One that activates later scans after this.
 		k.mu.Lock()
 		k.synced = true
+		for _, ko := range k.objs {
+			if ko.active && !ko.stopped {
+				k.wg.Add(1)
+				go func() {
+					defer k.wg.Done()
+					k.rescan(ko)
+				}()
+			}
+		}
 		k.mu.Unlock()
 		k.kickAll()
 		return

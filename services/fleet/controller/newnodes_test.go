@@ -4,10 +4,12 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/imagefleet/imagefleet/api/v1alpha1"
 	"github.com/imagefleet/imagefleet/events"
@@ -16,8 +18,10 @@ import (
 func TestJoinRolloutIDIsAValidRolloutID(t *testing.T) {
 	base := "pull-" + "0f8e5a2c-6d1b-4b7e-9a51-3c2d7e8f9a10"
 	long := strings.Repeat("n", 253)
-	a, b := JoinRolloutID(base, "node-a"), JoinRolloutID(base, long)
-	for _, id := range []string{a, b} {
+	uid := types.UID("6b1f0e2a-9c3d-4e5f-8a7b-1c2d3e4f5a6b")
+	a, b := JoinRolloutID(base, "node-a", ""), JoinRolloutID(base, long, "")
+	ua, ub := JoinRolloutID(base, "node-a", uid), JoinRolloutID(base, "node-a", "another")
+	for _, id := range []string{a, b, ua, ub} {
 		if err := events.ValidateRolloutID(id); err != nil {
 			t.Errorf("%s: %v", id, err)
 		}
@@ -25,8 +29,38 @@ func TestJoinRolloutIDIsAValidRolloutID(t *testing.T) {
 			t.Errorf("%s: want the object's rollout id first", id)
 		}
 	}
-	if a == b || a != JoinRolloutID(base, "node-a") {
+	if a == b || a != JoinRolloutID(base, "node-a", "") || ua != JoinRolloutID(base, "node-a", uid) {
 		t.Errorf("ids %s, %s: want one per node, the same each time", a, b)
+	}
+	if ua == a || ua == ub {
+		t.Errorf("ids %s, %s, %s: want one per Node of a name", a, ua, ub)
+	}
+	// Without a UID, the id joins were recorded under before: a controller still reads them back.
+	if want := base + "-join-66570ff05a207404"; a != want {
+		t.Errorf("id by name only %s, want %s", a, want)
+	}
+}
+
+func TestNodeIDCovers(t *testing.T) {
+	made := time.Date(2026, 11, 28, 9, 0, 0, 0, time.UTC)
+	node := nodeID{uid: "new", created: made}
+	for _, tc := range []struct {
+		name    string
+		id      nodeID
+		uid     types.UID
+		started time.Time
+		want    bool
+	}{
+		{"no Kubernetes Node: the name is all there is", nodeID{}, "old", time.Time{}, true},
+		{"recorded for the Node", node, "new", time.Time{}, true},
+		{"recorded for the Node before", node, "old", made.Add(time.Hour), false},
+		{"by name, started after the Node was made", node, "", made, true},
+		{"by name, started before", node, "", made.Add(-time.Second), false},
+		{"by name, start unknown", node, "", time.Time{}, false},
+	} {
+		if got := tc.id.covers(tc.uid, tc.started); got != tc.want {
+			t.Errorf("%s: covers = %t", tc.name, got)
+		}
 	}
 }
 
@@ -87,7 +121,7 @@ func TestKeptObjectSelectsWarmedAndCounts(t *testing.T) {
 		if got := ko.selects(tc.node, tc.n, tc.known); got != tc.selects {
 			t.Errorf("selects(%s) = %t", tc.node, got)
 		}
-		if got := ko.warmed(tc.node); got != tc.hot {
+		if got := ko.warmed(tc.node, nodeID{}); got != tc.hot {
 			t.Errorf("warmed(%s) = %t", tc.node, got)
 		}
 	}
@@ -126,7 +160,7 @@ func TestWarmForNeedsEveryObjectOfTheKey(t *testing.T) {
 			for _, ko := range tc.objs {
 				k.objs[ko.name] = ko
 			}
-			by, ok := k.warmFor("n", key)
+			by, ok := k.warmFor("n", nodeID{}, key)
 			if ok != (tc.want != nil) || !slices.Equal(by, tc.want) {
 				t.Errorf("warmFor = %v, %t; want %v", by, ok, tc.want)
 			}

@@ -9,6 +9,7 @@ import (
 	"strings"
 
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/util/retry"
@@ -19,6 +20,8 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/handler"
 	"sigs.k8s.io/controller-runtime/pkg/predicate"
 	"sigs.k8s.io/controller-runtime/pkg/source"
+
+	"github.com/imagefleet/imagefleet/api/v1alpha1"
 )
 
 // The readiness taint: a node registers with the taint an ImagePrePull with completionPolicy KeepNewNodes
@@ -26,6 +29,15 @@ import (
 // its images are warm; the keeper removes it from the Kubernetes Node of the same name (the agent's --node)
 // once every such object with that key that selects the node has warmed it. A node that failed to warm
 // keeps it. A Node whose taint no object names is left alone.
+//
+// The decision waits for the keeper to follow every KeepNewNodes object of the key that exists (the objects
+// listed from the manager's cache, which a List waits to be synced): after a restart the Node reconciler can
+// run before the ImagePrePull reconciler has handed the keeper each object, and a node warmed by the objects
+// seen so far must not lose the taint that an object not seen yet holds. An object taken on kicks every
+// tainted Node (kickAll).
+//
+// An outcome warms the Kubernetes Node it was recorded for (nodeID): a Node deleted and made again under
+// its name (a new machine) is not warm by the outcomes of the one before.
 //
 // The Nodes are read from the manager's cache, cut down to their names and taints (nodeTaintsOnly): a fleet
 // of Nodes costs the controller little memory. The Node reconciler is level-based: it looks at a Node when
@@ -43,14 +55,14 @@ func (k *keeper) setupReadiness(mgr ctrl.Manager) error {
 		Complete(k)
 }
 
-// nodeTaintsOnly keeps of a cached Node its name, UID, resource version and taints.
+// nodeTaintsOnly keeps of a cached Node its name, UID, creation time, resource version and taints.
 func nodeTaintsOnly(obj any) (any, error) {
 	n, ok := obj.(*corev1.Node)
 	if !ok {
 		return obj, nil
 	}
-	return &corev1.Node{TypeMeta: n.TypeMeta, ObjectMeta: metav1.ObjectMeta{Name: n.Name, UID: n.UID, ResourceVersion: n.ResourceVersion},
-		Spec: corev1.NodeSpec{Taints: n.Spec.Taints}}, nil
+	return &corev1.Node{TypeMeta: n.TypeMeta, ObjectMeta: metav1.ObjectMeta{Name: n.Name, UID: n.UID, ResourceVersion: n.ResourceVersion,
+		CreationTimestamp: n.CreationTimestamp}, Spec: corev1.NodeSpec{Taints: n.Spec.Taints}}, nil
 }
 
 // kickNode asks the Node reconciler to look at node.
@@ -91,9 +103,18 @@ func (k *keeper) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, 
 	if err := k.c.Get(ctx, req.NamespacedName, node); err != nil {
 		return ctrl.Result{}, client.IgnoreNotFound(err)
 	}
+	unseen, err := k.unfollowed(ctx)
+	if err != nil {
+		return ctrl.Result{}, err
+	}
+	id := nodeID{uid: node.UID, created: node.CreationTimestamp.Time}
 	for _, t := range node.Spec.Taints {
-		by, warm := k.warmFor(node.Name, t.Key)
+		if unseen[t.Key] {
+			continue
+		}
+		by, warm := k.warmFor(node.Name, id, t.Key)
 		if !warm {
+			k.rejoin(node.Name, id, t.Key)
 			continue
 		}
 		removed, err := k.removeTaint(ctx, node.Name, t.Key)
@@ -108,9 +129,60 @@ func (k *keeper) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, 
 	return ctrl.Result{}, nil
 }
 
-// warmFor reports whether node's taint key may go: some object with that key selects the node, and every
-// such object has taken on new nodes (its first rollout completed) and warmed it. by names them.
-func (k *keeper) warmFor(node, key string) (by []string, warm bool) {
+// unfollowed returns the readiness taint keys of the KeepNewNodes objects that exist (in the manager's cache)
+// and that the keeper does not follow yet: their taints wait.
+func (k *keeper) unfollowed(ctx context.Context) (map[string]bool, error) {
+	var list v1alpha1.ImagePrePullList
+	if err := k.c.List(ctx, &list); err != nil {
+		return nil, fmt.Errorf("list ImagePrePulls: %w", err)
+	}
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	unseen := map[string]bool{}
+	for i := range list.Items {
+		o, keep := keepsNewNodes(&list.Items[i])
+		if !keep || o.DeletionTimestamp != nil || meta.IsStatusConditionTrue(o.Status.Conditions, v1alpha1.ConditionFailed) {
+			continue // not followed, by design
+		}
+		if ko := k.objs[o.Name]; ko == nil || ko.uid != o.UID {
+			unseen[readinessTaint(o)] = true
+		}
+	}
+	return unseen, nil
+}
+
+// rejoin takes node on again for each object of key that selects it, took the name on before and has no
+// outcome for its Node id: a Node made again under a reused name. The node must show in the registry by an agent started after the Node
+// was made (the agent of the machine before it would be warmed instead), or the object's last join of it
+// must have been taken before the Node existed (recorded under the name only); otherwise the agent's start
+// takes it on (registryEntry).
+func (k *keeper) rejoin(node string, id nodeID, key string) {
+	k.mu.Lock()
+	n, known := k.nodes[node]
+	var objs []*keptObject
+	for _, ko := range k.objs {
+		if ko.key != key || !known || !ko.active || ko.stopped || !ko.selects(node, n, known) || ko.hasOutcomeLocked(node, id) {
+			continue
+		}
+		j := ko.joins[node]
+		_, planned := ko.planned[node]
+		agentAfter := !n.started.Before(id.created)
+		takenBefore := j != nil && j.done && j.uid == ""
+		if (j == nil && !planned) || (j != nil && !j.done) || !(agentAfter || takenBefore) {
+			continue // never taken on (a join comes from the registry), at work, or the agent is the old one's
+		}
+		objs = append(objs, ko)
+	}
+	k.mu.Unlock()
+	for _, ko := range objs {
+		k.consider(ko, node, n.domain)
+	}
+}
+
+// warmFor reports whether the taint key of node (its Kubernetes Node id) may go: some object with that key
+// selects the node, and every such object has taken on new nodes (its first rollout completed) and warmed
+// it. by names them.
+func (k *keeper) warmFor(node string, id nodeID, key string) (by []string, warm bool) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	n, known := k.nodes[node]
@@ -121,7 +193,7 @@ func (k *keeper) warmFor(node, key string) (by []string, warm bool) {
 		if ko.key != key || !ko.selects(node, n, known) {
 			continue
 		}
-		if !ko.active || !ko.warmed(node) {
+		if !ko.active || !ko.warmed(node, id) {
 			return nil, false
 		}
 		by = append(by, ko.name)
