@@ -7,7 +7,7 @@
 // new leader) resumes the rollout where the bus recorded it: a node with an outcome is not acted on again,
 // and a node claimed without one counts as failed (at most once, as `imagefleet fleet gc --id` resumes). An
 // ImagePrePull with completionPolicy KeepNewNodes also runs a one-node rollout for each node that joins the
-// fleet after its first one, and removes its readiness taint from the Kubernetes Nodes (newnodes.go).
+// fleet after its first one, and removes its readiness taint from the Kubernetes Nodes (newnodes*.go).
 // A scheduled ImageGC is one rollout per firing, its id derived from the UID and the firing's time
 // (scheduled.go).
 package controller
@@ -171,7 +171,7 @@ func (c *Controller) Run(ctx context.Context) error {
 	rec := mgr.GetEventRecorder("imagefleet-controller")
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	// The KeepNewNodes ImagePrePulls' new nodes and readiness taint (newnodes.go, readiness.go).
+	// The KeepNewNodes ImagePrePulls' new nodes and readiness taint (newnodes*.go, readiness.go).
 	keep := newKeeper(ctx, c.cfg, c.b, prePullKind(), mgr.GetClient(), mgr.GetAPIReader(), mgr.GetClient().Status(), rec)
 	if err := keep.setupReadiness(mgr); err != nil {
 		return fmt.Errorf("controller: readiness taint: %w", err)

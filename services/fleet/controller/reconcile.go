@@ -30,7 +30,7 @@ type reconciler struct {
 	cfg    Config
 	log    *slog.Logger
 	m      *metrics
-	// keep follows the KeepNewNodes ImagePrePulls (nil for ImageGC): newnodes.go.
+	// keep follows the KeepNewNodes ImagePrePulls (nil for ImageGC): newnodes*.go.
 	keep *keeper
 
 	base context.Context // Run's: the runners end with the controller (Run stops them before it returns)
