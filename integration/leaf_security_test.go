@@ -18,6 +18,7 @@ import (
 	"github.com/imagefleet/imagefleet/events"
 	"github.com/imagefleet/imagefleet/services/cri"
 	"github.com/imagefleet/imagefleet/services/cri/hollow"
+	"github.com/imagefleet/imagefleet/services/gc"
 )
 
 // securedSites is the leaf layout with the configs `imagefleet bus gen-creds` writes for it (TLS with client
@@ -107,7 +108,8 @@ func (s *securedSites) connect(t *testing.T, server, identity string) *bus.Bus {
 // the fleet identity complete on every node. Then node A on leaf-a is refused, in the site's domain, the
 // hub's and the other site's, what TestSecurityNodeIsolation refuses it on one server: B's (same site) and
 // C's (other site) events, commands, pull queues and consumers, records, registry keys, other users'
-// replies, and stream changes. A site's identity authenticates only its leaf connection, not a client.
+// replies, and stream changes. A site's identity authenticates only its leaf connection, not a client. An
+// ImageGCPolicy the fleet identity writes and announces at the hub reaches node A's agent at its site.
 func TestLeafSecurityNodeIsolation(t *testing.T) {
 	const nodeA, nodeB, nodeC = "site-a-1", "site-a-2", "site-b-1"
 	const images = 2
@@ -187,6 +189,40 @@ func TestLeafSecurityNodeIsolation(t *testing.T) {
 			}
 		}
 		return fmt.Errorf("records %+v", recs)
+	})
+	// An ImageGCPolicy written at the hub by the fleet identity, with its notice, reaches node A's running
+	// agent at its site (the notice crosses the leaf connection; the agent reads its key in the hub's
+	// domain), and only node A's.
+	fleetBus := s.connect(t, "hub", natsconf.RoleFleet)
+	policies, err := fleetBus.KV(ctx, gc.PolicyBucketConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	revs, err := policies.BatchRevisions(ctx, map[string][]byte{events.NodeToken(nodeA): []byte(`{"sources":[{"name":"site-policy","generation":1}]}`)}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := fleetBus.AnnounceRevision(events.GCPolicyNotice(nodeA), revs[events.NodeToken(nodeA)]); err != nil {
+		t.Fatal(err)
+	}
+	bustest.Eventually(t, "node A's dry run under site-policy/1, the others under none", time.Minute, func() error {
+		var dry events.RolloutResult
+		if err := cliJSON(t, bin, &dry, append([]string{"fleet", "gc", "--dry-run", "--all-unused"}, s.args("hub", natsconf.RoleFleet)...)...); err != nil {
+			return err
+		}
+		for _, nr := range dry.Nodes {
+			if nr.GC == nil {
+				return fmt.Errorf("node %s: no gc result", nr.Node)
+			}
+			want := ""
+			if nr.Node == nodeA {
+				want = "site-policy/1"
+			}
+			if got := (events.GCPolicy{Sources: nr.GC.Policies}).Names(); got != want {
+				return fmt.Errorf("node %s applied %q, want %q", nr.Node, got, want)
+			}
+		}
+		return nil
 	})
 	for _, p := range agents {
 		p.stop(syscall.SIGTERM)
