@@ -136,10 +136,12 @@ func NodePermissions(node, pub, hub string) Permissions {
 	for _, b := range append(append([]string{}, NodeKeyBuckets...), NodeLeaseBuckets...) {
 		pub1 = append(pub1, kv(b)+t, api("KV_"+b)+"DIRECT.GET.KV_"+b+".$KV."+b+"."+t)
 	}
-	// Its own key in the read-only buckets: a direct get of that key, nothing else (no consumer: the writer
-	// announces each revision on the node's command subjects, which it subscribes to below).
+	// Its own key in the read-only buckets: a direct get of that key (the writer announces each revision on
+	// the node's command subjects, which it subscribes to below).
 	for _, b := range NodeReadBuckets {
 		pub1 = append(pub1, api("KV_"+b)+"DIRECT.GET.KV_"+b+".$KV."+b+"."+t)
+		// The watch of an agent of the earlier delivery (compat_policy_watch.go).
+		pub1 = append(pub1, legacyPolicyWatchPermissions(api("KV_"+b), b, t)...)
 	}
 	return Permissions{
 		Publish: pub1,
