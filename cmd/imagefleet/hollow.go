@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -41,6 +42,9 @@ type hollowConfig struct {
 	PullDelay time.Duration
 	// StartRate is how many agents start per second ("500/s" or "500").
 	StartRate string
+	// MaxStarting is how many agents may be starting at once: connected or connecting, not yet Ready
+	// (default 256).
+	MaxStarting int
 	// Zones, when > 0, labels node i zone=z<i mod Zones> (besides --node-labels).
 	Zones int
 	// MemProfile, when set, is where the heap profile goes 10 s after every agent runs (diagnostics).
@@ -92,6 +96,7 @@ func (h *hollowConfig) flags(fs *pflag.FlagSet) {
 	fs.StringVar(&h.ImageSize, "image-size", "10Mi", "size of each of those images (bytes or a quantity)")
 	fs.DurationVar(&h.PullDelay, "pull-delay", 100*time.Millisecond, "how long every pull takes on a hollow runtime (the hollow registry's delay); the image appears when it ends")
 	fs.StringVar(&h.StartRate, "start-rate", "500/s", "agents started per second (N/s or N), so N connections do not arrive at once")
+	fs.IntVar(&h.MaxStarting, "max-starting", 256, "agents starting at once at most (connected, not yet Ready): the start goes at the pace the servers answer")
 	fs.IntVar(&h.Zones, "zones", 0, "label node i zone=z<i mod zones> for fleet selectors (0: no zone label)")
 	fs.StringVar(&h.MemProfile, "mem-profile", "", "write the heap profile to this file 10 s after every agent runs (diagnostics)")
 	fs.StringVar(&h.PprofAddr, "pprof-addr", "", "serve Go's /debug/pprof/ on this address, e.g. 127.0.0.1:6061, for CPU profiles of the hollow process during a rollout (diagnostics; no authentication: keep it on loopback)")
@@ -156,6 +161,9 @@ func (h *hollowConfig) plan() (*hollowPlan, error) {
 	r, err := parseStartRate(h.StartRate)
 	if err != nil {
 		return nil, err
+	}
+	if h.MaxStarting < 1 {
+		return nil, fmt.Errorf("--max-starting %d: want at least 1 agent starting at once", h.MaxStarting)
 	}
 	if _, err := events.ParseEventVersion(h.Agent.EventVersion); err != nil {
 		return nil, fmt.Errorf("--event-version: %w", err)
@@ -264,16 +272,31 @@ func runHollow(ctx context.Context, cl *cli, cmd *cobra.Command, h *hollowConfig
 	}
 	var running, restarts atomic.Int64 // agents running; agents restarted after a failure
 	allRunning := make(chan struct{})
+	// starting holds a slot per agent from its start to its first Ready (or its end), so the start is paced
+	// by how fast the servers let agents become Ready, not only by the clock: a start faster than the
+	// servers answer made heartbeats time out, their retries load the servers more, and a 10,000-agent
+	// start never came up (docs/scale.md).
+	starting := make(chan struct{}, h.MaxStarting)
 	for i, name := range p.names {
 		if err := lim.Wait(gctx); err != nil {
 			break // stopping: a signal, or an agent failed
 		}
+		select {
+		case starting <- struct{}{}:
+		case <-gctx.Done():
+		}
+		if gctx.Err() != nil {
+			break
+		}
+		var settle sync.Once
+		settled := func() { settle.Do(func() { <-starting }) }
 		g.Go(func() error {
+			defer settled()
 			err := runHollowNode(gctx, cl, cmd, h, p, i, name, func() {
 				if running.Add(1) == int64(h.Nodes) {
 					close(allRunning)
 				}
-			}, &restarts)
+			}, settled, &restarts)
 			if err != nil && gctx.Err() == nil {
 				return fmt.Errorf("%s: %w", name, err)
 			}
@@ -332,7 +355,7 @@ func servePprof(ctx context.Context, g *errgroup.Group, addr string) error {
 
 // runHollowNode runs hollow node i until ctx ends: its runtime, its connection, its agent. running is
 // called once the agent's workers are built and started; restarts counts the agent's restarts.
-func runHollowNode(ctx context.Context, cl *cli, cmd *cobra.Command, h *hollowConfig, p *hollowPlan, i int, name string, running func(), restarts *atomic.Int64) error {
+func runHollowNode(ctx context.Context, cl *cli, cmd *cobra.Command, h *hollowConfig, p *hollowPlan, i int, name string, running, ready func(), restarts *atomic.Int64) error {
 	c := h.Agent // a copy per node: the builds read it, and none writes what another node reads
 	c.Node = name
 	if !c.NoJournal {
@@ -383,7 +406,7 @@ func runHollowNode(ctx context.Context, cl *cli, cmd *cobra.Command, h *hollowCo
 				ran = true
 				running()
 			}
-		})
+		}, ready)
 		if ctx.Err() != nil {
 			return nil
 		}
@@ -406,8 +429,8 @@ func runHollowNode(ctx context.Context, cl *cli, cmd *cobra.Command, h *hollowCo
 }
 
 // runHollowAgent connects one hollow node's agent, builds its workers and runs them until ctx ends or one
-// fails; started is called once they run.
-func runHollowAgent(ctx context.Context, cl *cli, cmd *cobra.Command, c *agentConfig, p *hollowPlan, client *cri.Client, log *slog.Logger, started func()) error {
+// fails; started is called once they run, ready once they are all Ready.
+func runHollowAgent(ctx context.Context, cl *cli, cmd *cobra.Command, c *agentConfig, p *hollowPlan, client *cri.Client, log *slog.Logger, started, ready func()) error {
 	opts := cl.busOptions("imagefleet-hollow-" + c.Node)
 	opts.Logger = log
 	opts.Replicas = c.Replicas
@@ -423,5 +446,14 @@ func runHollowAgent(ctx context.Context, cl *cli, cmd *cobra.Command, c *agentCo
 		return err
 	}
 	started()
-	return agent.Run(ctx)
+	actx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go func() {
+		select {
+		case <-agent.Ready():
+			ready()
+		case <-actx.Done():
+		}
+	}()
+	return agent.Run(actx)
 }

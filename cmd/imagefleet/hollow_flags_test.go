@@ -92,6 +92,7 @@ func TestHollowFlags(t *testing.T) {
 		{"last too small", []string{"--nodes", "10", "--first", "5", "--last", "12"}, "--last 12: below --first + --nodes (15)"},
 		{"bad rate", []string{"--nodes", "1", "--start-rate", "fast"}, `--start-rate "fast": want agents per second`},
 		{"zero rate", []string{"--nodes", "1", "--start-rate", "0/s"}, `--start-rate "0/s"`},
+		{"none starting", []string{"--nodes", "1", "--max-starting", "0"}, `--max-starting 0: want at least 1`},
 		{"bad image size", []string{"--nodes", "1", "--image-size", "big"}, `--image-size "big"`},
 		{"negative images", []string{"--nodes", "1", "--images-per-node", "-1"}, "--images-per-node -1"},
 		{"negative delay", []string{"--nodes", "1", "--pull-delay", "-1s"}, "--pull-delay -1s"},
