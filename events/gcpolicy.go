@@ -48,6 +48,9 @@ type CopiesRequest struct {
 	TopologyKey string   `json:"topologyKey,omitempty"`
 	Zone        string   `json:"zone,omitempty"`
 	DryRun      bool     `json:"dryRun,omitempty"`
+	// Release gives back Node's grants of Images, whose removal failed, so its copies count again at once
+	// (added field; Count, TopologyKey and Zone are not read). Its reply is empty.
+	Release bool `json:"release,omitempty"`
 }
 
 // CopiesReply lists the images of a CopiesRequest that may go; Copies holds, for each image asked about,
