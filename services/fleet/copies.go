@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"sync"
 	"time"
 
@@ -30,6 +31,10 @@ import (
 // reported the image after the grant, so it still holds it). Past GrantTTL with the placement as it was at
 // the grant, the grant holds: the inventory may simply not have caught up with the removal (the safe side).
 // A grant written by an older arbiter, without the placement's Seq, ends at GrantTTL as it always did.
+//
+// A node asks on its own subject (events.CopiesSubject; the NATS permissions let it publish there only),
+// and the arbiter refuses a request whose Node is not the subject's, so a node cannot take, or give back,
+// another node's grants.
 type CopiesArbiter struct {
 	b   *bus.Bus
 	cfg CopiesConfig
@@ -130,6 +135,11 @@ func (a *CopiesArbiter) Handle(ctx context.Context, data []byte) (any, error) {
 	}
 	if err := events.ValidateNodeName(req.Node); err != nil {
 		return nil, fmt.Errorf("%w: %w", events.ErrMalformed, err)
+	}
+	// The subject is what the server's permissions checked; the body's name is the sender's word.
+	subject := bus.RequestSubject(ctx)
+	if token := subject[strings.LastIndexByte(subject, '.')+1:]; token == "" || token != events.NodeToken(req.Node) {
+		return nil, fmt.Errorf("%w: copies request for node %q on subject %q: a node asks on its own subject only", events.ErrMalformed, req.Node, subject)
 	}
 	if len(req.Images) > maxCopiesImages {
 		return nil, fmt.Errorf("%w: copies request: images %d at most %d", events.ErrMalformed, len(req.Images), maxCopiesImages)

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"maps"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -231,6 +232,32 @@ func TestCopiesGrantEndsOnEvidence(t *testing.T) {
 				t.Errorf("n2 allowed %v, want %v (grants %v)", got, tc.n2Allowed, f.grants())
 			}
 		})
+	}
+}
+
+// TestCopiesNodeAsksOnItsOwnSubjectOnly: the arbiter takes a request's node from its subject, which the
+// NATS permissions tie to the sender. A request on n1's subject naming n2 is refused as malformed and
+// records nothing; a node whose name has dots asks on its token's subject as usual.
+func TestCopiesNodeAsksOnItsOwnSubjectOnly(t *testing.T) {
+	f := newCopiesFleet(t)
+	err := f.request(events.CopiesSubject("n1"), events.CopiesRequest{Node: "n2", Images: []string{copiesImg}, Count: 1}, &events.CopiesReply{})
+	if !errors.Is(err, events.ErrMalformed) || !strings.Contains(err.Error(), "own subject") {
+		t.Errorf("n2's request on n1's subject: err %v, want one wrapping ErrMalformed", err)
+	}
+	err = f.request(events.CopiesSubject("n1"), events.CopiesRequest{Node: "n2", Images: []string{copiesImg}, Release: true}, nil)
+	if !errors.Is(err, events.ErrMalformed) {
+		t.Errorf("n2's release on n1's subject: err %v, want one wrapping ErrMalformed", err)
+	}
+	if g := f.grants(); len(g) != 0 {
+		t.Errorf("after the refused request the ledger holds %v", g)
+	}
+
+	f.place("n3.zone-a", 4, false)
+	if !f.remove("n3.zone-a") {
+		t.Error("n3.zone-a on its own subject, one of three copies with count 1: refused")
+	}
+	if g := f.grants(); !slices.Equal(g, []string{"n3.zone-a"}) {
+		t.Errorf("grants %v, want n3.zone-a's", g)
 	}
 }
 
