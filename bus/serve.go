@@ -16,7 +16,25 @@ import (
 
 // Handler answers one request: what it returns is marshalled into the reply's data; an error becomes the
 // reply's error text. A handler must not panic on any input; Serve recovers anyway and answers with an error.
+// The subject the request came on is RequestSubject(ctx).
 type Handler func(ctx context.Context, data []byte) (any, error)
+
+// subjectKey is the context key of the request's subject.
+type subjectKey struct{}
+
+// RequestSubject is the subject of the request a Handler is answering ("" outside one: a handler called
+// directly). A handler served on a wildcard reads the token the server routed on here, not in the body: the
+// server's permissions checked who may publish on the subject, while the body says whatever its sender wrote.
+func RequestSubject(ctx context.Context) string {
+	s, _ := ctx.Value(subjectKey{}).(string)
+	return s
+}
+
+// WithRequestSubject is ctx as a Handler sees it when answering a request on subject (for tests that call a
+// handler directly).
+func WithRequestSubject(ctx context.Context, subject string) context.Context {
+	return context.WithValue(ctx, subjectKey{}, subject)
+}
 
 // Serve answers requests on subject in queue group queue (replicas share the load) until ctx ends.
 // Requests are handled one at a time per subscription, in order; use ServeConcurrent for parallel handlers.
@@ -109,7 +127,7 @@ func (b *Bus) answer(ctx context.Context, log *slog.Logger, m *nats.Msg, h Handl
 		return
 	}
 	var rep events.Reply
-	out, err := safeHandle(ctx, h, m.Data)
+	out, err := safeHandle(WithRequestSubject(ctx, m.Subject), h, m.Data)
 	countServed(subjectOf(m), err != nil)
 	code := ""
 	if err != nil {

@@ -52,6 +52,35 @@ func TestRemoteErrorsCarryTheirCode(t *testing.T) {
 	}
 }
 
+// TestHandlerReadsTheRequestSubject: a handler served on a wildcard reads the subject each request came on
+// from its ctx, whatever the body says; outside a request the subject is empty.
+func TestHandlerReadsTheRequestSubject(t *testing.T) {
+	_, b := bustest.Start(t)
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	l, err := b.Listen(ctx, "t.subject.*", "q", 2, func(ctx context.Context, _ []byte) (any, error) {
+		return bus.RequestSubject(ctx), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- l.Serve(ctx) }()
+	for _, subject := range []string{"t.subject.n1", "t.subject.n2"} {
+		var got string
+		if err := b.Request(t.Context(), subject, []byte(`"t.subject.n3"`), &got); err != nil || got != subject {
+			t.Errorf("request on %s: handler saw subject %q, err %v", subject, got, err)
+		}
+	}
+	if got := bus.RequestSubject(t.Context()); got != "" {
+		t.Errorf("outside a request: subject %q, want none", got)
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+}
+
 // TestSubscribeSyncHoldsABoundedBurst: a synchronous subscription holds bus.SyncQueueLen messages unread; the
 // next one is dropped, and the next read says so (a slow consumer), so a worker knows it missed some. The
 // bound is what keeps each subscription's buffer small (nats.go's default holds 65,536).

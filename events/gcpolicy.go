@@ -40,7 +40,8 @@ type GCKeepCopies struct {
 
 // CopiesRequest asks the fleet's copies arbiter (CopiesSubject) which of Images Node may remove without
 // leaving fewer than Count copies of one in its zone. Without DryRun the allowed removals are recorded in
-// GCCopiesBucket, so a concurrent request counts them as gone.
+// GCCopiesBucket, so a concurrent request counts them as gone. It is sent on Node's own CopiesSubject: the
+// arbiter refuses one whose Node is not the subject's.
 type CopiesRequest struct {
 	Node        string   `json:"node"`
 	Images      []string `json:"images"`
@@ -48,6 +49,9 @@ type CopiesRequest struct {
 	TopologyKey string   `json:"topologyKey,omitempty"`
 	Zone        string   `json:"zone,omitempty"`
 	DryRun      bool     `json:"dryRun,omitempty"`
+	// Release gives back Node's grants of Images, whose removal failed, so its copies count again at once
+	// (added field; Count, TopologyKey and Zone are not read). Its reply is empty.
+	Release bool `json:"release,omitempty"`
 }
 
 // CopiesReply lists the images of a CopiesRequest that may go; Copies holds, for each image asked about,

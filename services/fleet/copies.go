@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"sync"
 	"time"
 
@@ -21,9 +22,19 @@ import (
 // left out), less the nodes a removal was granted to that the inventory does not yet show gone. The grants
 // of one image live in its key of events.GCCopiesBucket and every grant is a compare-and-set of that key, so
 // two requests for one image, on one replica or two, never both count the same copies: the second sees the
-// first's grant, or its write fails and it reads again. A grant lasts GrantTTL (a node whose removal failed
-// holds its copy uncounted until then: the safe side). A node that lies about its name in a request can only
-// make removals rarer.
+// first's grant, or its write fails and it reads again.
+//
+// A grant ends on evidence, not on time alone, because the inventory can lag a removal by any time (its
+// worker down, its stream behind): the inventory showing the node's placement gone ends it; so does the
+// node's release (events.CopiesRequest.Release: its removal failed); past GrantTTL, so does the inventory
+// showing the node's placement written again since the grant (its events.Placement.Seq changed: the node
+// reported the image after the grant, so it still holds it). Past GrantTTL with the placement as it was at
+// the grant, the grant holds: the inventory may simply not have caught up with the removal (the safe side).
+// A grant written by an older arbiter, without the placement's Seq, ends at GrantTTL as it always did.
+//
+// A node asks on its own subject (events.CopiesSubject; the NATS permissions let it publish there only),
+// and the arbiter refuses a request whose Node is not the subject's, so a node cannot take, or give back,
+// another node's grants.
 type CopiesArbiter struct {
 	b   *bus.Bus
 	cfg CopiesConfig
@@ -34,7 +45,9 @@ type CopiesArbiter struct {
 
 // CopiesConfig configures a CopiesArbiter.
 type CopiesConfig struct {
-	// GrantTTL is how long a granted removal counts as done before the inventory shows it (default 10m).
+	// GrantTTL is how long a granted removal counts as done, whatever the inventory shows of the node since
+	// (default 10m); after it, the inventory showing the node's image written again since the grant ends
+	// the grant. It never ends a grant on its own.
 	GrantTTL time.Duration
 	// Labels returns every registry node's labels (default: the node registry's).
 	Labels func(ctx context.Context) (map[string]map[string]string, error)
@@ -44,9 +57,26 @@ type CopiesConfig struct {
 	Logger *slog.Logger
 }
 
-// copiesLedger is an image's value in events.GCCopiesBucket: the nodes a removal was granted to, until when.
+// copiesLedger is an image's value in events.GCCopiesBucket: the nodes a removal was granted to, until when
+// the time alone keeps the grant, and the Seq of each node's placement at the grant.
 type copiesLedger struct {
 	Grants map[string]time.Time `json:"grants"`
+	// Seqs is an added field: a grant without one (an older arbiter's) ends at its time.
+	Seqs map[string]uint64 `json:"seqs,omitempty"`
+}
+
+// holds reports whether node's grant still holds its copy uncounted, with holders the inventory's view
+// (node -> its placement's Seq).
+func (l copiesLedger) holds(node string, now time.Time, holders map[string]uint64) bool {
+	seq, held := holders[node]
+	if !held {
+		return false // the inventory shows the removal
+	}
+	if now.Before(l.Grants[node]) {
+		return true
+	}
+	granted, recorded := l.Seqs[node]
+	return recorded && granted == seq
 }
 
 // maxCopiesImages bounds one request (a removal batch is 4 x the removal parallelism).
@@ -106,8 +136,31 @@ func (a *CopiesArbiter) Handle(ctx context.Context, data []byte) (any, error) {
 	if err := events.ValidateNodeName(req.Node); err != nil {
 		return nil, fmt.Errorf("%w: %w", events.ErrMalformed, err)
 	}
-	if req.Count < 1 || len(req.Images) > maxCopiesImages {
-		return nil, fmt.Errorf("%w: copies request: count %d must be at least 1, images %d at most %d", events.ErrMalformed, req.Count, len(req.Images), maxCopiesImages)
+	// The subject is what the server's permissions checked; the body's name is the sender's word.
+	subject := bus.RequestSubject(ctx)
+	if token := subject[strings.LastIndexByte(subject, '.')+1:]; token == "" || token != events.NodeToken(req.Node) {
+		return nil, fmt.Errorf("%w: copies request for node %q on subject %q: a node asks on its own subject only", events.ErrMalformed, req.Node, subject)
+	}
+	if len(req.Images) > maxCopiesImages {
+		return nil, fmt.Errorf("%w: copies request: images %d at most %d", events.ErrMalformed, len(req.Images), maxCopiesImages)
+	}
+	if req.Release {
+		if req.DryRun {
+			return nil, fmt.Errorf("%w: copies request: a release is not a dry run", events.ErrMalformed)
+		}
+		_, ledger, err := a.buckets(ctx)
+		if err != nil {
+			return nil, err
+		}
+		for _, id := range req.Images {
+			if err := a.release(ctx, ledger, req.Node, id); err != nil {
+				return nil, fmt.Errorf("release copies of %s: %w", id, err)
+			}
+		}
+		return nil, nil
+	}
+	if req.Count < 1 {
+		return nil, fmt.Errorf("%w: copies request: count %d must be at least 1", events.ErrMalformed, req.Count)
 	}
 	inv, ledger, err := a.buckets(ctx)
 	if err != nil {
@@ -154,17 +207,21 @@ func (a *CopiesArbiter) decide(ctx context.Context, inv, ledger *bus.KV, req eve
 			return false, 0, err
 		}
 		now := a.cfg.Now()
-		// Grants still counted: not expired, and of nodes the inventory still shows holding the image.
-		live := map[string]time.Time{}
+		// Grants still counted (copiesLedger.holds); the others are dropped from the ledger at this write.
+		live := copiesLedger{Grants: map[string]time.Time{}, Seqs: map[string]uint64{}}
 		for n, until := range l.Grants {
-			if now.Before(until) && holders[n] {
-				live[n] = until
+			if l.holds(n, now, holders) {
+				live.Grants[n] = until
+				if seq, ok := l.Seqs[n]; ok {
+					live.Seqs[n] = seq
+				}
 			}
 		}
-		others, self := 0, holders[req.Node] && inZone(req.Node)
+		_, held := holders[req.Node]
+		others, self := 0, held && inZone(req.Node)
 		for n := range holders {
 			if n != req.Node && inZone(n) {
-				if _, granted := live[n]; !granted {
+				if _, granted := live.Grants[n]; !granted {
 					others++
 				}
 			}
@@ -176,8 +233,11 @@ func (a *CopiesArbiter) decide(ctx context.Context, inv, ledger *bus.KV, req eve
 		if others < req.Count || req.DryRun {
 			return others >= req.Count, copies, nil
 		}
-		live[req.Node] = now.Add(a.cfg.GrantTTL)
-		val, err := json.Marshal(copiesLedger{Grants: live})
+		live.Grants[req.Node] = now.Add(a.cfg.GrantTTL)
+		if held {
+			live.Seqs[req.Node] = holders[req.Node]
+		}
+		val, err := json.Marshal(live)
 		if err != nil {
 			return false, 0, err
 		}
@@ -197,19 +257,51 @@ func (a *CopiesArbiter) decide(ctx context.Context, inv, ledger *bus.KV, req eve
 	return false, 0, errors.New("too many concurrent grants of the image; asked again at the next pass")
 }
 
-// holders are the nodes the inventory shows holding id (tombstones left out).
-func (a *CopiesArbiter) holders(ctx context.Context, inv *bus.KV, id string) (map[string]bool, error) {
+// release removes node's grant of id, if any, with a compare-and-set of the image's key.
+func (a *CopiesArbiter) release(ctx context.Context, ledger *bus.KV, node, id string) error {
+	key := events.InventoryImageToken(id)
+	for range 20 {
+		raw, rev, err := ledger.Get(ctx, key)
+		if errors.Is(err, bus.ErrKeyNotFound) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		var l copiesLedger
+		if err := json.Unmarshal(raw, &l); err != nil {
+			return nil // unreadable: the next grant of the image starts it again, without this one
+		}
+		if _, ok := l.Grants[node]; !ok {
+			return nil
+		}
+		delete(l.Grants, node)
+		delete(l.Seqs, node)
+		val, err := json.Marshal(l)
+		if err != nil {
+			return err
+		}
+		if _, err = ledger.Update(ctx, key, val, rev); errors.Is(err, bus.ErrConflict) {
+			continue // another grant or release of this image came first: read again
+		}
+		return err
+	}
+	return errors.New("too many concurrent grants of the image; the grant holds")
+}
+
+// holders are the nodes the inventory shows holding id (tombstones left out), each with its placement's Seq.
+func (a *CopiesArbiter) holders(ctx context.Context, inv *bus.KV, id string) (map[string]uint64, error) {
 	entries, err := inv.List(ctx, events.InventoryImageKeys(id))
 	if err != nil {
 		return nil, err
 	}
-	out := make(map[string]bool, len(entries))
+	out := make(map[string]uint64, len(entries))
 	for _, e := range entries {
 		var p events.Placement
 		if json.Unmarshal(e.Value, &p) != nil || p.ID != id || p.Gone {
 			continue
 		}
-		out[p.Node] = true
+		out[p.Node] = max(out[p.Node], p.Seq)
 	}
 	return out, nil
 }

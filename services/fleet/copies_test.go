@@ -3,8 +3,12 @@ package fleet_test
 import (
 	"context"
 	"encoding/json"
+	"errors"
+	"maps"
 	"slices"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -101,5 +105,179 @@ func TestCopiesArbiterNeverGrantsBelowTheCount(t *testing.T) {
 	place(gone, true)
 	if ok, copies := ask(kept, 1, "zone", false); ok || copies != 1 {
 		t.Errorf("the last copy of zone a: allowed %v, copies %d", ok, copies)
+	}
+}
+
+// copiesFleet is an arbiter over a real NATS with a clock the test moves, and an inventory where n1 and n2
+// hold img.
+type copiesFleet struct {
+	t     *testing.T
+	b     *bus.Bus
+	inv   *bus.KV
+	clock atomic.Int64 // the arbiter's Now, in Unix nanoseconds
+}
+
+const copiesImg = "sha256:2222222222222222222222222222222222222222222222222222222222222222"
+
+func newCopiesFleet(t *testing.T) *copiesFleet {
+	_, b := bustest.Start(t)
+	inv, err := b.KV(t.Context(), bus.KVConfig{Bucket: events.InventoryBucket})
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := &copiesFleet{t: t, b: b, inv: inv}
+	f.clock.Store(time.Date(2026, 11, 1, 0, 0, 0, 0, time.UTC).UnixNano())
+	f.place("n1", 1, false)
+	f.place("n2", 2, false)
+	a := fleet.NewCopiesArbiter(b, fleet.CopiesConfig{GrantTTL: 10 * time.Minute,
+		Now: func() time.Time { return time.Unix(0, f.clock.Load()) }})
+	bustest.RunFunc(t, "copies arbiter", a.Run)
+	bustest.Eventually(t, "the arbiter answers", 10*time.Second, func() error {
+		return f.request(events.CopiesSubject("n1"), events.CopiesRequest{Node: "n1", Images: []string{copiesImg}, Count: 1, DryRun: true}, nil)
+	})
+	return f
+}
+
+// place writes node's placement of the image as the inventory does for an event of stream sequence seq.
+func (f *copiesFleet) place(node string, seq uint64, gone bool) {
+	raw, _ := json.Marshal(events.Placement{Node: node, ID: copiesImg, Size: 10, Seq: seq, Gone: gone})
+	if _, err := f.inv.Put(f.t.Context(), events.InventoryKey(copiesImg, node), raw); err != nil {
+		f.t.Fatal(err)
+	}
+}
+
+func (f *copiesFleet) advance(d time.Duration) { f.clock.Add(int64(d)) }
+
+func (f *copiesFleet) request(subject string, req events.CopiesRequest, rep any) error {
+	ctx, cancel := context.WithTimeout(f.t.Context(), 5*time.Second)
+	defer cancel()
+	return f.b.Request(ctx, subject, req, rep)
+}
+
+// remove asks, as node's GC executor does, to remove the image keeping one copy in the fleet.
+func (f *copiesFleet) remove(node string) bool {
+	f.t.Helper()
+	var rep events.CopiesReply
+	if err := f.request(events.CopiesSubject(node), events.CopiesRequest{Node: node, Images: []string{copiesImg}, Count: 1}, &rep); err != nil {
+		f.t.Fatalf("%s asks: %v", node, err)
+	}
+	return slices.Contains(rep.Allowed, copiesImg)
+}
+
+// grants are the nodes the ledger holds a grant for.
+func (f *copiesFleet) grants() []string {
+	f.t.Helper()
+	kv, err := f.b.KV(f.t.Context(), fleet.CopiesBucketConfig())
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	raw, _, err := kv.Get(f.t.Context(), events.InventoryImageToken(copiesImg))
+	if errors.Is(err, bus.ErrKeyNotFound) {
+		return nil
+	}
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	var l struct {
+		Grants map[string]time.Time `json:"grants"`
+	}
+	if err := json.Unmarshal(raw, &l); err != nil {
+		f.t.Fatal(err)
+	}
+	return slices.Sorted(maps.Keys(l.Grants))
+}
+
+// TestCopiesGrantEndsOnEvidence: n1 and n2 hold an image, one copy must stay, n1's removal is granted. The
+// grant keeps n1's copy uncounted (n2 is refused) until there is evidence that n1's removal did not happen:
+// not when GrantTTL passes with the inventory as it was (it may lag the removal: the worker down for longer),
+// but when, past GrantTTL, the inventory shows n1's image written again since the grant, or at once when n1
+// gives the grant back because its removal failed. The inventory showing n1's image gone ends it too, and
+// n2 is then the last copy.
+func TestCopiesGrantEndsOnEvidence(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		// then acts after n1's grant and, before it, what n2 is told.
+		then      func(f *copiesFleet)
+		n2Allowed bool
+	}{
+		{"stale inventory past GrantTTL", func(f *copiesFleet) { f.advance(10*time.Minute + time.Second) }, false},
+		{"placement rewritten past GrantTTL", func(f *copiesFleet) {
+			f.advance(10*time.Minute + time.Second)
+			if f.remove("n2") {
+				f.t.Fatal("past GrantTTL, before n1's placement is written again: n2 allowed")
+			}
+			f.place("n1", 3, false)
+		}, true},
+		{"placement rewritten within GrantTTL", func(f *copiesFleet) { f.place("n1", 3, false); f.advance(time.Minute) }, false},
+		{"released", func(f *copiesFleet) {
+			if err := f.request(events.CopiesSubject("n1"), events.CopiesRequest{Node: "n1", Images: []string{copiesImg}, Release: true}, nil); err != nil {
+				f.t.Fatalf("n1 releases: %v", err)
+			}
+			if g := f.grants(); len(g) != 0 {
+				f.t.Fatalf("after n1's release the ledger holds %v", g)
+			}
+		}, true},
+		{"placement gone", func(f *copiesFleet) { f.place("n1", 3, true) }, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newCopiesFleet(t)
+			if !f.remove("n1") {
+				t.Fatal("n1, one of two copies with count 1: refused")
+			}
+			if g := f.grants(); !slices.Equal(g, []string{"n1"}) {
+				t.Fatalf("grants %v, want n1's", g)
+			}
+			tc.then(f)
+			if got := f.remove("n2"); got != tc.n2Allowed {
+				t.Errorf("n2 allowed %v, want %v (grants %v)", got, tc.n2Allowed, f.grants())
+			}
+		})
+	}
+}
+
+// TestCopiesNodeAsksOnItsOwnSubjectOnly: the arbiter takes a request's node from its subject, which the
+// NATS permissions tie to the sender. A request on n1's subject naming n2 is refused as malformed and
+// records nothing; a node whose name has dots asks on its token's subject as usual.
+func TestCopiesNodeAsksOnItsOwnSubjectOnly(t *testing.T) {
+	f := newCopiesFleet(t)
+	err := f.request(events.CopiesSubject("n1"), events.CopiesRequest{Node: "n2", Images: []string{copiesImg}, Count: 1}, &events.CopiesReply{})
+	if !errors.Is(err, events.ErrMalformed) || !strings.Contains(err.Error(), "own subject") {
+		t.Errorf("n2's request on n1's subject: err %v, want one wrapping ErrMalformed", err)
+	}
+	err = f.request(events.CopiesSubject("n1"), events.CopiesRequest{Node: "n2", Images: []string{copiesImg}, Release: true}, nil)
+	if !errors.Is(err, events.ErrMalformed) {
+		t.Errorf("n2's release on n1's subject: err %v, want one wrapping ErrMalformed", err)
+	}
+	if g := f.grants(); len(g) != 0 {
+		t.Errorf("after the refused request the ledger holds %v", g)
+	}
+
+	f.place("n3.zone-a", 4, false)
+	if !f.remove("n3.zone-a") {
+		t.Error("n3.zone-a on its own subject, one of three copies with count 1: refused")
+	}
+	if g := f.grants(); !slices.Equal(g, []string{"n3.zone-a"}) {
+		t.Errorf("grants %v, want n3.zone-a's", g)
+	}
+}
+
+// TestCopiesReadsOlderGrants: a grant an older arbiter wrote (its time, no placement Seq) keeps its node's
+// copy uncounted until that time, and ends then, as it always did.
+func TestCopiesReadsOlderGrants(t *testing.T) {
+	f := newCopiesFleet(t)
+	kv, err := f.b.KV(t.Context(), fleet.CopiesBucketConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	until := time.Unix(0, f.clock.Load()).Add(10 * time.Minute).Format(time.RFC3339Nano)
+	if _, err := kv.Put(t.Context(), events.InventoryImageToken(copiesImg), []byte(`{"grants":{"n1":"`+until+`"}}`)); err != nil {
+		t.Fatal(err)
+	}
+	if f.remove("n2") {
+		t.Error("within the older grant's time: n2 allowed")
+	}
+	f.advance(10*time.Minute + time.Second)
+	if !f.remove("n2") {
+		t.Error("past the older grant's time: n2 refused")
 	}
 }

@@ -487,11 +487,14 @@ type outcome struct {
 	inUse bool   // found in use by the re-check: not removed
 	kept  string // kept by keepCopies, and why: not removed
 	err   error  // removal failed
+	// granted: the fleet's copies arbiter recorded this removal (keepCopies), so a failed one gives it back.
+	granted bool
 }
 
 // removeBatch re-checks that the batch is unused (containers listed by the runtime now, and the pod index's
 // image references), then, under keepCopies, asks the fleet which of the rest may go (grantCopies), then
-// removes those at once. "Already gone" counts as removed. Results are recorded
+// removes those at once, and gives the fleet back the grants of those whose removal failed (releaseCopies).
+// "Already gone" counts as removed. Results are recorded
 // in p in batch order; image.removed events are published.
 func (c *collector) removeBatch(ctx context.Context, p *pass, batch []candidate, reason string) []outcome {
 	out := make([]outcome, len(batch))
@@ -526,6 +529,7 @@ func (c *collector) removeBatch(ctx context.Context, p *pass, batch []candidate,
 			}()
 		}
 		wg.Wait()
+		c.releaseCopies(ctx, p, out)
 	}
 	var evs []events.Event
 	for _, o := range out {

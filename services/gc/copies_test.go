@@ -3,6 +3,7 @@ package gc
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"slices"
 	"sync"
@@ -11,6 +12,7 @@ import (
 
 	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
+	"github.com/imagefleet/imagefleet/services/cri"
 	"github.com/imagefleet/imagefleet/services/cri/critest"
 	"github.com/imagefleet/imagefleet/services/gc/gctest"
 )
@@ -48,6 +50,7 @@ func TestKeepCopiesAsksTheFleetBeforeRemoving(t *testing.T) {
 	// The fleet allows image-1 only.
 	var mu sync.Mutex
 	var asked []events.CopiesRequest
+	allowed := []string{imageID(1)}
 	sctx, stop := context.WithCancel(ctx)
 	served := make(chan struct{})
 	go func() {
@@ -58,9 +61,12 @@ func TestKeepCopiesAsksTheFleetBeforeRemoving(t *testing.T) {
 				return nil, err
 			}
 			mu.Lock()
+			defer mu.Unlock()
 			asked = append(asked, req)
-			mu.Unlock()
-			return events.CopiesReply{Allowed: []string{imageID(1)}}, nil
+			if req.Release {
+				return nil, nil
+			}
+			return events.CopiesReply{Allowed: slices.Clone(allowed)}, nil
 		})
 	}()
 	keptWhy := func(res events.GCResult) map[string]string {
@@ -96,6 +102,31 @@ func TestKeepCopiesAsksTheFleetBeforeRemoving(t *testing.T) {
 		t.Errorf("requests %+v", asked)
 	}
 	mu.Unlock()
+
+	// A removal that fails gives its grant back; one whose outcome is unknown (a timeout: the runtime may
+	// have removed the image all the same) keeps it.
+	rt.FailRemove(imageID(0), errors.New("image is being used by a container"))
+	rt.FailRemove(imageID(2), fmt.Errorf("remove image: %w", cri.ErrTimeout))
+	mu.Lock()
+	allowed, asked = []string{imageID(0), imageID(2)}, nil
+	mu.Unlock()
+	_, _ = s.GarbageCollect(ctx, events.GCRequest{})
+	mu.Lock()
+	var released [][]string
+	for _, r := range asked {
+		if r.Release {
+			released = append(released, r.Images)
+			if r.Node != testNode || r.DryRun {
+				t.Errorf("release %+v", r)
+			}
+		}
+	}
+	if len(released) != 1 || !slices.Equal(released[0], []string{imageID(0)}) {
+		t.Errorf("released %v, want image-0's grant only", released)
+	}
+	mu.Unlock()
+	rt.FailRemove(imageID(0), nil)
+	rt.FailRemove(imageID(2), nil)
 
 	// Nobody to ask: the batch is kept.
 	stop()
