@@ -37,9 +37,7 @@ func TestKeepCopiesAsksTheFleetBeforeRemoving(t *testing.T) {
 	raw, _ := json.Marshal(events.GCPolicy{Sources: []events.GCPolicySource{{Name: "copies", Generation: 1}},
 		HighThresholdPercent: ip(50), LowThresholdPercent: ip(0), CapacityBytes: &quota,
 		KeepCopies: &events.GCKeepCopies{Count: 2, TopologyKey: "zone", Zone: "a", Policy: "copies"}})
-	if _, err := kv.Put(ctx, events.NodeToken(testNode), raw); err != nil {
-		t.Fatal(err)
-	}
+	announcePolicy(t, b, kv, raw)
 	bustest.Eventually(t, "the policy in force", 10*time.Second, func() error {
 		if st := s.settings(); st.keepCopies == nil {
 			return context.DeadlineExceeded

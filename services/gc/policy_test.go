@@ -10,6 +10,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
 	"github.com/imagefleet/imagefleet/services/cri/critest"
@@ -77,24 +78,13 @@ func TestRunningExecutorFollowsItsImageGCPolicy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	key := events.NodeToken(testNode)
-	write := func(puts map[string][]byte, deletes []string) {
-		t.Helper()
-		revs, err := kv.BatchRevisions(ctx, puts, deletes)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := b.AnnounceRevision(events.GCPolicyNotice(testNode), revs[key]); err != nil {
-			t.Fatal(err)
-		}
-	}
 	put := func(p events.GCPolicy) {
 		t.Helper()
 		raw, err := json.Marshal(p)
 		if err != nil {
 			t.Fatal(err)
 		}
-		write(map[string][]byte{key: raw}, nil)
+		announcePolicy(t, b, kv, raw)
 	}
 	ip := func(v int) *int { return &v }
 	quota := int64(500)
@@ -138,7 +128,7 @@ func TestRunningExecutorFollowsItsImageGCPolicy(t *testing.T) {
 	}
 
 	// Deleted: the flags again (10000-byte quota, nothing to free).
-	write(nil, []string{key})
+	announcePolicy(t, b, kv, nil)
 	res = waitPolicy("")
 	if res.CapacityBytes != 10000 || len(res.Removed) != 0 {
 		t.Errorf("after delete: %+v", res)
@@ -216,5 +206,23 @@ func TestMergePolicyChecksAsTheFlags(t *testing.T) {
 				t.Fatalf("merged %+v", got)
 			}
 		})
+	}
+}
+
+// announcePolicy writes testNode's policy key (raw, or a deletion when nil) and announces its revision, as
+// the controller does: the executor under test reads its key on the notice.
+func announcePolicy(t *testing.T, b *bus.Bus, kv *bus.KV, raw []byte) {
+	t.Helper()
+	key := events.NodeToken(testNode)
+	puts, deletes := map[string][]byte{key: raw}, []string(nil)
+	if raw == nil {
+		puts, deletes = nil, []string{key}
+	}
+	revs, err := kv.BatchRevisions(t.Context(), puts, deletes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := b.AnnounceRevision(events.GCPolicyNotice(testNode), revs[key]); err != nil {
+		t.Fatal(err)
 	}
 }
