@@ -52,6 +52,7 @@ type ImageGCPolicySpec struct {
 	MaxAge *metav1.Duration `json:"maxAge,omitempty"`
 	// CapacityBytes is a byte quota for images (--image-fs-capacity): capacity = this, used = the sum of
 	// the image sizes. Bytes or a quantity ("40Gi"); more than 0.
+	// +kubebuilder:validation:XValidation:rule="type(self) == int ? self > 0 : quantity(string(self)).isGreaterThan(quantity('0'))",message="capacityBytes must be more than 0"
 	// +optional
 	CapacityBytes *resource.Quantity `json:"capacityBytes,omitempty"`
 	// PinnedImages are references and globs of images GC never removes ('*' any run of characters, '/'
