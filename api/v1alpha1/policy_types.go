@@ -103,8 +103,18 @@ type ImageGCPolicyStatus struct {
 	ObservedGeneration int64 `json:"observedGeneration,omitempty"`
 	// MatchedNodes counts the registry's nodes the policy selects.
 	MatchedNodes int32 `json:"matchedNodes"`
+	// AppliedGeneration is the last generation whose spec the controller accepted, the one in force on the
+	// selected nodes: while a later generation is refused (Ready False, reason InvalidSpec) the nodes keep
+	// this one.
+	// +optional
+	AppliedGeneration int64 `json:"appliedGeneration,omitempty"`
+	// AppliedSpec is the spec of appliedGeneration, kept so that a controller that takes over after a restart
+	// keeps it in force while the object's spec is invalid.
+	// +optional
+	AppliedSpec *ImageGCPolicySpec `json:"appliedSpec,omitempty"`
 	// Conditions: Ready (True, reason Applied: every selected node's effective policy is written for this
-	// generation; False, reason InvalidSpec or WriteFailed).
+	// generation; False, reason InvalidSpec: this generation is refused and appliedGeneration stays in force,
+	// or WriteFailed).
 	// +optional
 	// +listType=map
 	// +listMapKey=type

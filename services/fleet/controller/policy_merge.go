@@ -22,8 +22,8 @@ type checkedPolicy struct {
 
 // checkPolicy checks what the schema cannot: the selector and the pinned references (as the agents parse
 // --pinned-images); and the quota's value, which the schema refuses too, for an object stored before it did
-// (the API server lets an unchanged value through a new rule). A policy that fails is left out of every
-// node's merge.
+// (the API server lets an unchanged value through a new rule). A generation that fails is left out of every
+// node's merge; the sync keeps the policy's last valid one in force instead (policySync.lastValid).
 func checkPolicy(p *v1alpha1.ImageGCPolicy) (checkedPolicy, error) {
 	sel := labels.Everything()
 	if s := p.Spec.Nodes.Selector; s != nil {
