@@ -114,7 +114,8 @@ type ImageGCPolicyStatus struct {
 	AppliedSpec *ImageGCPolicySpec `json:"appliedSpec,omitempty"`
 	// Conditions: Ready (True, reason Applied: every selected node's effective policy is written for this
 	// generation; False, reason InvalidSpec: this generation is refused and appliedGeneration stays in force,
-	// or WriteFailed).
+	// ConflictingPolicies: on some selected node this policy's settings merge with another policy's into an
+	// invalid configuration (minAge not less than maxAge), which is not written there, or WriteFailed).
 	// +optional
 	// +listType=map
 	// +listMapKey=type
@@ -128,6 +129,9 @@ const (
 	ReasonApplied     = "Applied"
 	ReasonInvalidSpec = "InvalidSpec"
 	ReasonWriteFailed = "WriteFailed"
+	// ReasonConflictingPolicies: the policy's settings, merged with another policy's on some selected node,
+	// make a configuration the node would refuse; that node's merge is not written.
+	ReasonConflictingPolicies = "ConflictingPolicies"
 )
 
 // ImageGCPolicy is the standing image GC policy of the nodes it selects, applied to their running agents.

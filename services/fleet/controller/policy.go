@@ -31,13 +31,15 @@ import (
 // leader also syncs at its start and every PolicyResync (nodes that joined or changed labels).
 //
 // A policy whose current generation checkPolicy refuses keeps its last valid generation in force (applied,
-// and the object's status.appliedSpec for a leader that did not see it).
+// and the object's status.appliedSpec for a leader that did not see it). A node whose merge it would
+// refuse (checkMerge) keeps the value it has: its key is neither written nor deleted.
 type policySync struct {
 	c      client.Client
 	status client.SubResourceWriter
 	b      *bus.Bus
 	rec    recorder.EventRecorder
 	log    *slog.Logger
+	m      *metrics
 	resync time.Duration
 	kick   chan struct{}
 
@@ -58,9 +60,9 @@ type appliedPolicy struct {
 	spec v1alpha1.ImageGCPolicySpec
 }
 
-func newPolicySync(c client.Client, b *bus.Bus, rec recorder.EventRecorder, cfg Config) *policySync {
+func newPolicySync(c client.Client, b *bus.Bus, rec recorder.EventRecorder, cfg Config, m *metrics) *policySync {
 	return &policySync{c: c, status: c.Status(), b: b, rec: rec, log: cfg.Logger.With("worker", "controller", "kind", "imagegcpolicy"),
-		resync: cfg.PolicyResync, kick: make(chan struct{}, 1), applied: map[types.UID]appliedPolicy{}}
+		m: m, resync: cfg.PolicyResync, kick: make(chan struct{}, 1), applied: map[types.UID]appliedPolicy{}}
 }
 
 // Reconcile asks the sync loop for a sync: any change to any policy may change every node's merge.
@@ -110,11 +112,17 @@ type policyOutcome struct {
 	// applied is the generation in force on the selected nodes: the object's, or while invalid its last
 	// valid one; nil: none.
 	applied *appliedPolicy
+	// conflict is the first refused merge the policy takes part in, on conflictNode; conflictNodes counts
+	// the nodes of such merges.
+	conflict      *mergeConflict
+	conflictNode  string
+	conflictNodes int
 }
 
 // policyPlan is what one sync decided.
 type policyPlan struct {
 	want     map[string][]byte // each node key's effective policy
+	hold     map[string]bool   // the keys of nodes whose merge checkMerge refuses: left as they are
 	outcomes map[string]*policyOutcome
 }
 
@@ -165,11 +173,14 @@ func (p *policySync) sync(ctx context.Context) error {
 	}
 	var deletes []string
 	for k := range p.written {
-		if _, ok := want[k]; !ok {
+		if _, ok := want[k]; !ok && !pl.hold[k] {
 			deletes = append(deletes, k)
 		}
 	}
 	slices.Sort(deletes)
+	if p.m != nil {
+		p.m.policyConflicts.Set(float64(len(pl.hold)))
+	}
 	var writeErr error
 	if len(puts) > 0 || len(deletes) > 0 {
 		if writeErr = p.kv.Batch(ctx, puts, deletes); writeErr != nil {
@@ -194,9 +205,10 @@ func (p *policySync) sync(ctx context.Context) error {
 }
 
 // plan computes each node's effective policy from the policies in force: each object's generation if
-// checkPolicy accepts it, else its last valid one (lastValid).
+// checkPolicy accepts it, else its last valid one (lastValid). A node whose merge checkMerge refuses gets
+// no value (the node keeps the one it has) and its policies a conflict.
 func (p *policySync) plan(items []v1alpha1.ImageGCPolicy, nodes []events.NodeStatus) (policyPlan, error) {
-	pl := policyPlan{want: make(map[string][]byte, len(nodes)), outcomes: make(map[string]*policyOutcome, len(items))}
+	pl := policyPlan{want: make(map[string][]byte, len(nodes)), hold: map[string]bool{}, outcomes: make(map[string]*policyOutcome, len(items))}
 	var inForce []checkedPolicy
 	seen := make(map[types.UID]bool, len(items))
 	for i := range items {
@@ -237,11 +249,23 @@ func (p *policySync) plan(items []v1alpha1.ImageGCPolicy, nodes []events.NodeSta
 		if eff == nil {
 			continue
 		}
+		key := events.NodeToken(n.Node)
+		if c := checkMerge(sel); c != nil {
+			pl.hold[key] = true
+			for _, name := range c.policies {
+				out := pl.outcomes[name]
+				if out.conflict == nil {
+					out.conflict, out.conflictNode = c, n.Node
+				}
+				out.conflictNodes++
+			}
+			continue
+		}
 		raw, err := json.Marshal(eff)
 		if err != nil {
 			return policyPlan{}, err
 		}
-		pl.want[events.NodeToken(n.Node)] = raw
+		pl.want[key] = raw
 	}
 	return pl, nil
 }
@@ -278,6 +302,14 @@ func readyCondition(o *v1alpha1.ImageGCPolicy, out *policyOutcome, writeErr erro
 		} else {
 			cond.Message = fmt.Sprintf("%v; no generation is in force", out.invalid)
 		}
+	case out.conflict != nil:
+		others := ""
+		if n := out.conflictNodes - 1; n > 0 {
+			others = fmt.Sprintf(" and %d other nodes", n)
+		}
+		cond.Status, cond.Reason = metav1.ConditionFalse, v1alpha1.ReasonConflictingPolicies
+		cond.Message = fmt.Sprintf("%s: merged with the other policies of node %s%s, %v; the node would refuse it, so it keeps the policy it has",
+			out.conflict.fields, out.conflictNode, others, out.conflict.err)
 	case writeErr != nil:
 		cond.Status, cond.Reason, cond.Message = metav1.ConditionFalse, v1alpha1.ReasonWriteFailed, writeErr.Error()
 	}

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"strings"
 	"testing"
+	"time"
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -99,4 +100,47 @@ func TestPlanKeepsTheLastValidGeneration(t *testing.T) {
 			t.Errorf("n1 got %+v (%v), applied %v", nodePolicy(t, pl, "n1"), err, p.applied)
 		}
 	})
+}
+
+// Two valid policies whose ages merge into minAge >= maxAge: the node's key is held, both policies are
+// ConflictingPolicies, and the other nodes get their merge.
+func TestPlanHoldsAConflictingMerge(t *testing.T) {
+	d := func(v time.Duration) *metav1.Duration { return &metav1.Duration{Duration: v} }
+	pol := func(name, uid string, prio int32, pool string, spec v1alpha1.ImageGCPolicySpec) v1alpha1.ImageGCPolicy {
+		spec.Priority = prio
+		if pool != "" {
+			spec.Nodes.Selector = &metav1.LabelSelector{MatchLabels: map[string]string{"pool": pool}}
+		}
+		return v1alpha1.ImageGCPolicy{ObjectMeta: metav1.ObjectMeta{Name: name, UID: types.UID(uid), Generation: 1}, Spec: spec}
+	}
+	items := []v1alpha1.ImageGCPolicy{
+		pol("long-min", "u1", 10, "", v1alpha1.ImageGCPolicySpec{MinAge: d(2 * time.Hour)}),
+		pol("short-max", "u2", 5, "a", v1alpha1.ImageGCPolicySpec{MaxAge: d(time.Hour)}),
+	}
+	nodes := policyNodes("n1", "n2")
+	nodes = append(nodes, events.NodeStatus{NodeInfo: events.NodeInfo{Node: "n3", Labels: map[string]string{"pool": "b"}}})
+	p := &policySync{applied: map[types.UID]appliedPolicy{}}
+	pl, err := p.plan(items, nodes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range []string{"n1", "n2"} {
+		if got := nodePolicy(t, pl, n); got != nil || !pl.hold[events.NodeToken(n)] {
+			t.Errorf("%s: written %+v, held %v", n, got, pl.hold[events.NodeToken(n)])
+		}
+	}
+	if got := nodePolicy(t, pl, "n3"); got == nil || got.Names() != "long-min/1" {
+		t.Errorf("n3: %+v", got)
+	}
+	for _, name := range []string{"long-min", "short-max"} {
+		o := items[0]
+		if name == "short-max" {
+			o = items[1]
+		}
+		c := readyCondition(&o, pl.outcomes[name], nil)
+		if c.Status != metav1.ConditionFalse || c.Reason != v1alpha1.ReasonConflictingPolicies ||
+			!strings.Contains(c.Message, "minAge/maxAge") || !strings.Contains(c.Message, "node n1 and 1 other nodes") {
+			t.Errorf("%s: %+v", name, c)
+		}
+	}
 }
