@@ -47,12 +47,18 @@ type policySync struct {
 	kv      *bus.KV
 	reg     *fleet.Registry
 	written map[string][]byte // the bucket's values, as last read or written; nil: read it again
+	resyncs int               // periodic resyncs since written was last dropped
 	// applied is, per policy object, the last generation whose spec passed checkPolicy. Its durable copy is
 	// the object's status (appliedGeneration, appliedSpec): the simplest store that a new leader reads
 	// anyway (the list it syncs from), that goes with the object when it is deleted, that shows an operator
 	// which generation is in force, and that needs no bucket or NATS permission of its own.
 	applied map[types.UID]appliedPolicy
 }
+
+// policyReread is how many periodic resyncs pass before the sync reads the bucket again rather than trust
+// written: a leader that lost the Lease and got it back, or a write by another replica while this one
+// was not the leader, would otherwise leave a node's key stale until the policies change.
+const policyReread = 10
 
 // appliedPolicy is one generation of a policy's spec that passed checkPolicy.
 type appliedPolicy struct {
@@ -78,6 +84,8 @@ func (p *policySync) Reconcile(context.Context, ctrl.Request) (ctrl.Result, erro
 func (p *policySync) Start(ctx context.Context) error {
 	t := time.NewTicker(p.resync)
 	defer t.Stop()
+	// Another replica may have led and written the bucket since this one last read it.
+	p.written, p.resyncs = nil, 0
 	retry := time.Second
 	for {
 		err := p.sync(ctx)
@@ -97,8 +105,16 @@ func (p *policySync) Start(ctx context.Context) error {
 			return nil
 		case <-p.kick:
 		case <-t.C:
+			p.resynced()
 		case <-after:
 		}
+	}
+}
+
+// resynced counts a periodic resync and drops written every policyReread of them.
+func (p *policySync) resynced() {
+	if p.resyncs++; p.resyncs >= policyReread {
+		p.written, p.resyncs = nil, 0
 	}
 }
 

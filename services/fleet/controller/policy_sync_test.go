@@ -144,3 +144,18 @@ func TestPlanHoldsAConflictingMerge(t *testing.T) {
 		}
 	}
 }
+
+// Every policyReread-th resync drops written, so the next sync reads the bucket again.
+func TestResyncsDropWritten(t *testing.T) {
+	p := &policySync{written: map[string][]byte{"k": nil}}
+	for i := 1; i < policyReread; i++ {
+		p.resynced()
+		if p.written == nil {
+			t.Fatalf("dropped after %d resyncs", i)
+		}
+	}
+	p.resynced()
+	if p.written != nil {
+		t.Errorf("kept after %d resyncs", policyReread)
+	}
+}
