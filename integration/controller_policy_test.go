@@ -30,7 +30,7 @@ import (
 // two images, down to the policy's low threshold; the z1 node keeps its flags. Editing the policy (app1
 // pinned instead) changes the plan on the agents, and so does keepLastTags; deleting it restores the flags. A policy the schema lets
 // through but the agents would refuse is InvalidSpec and delivered nowhere; one the schema refuses never
-// exists.
+// exists. An invalid edit of a delivered policy keeps its last valid generation in force.
 func TestControllerDeliversImageGCPolicy(t *testing.T) {
 	const nodes = 3
 	kc := kubelab.StartT(t, kubelab.Options{})
@@ -112,6 +112,25 @@ func TestControllerDeliversImageGCPolicy(t *testing.T) {
 		t.Errorf("%s plan with keepLastTags: kept by it %v, %+v", z0b, lastTags, res)
 	}
 
+	// An invalid edit (generation 4) keeps generation 3 in force on the nodes: its pins and keepLastTags.
+	if err := cl.Patch(ctx, pol, client.RawPatch(types.MergePatchType, []byte(`{"spec":{"pinnedImages":["UPPER/Case"]}}`))); err != nil {
+		t.Fatal(err)
+	}
+	bustest.Eventually(t, "keep-app0 InvalidSpec at generation 4", time.Minute, func() error {
+		if err := cl.Get(ctx, client.ObjectKeyFromObject(pol), pol); err != nil {
+			return err
+		}
+		c := meta.FindStatusCondition(pol.Status.Conditions, v1alpha1.ConditionReady)
+		if c == nil || c.Reason != v1alpha1.ReasonInvalidSpec || c.ObservedGeneration != 4 || pol.Status.AppliedGeneration != 3 ||
+			pol.Status.MatchedNodes != 2 || !strings.Contains(c.Message, "the last valid generation, 3, stays in force") {
+			return fmt.Errorf("status %+v", pol.Status)
+		}
+		return nil
+	})
+	if res := nodeDryRun(t, b, z0b, false); policyNamesOf(res) != "keep-app0/3" || pinnedByGCPolicy(res) != "keep-app0" {
+		t.Errorf("%s plan after the invalid edit: %+v", z0b, res)
+	}
+
 	// A schema-valid policy the agents could not parse is InvalidSpec and delivered nowhere.
 	bad := &v1alpha1.ImageGCPolicy{ObjectMeta: metav1.ObjectMeta{Name: "bad-pin"}, Spec: v1alpha1.ImageGCPolicySpec{
 		Priority: 100, PinnedImages: []string{"UPPER/Case"}}}
@@ -135,6 +154,8 @@ func TestControllerDeliversImageGCPolicy(t *testing.T) {
 	for spec, want := range map[string]string{
 		`{"highThresholdPercent":50,"lowThresholdPercent":50}`: "lowThresholdPercent must be less than highThresholdPercent",
 		`{"highThresholdPercent":50}`:                          "highThresholdPercent and lowThresholdPercent are set together",
+		`{"capacityBytes":0}`:                                  "capacityBytes must be more than 0",
+		`{"capacityBytes":"0Gi"}`:                              "capacityBytes must be more than 0",
 	} {
 		u := &v1alpha1.ImageGCPolicy{ObjectMeta: metav1.ObjectMeta{Name: "refused"}}
 		err := cl.Patch(ctx, u, client.RawPatch(types.ApplyPatchType, []byte(`{"apiVersion":"imagefleet.io/v1alpha1","kind":"ImageGCPolicy","metadata":{"name":"refused"},"spec":`+spec+`}`)),

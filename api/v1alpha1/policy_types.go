@@ -52,6 +52,7 @@ type ImageGCPolicySpec struct {
 	MaxAge *metav1.Duration `json:"maxAge,omitempty"`
 	// CapacityBytes is a byte quota for images (--image-fs-capacity): capacity = this, used = the sum of
 	// the image sizes. Bytes or a quantity ("40Gi"); more than 0.
+	// +kubebuilder:validation:XValidation:rule="type(self) == int ? self > 0 : quantity(string(self)).isGreaterThan(quantity('0'))",message="capacityBytes must be more than 0"
 	// +optional
 	CapacityBytes *resource.Quantity `json:"capacityBytes,omitempty"`
 	// PinnedImages are references and globs of images GC never removes ('*' any run of characters, '/'
@@ -102,8 +103,19 @@ type ImageGCPolicyStatus struct {
 	ObservedGeneration int64 `json:"observedGeneration,omitempty"`
 	// MatchedNodes counts the registry's nodes the policy selects.
 	MatchedNodes int32 `json:"matchedNodes"`
+	// AppliedGeneration is the last generation whose spec the controller accepted, the one in force on the
+	// selected nodes: while a later generation is refused (Ready False, reason InvalidSpec) the nodes keep
+	// this one.
+	// +optional
+	AppliedGeneration int64 `json:"appliedGeneration,omitempty"`
+	// AppliedSpec is the spec of appliedGeneration, kept so that a controller that takes over after a restart
+	// keeps it in force while the object's spec is invalid.
+	// +optional
+	AppliedSpec *ImageGCPolicySpec `json:"appliedSpec,omitempty"`
 	// Conditions: Ready (True, reason Applied: every selected node's effective policy is written for this
-	// generation; False, reason InvalidSpec or WriteFailed).
+	// generation; False, reason InvalidSpec: this generation is refused and appliedGeneration stays in force,
+	// ConflictingPolicies: on some selected node this policy's settings merge with another policy's into an
+	// invalid configuration (minAge not less than maxAge), which is not written there, or WriteFailed).
 	// +optional
 	// +listType=map
 	// +listMapKey=type
@@ -117,6 +129,9 @@ const (
 	ReasonApplied     = "Applied"
 	ReasonInvalidSpec = "InvalidSpec"
 	ReasonWriteFailed = "WriteFailed"
+	// ReasonConflictingPolicies: the policy's settings, merged with another policy's on some selected node,
+	// make a configuration the node would refuse; that node's merge is not written.
+	ReasonConflictingPolicies = "ConflictingPolicies"
 )
 
 // ImageGCPolicy is the standing image GC policy of the nodes it selects, applied to their running agents.

@@ -213,7 +213,8 @@ type RolloutStatus struct {
 	// ObservedGeneration is the generation the status describes.
 	// +optional
 	ObservedGeneration int64 `json:"observedGeneration,omitempty"`
-	// Phase is Running, Paused, Complete or Failed (the conditions say why).
+	// Phase is Running, Paused, Complete or Failed (the conditions say why); a scheduled ImageGC's is
+	// Scheduled between runs and Running or Paused during one.
 	// +optional
 	Phase string `json:"phase,omitempty"`
 	// Conditions are Progressing, Paused, Complete and Failed.

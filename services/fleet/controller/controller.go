@@ -191,7 +191,7 @@ func (c *Controller) Run(ctx context.Context) error {
 		}
 		defer r.stopAll()
 	}
-	ps := newPolicySync(mgr.GetClient(), c.b, rec, c.cfg)
+	ps := newPolicySync(mgr.GetClient(), c.b, rec, c.cfg, c.m)
 	if err := ctrl.NewControllerManagedBy(mgr).For(&v1alpha1.ImageGCPolicy{}).Named("imagegcpolicy").Complete(ps); err != nil {
 		return fmt.Errorf("controller: imagegcpolicy: %w", err)
 	}

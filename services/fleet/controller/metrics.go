@@ -12,6 +12,9 @@ type metrics struct {
 	statusWrites *prometheus.CounterVec
 	// running counts the objects whose rollout runs on this replica.
 	running *prometheus.GaugeVec
+	// policyConflicts counts the nodes whose ImageGCPolicy merge the last policy sync refused (checkMerge):
+	// a gauge, as the sync is level-based and finds the same conflict again at every resync.
+	policyConflicts prometheus.Gauge
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
@@ -29,5 +32,12 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &metrics{statusWrites: w, running: r}, nil
+	pc, err := promreg.RegisterOrReuse(reg, prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "imagefleet_controller_gc_policy_conflicting_nodes",
+		Help: "Nodes whose ImageGCPolicy objects merge into a configuration the node would refuse (Ready reason ConflictingPolicies), as of the last policy sync; their effective policy is not written.",
+	}))
+	if err != nil {
+		return nil, err
+	}
+	return &metrics{statusWrites: w, running: r, policyConflicts: pc}, nil
 }

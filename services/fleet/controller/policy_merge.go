@@ -20,8 +20,10 @@ type checkedPolicy struct {
 	sel labels.Selector
 }
 
-// checkPolicy checks what the schema cannot: the selector, the quota's value and the pinned references (as
-// the agents parse --pinned-images). A policy that fails is left out of every node's merge.
+// checkPolicy checks what the schema cannot: the selector and the pinned references (as the agents parse
+// --pinned-images); and the quota's value, which the schema refuses too, for an object stored before it did
+// (the API server lets an unchanged value through a new rule). A generation that fails is left out of every
+// node's merge; the sync keeps the policy's last valid one in force instead (policySync.lastValid).
 func checkPolicy(p *v1alpha1.ImageGCPolicy) (checkedPolicy, error) {
 	sel := labels.Everything()
 	if s := p.Spec.Nodes.Selector; s != nil {
@@ -119,4 +121,57 @@ func effectivePolicy(ps []*v1alpha1.ImageGCPolicy, nodeLabels map[string]string)
 		}
 	}
 	return out
+}
+
+// mergeConflict is a node's merge that the node would refuse: fields from policies set it, err says why.
+type mergeConflict struct {
+	fields   string   // the field pair, "minAge/maxAge"
+	policies []string // the policies that set them, in precedence order, each once
+	err      error
+}
+
+// checkMerge checks the settings effectivePolicy merges from ps as the node checks its merged configuration
+// (services/gc's Config.Validate over its flags with the policy over them), for the rules that relate two
+// settings: a node that refuses a delivered policy keeps its last good one, so a merge it would refuse must
+// not be written. A mirror, not an import: the controller is part of the fleet worker, and workers do not
+// import each other (internal/archtest); TestCheckMergeAgreesWithTheNode keeps the two in step.
+//
+// Only what the policies set is checked: a setting the node takes from its own flags (a policy's maxAge
+// under the node's --minimum-image-ttl-duration) is not known here, and the node still refuses that one.
+// The thresholds are one setting taken from one policy whose schema orders them, so only the ages, which
+// two policies can set, can conflict.
+func checkMerge(ps []*v1alpha1.ImageGCPolicy) *mergeConflict {
+	ps = slices.Clone(ps)
+	slices.SortFunc(ps, precedes)
+	var minFrom, maxFrom, thrFrom *v1alpha1.ImageGCPolicy
+	for _, p := range ps {
+		s := p.Spec
+		if minFrom == nil && s.MinAge != nil {
+			minFrom = p
+		}
+		if maxFrom == nil && s.MaxAge != nil {
+			maxFrom = p
+		}
+		if thrFrom == nil && s.HighThresholdPercent != nil && s.LowThresholdPercent != nil {
+			thrFrom = p
+		}
+	}
+	if thrFrom != nil {
+		if h, l := *thrFrom.Spec.HighThresholdPercent, *thrFrom.Spec.LowThresholdPercent; l >= h {
+			return &mergeConflict{fields: "lowThresholdPercent/highThresholdPercent", policies: []string{thrFrom.Name},
+				err: fmt.Errorf("lowThresholdPercent %d (policy %s) must be less than highThresholdPercent %d", l, thrFrom.Name, h)}
+		}
+	}
+	if minFrom != nil && maxFrom != nil {
+		lo, hi := minFrom.Spec.MinAge.Duration, maxFrom.Spec.MaxAge.Duration
+		if hi > 0 && hi <= lo {
+			c := &mergeConflict{fields: "minAge/maxAge", policies: []string{minFrom.Name},
+				err: fmt.Errorf("maxAge %v (policy %s) must be greater than minAge %v (policy %s) or 0s", hi, maxFrom.Name, lo, minFrom.Name)}
+			if maxFrom != minFrom {
+				c.policies = append(c.policies, maxFrom.Name)
+			}
+			return c
+		}
+	}
+	return nil
 }

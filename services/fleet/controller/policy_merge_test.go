@@ -2,6 +2,7 @@ package controller
 
 import (
 	"encoding/json"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -10,6 +11,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/imagefleet/imagefleet/api/v1alpha1"
+	"github.com/imagefleet/imagefleet/services/gc"
 )
 
 func TestEffectivePolicyPrecedence(t *testing.T) {
@@ -93,4 +95,88 @@ func TestCheckPolicy(t *testing.T) {
 			}
 		})
 	}
+}
+
+func TestCheckMerge(t *testing.T) {
+	d := func(v time.Duration) *metav1.Duration { return &metav1.Duration{Duration: v} }
+	pol := func(name string, prio int32, minAge, maxAge *metav1.Duration) *v1alpha1.ImageGCPolicy {
+		return &v1alpha1.ImageGCPolicy{ObjectMeta: metav1.ObjectMeta{Name: name},
+			Spec: v1alpha1.ImageGCPolicySpec{Priority: prio, MinAge: minAge, MaxAge: maxAge}}
+	}
+	for _, tc := range []struct {
+		name     string
+		in       []*v1alpha1.ImageGCPolicy
+		policies string // the conflict's policies, comma-separated; "": no conflict
+	}{
+		{"none", nil, ""},
+		{"one policy's ages", []*v1alpha1.ImageGCPolicy{pol("a", 0, d(time.Minute), d(time.Hour))}, ""},
+		{"ages from two policies in order", []*v1alpha1.ImageGCPolicy{pol("a", 0, d(time.Minute), nil), pol("b", 0, nil, d(time.Hour))}, ""},
+		{"maxAge 0s is off", []*v1alpha1.ImageGCPolicy{pol("a", 0, d(time.Hour), nil), pol("b", 0, nil, d(0))}, ""},
+		{"minAge above maxAge", []*v1alpha1.ImageGCPolicy{pol("short-max", 1, nil, d(time.Hour)), pol("long-min", 2, d(2*time.Hour), nil)},
+			"long-min,short-max"},
+		{"equal ages", []*v1alpha1.ImageGCPolicy{pol("a", 0, d(time.Hour), nil), pol("b", 0, nil, d(time.Hour))}, "a,b"},
+		{"the winning ages decide", []*v1alpha1.ImageGCPolicy{pol("a", 2, d(time.Minute), nil), pol("b", 1, d(3*time.Hour), d(time.Hour))}, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := checkMerge(tc.in)
+			got := ""
+			if c != nil {
+				got = strings.Join(c.policies, ",")
+				if c.fields != "minAge/maxAge" || c.err == nil {
+					t.Errorf("conflict %+v", c)
+				}
+			}
+			if got != tc.policies {
+				t.Errorf("policies %q, want %q", got, tc.policies)
+			}
+		})
+	}
+}
+
+// TestCheckMergeAgreesWithTheNode: checkMerge mirrors the rules of services/gc's Config.Validate that two
+// settings take part in; over a node whose flags set neither age (0, 0), a merge is refused by one exactly
+// when it is refused by the other. Only this test imports the GC worker.
+func TestCheckMergeAgreesWithTheNode(t *testing.T) {
+	i32 := func(v int32) *int32 { return &v }
+	d := func(v time.Duration) *metav1.Duration { return &metav1.Duration{Duration: v} }
+	ages := []*metav1.Duration{nil, d(0), d(time.Minute), d(time.Hour), d(2 * time.Hour)}
+	thresholds := [][2]*int32{{nil, nil}, {i32(80), i32(70)}, {i32(50), i32(50)}, {i32(40), i32(60)}}
+	for _, th := range thresholds {
+		for _, minA := range ages {
+			for _, maxA := range ages {
+				for _, split := range []bool{false, true} {
+					a := &v1alpha1.ImageGCPolicy{ObjectMeta: metav1.ObjectMeta{Name: "a"}, Spec: v1alpha1.ImageGCPolicySpec{
+						HighThresholdPercent: th[0], LowThresholdPercent: th[1], MinAge: minA, MaxAge: maxA}}
+					ps := []*v1alpha1.ImageGCPolicy{a}
+					if split { // maxAge from another policy
+						a.Spec.MaxAge = nil
+						ps = append(ps, &v1alpha1.ImageGCPolicy{ObjectMeta: metav1.ObjectMeta{Name: "b"}, Spec: v1alpha1.ImageGCPolicySpec{MaxAge: maxA}})
+					}
+					cfg := gc.Config{Node: "n1", Policy: gc.Policy{HighThresholdPercent: 85, LowThresholdPercent: 80}}
+					eff := effectivePolicy(ps, nil)
+					if eff.HighThresholdPercent != nil {
+						cfg.Policy.HighThresholdPercent, cfg.Policy.LowThresholdPercent = *eff.HighThresholdPercent, *eff.LowThresholdPercent
+					}
+					if eff.MinAge != nil {
+						cfg.Policy.MinAge = eff.MinAge.Duration
+					}
+					if eff.MaxAge != nil {
+						cfg.Policy.MaxAge = eff.MaxAge.Duration
+					}
+					nodeErr, ctlErr := cfg.Validate(), checkMerge(ps)
+					if (nodeErr == nil) != (ctlErr == nil) {
+						t.Errorf("thresholds %v/%v, minAge %v, maxAge %v (split %v): node %v, controller %+v",
+							ptrStr(th[0]), ptrStr(th[1]), ptrStr(minA), ptrStr(maxA), split, nodeErr, ctlErr)
+					}
+				}
+			}
+		}
+	}
+}
+
+func ptrStr[T any](p *T) string {
+	if p == nil {
+		return "unset"
+	}
+	return fmt.Sprint(*p)
 }
