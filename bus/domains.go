@@ -58,6 +58,9 @@ type domains struct {
 	fleet, local string
 	// view, set on a view (InDomain), is the one domain of every stream and bucket.
 	view string
+	// remote: the connection's server has no JetStream (a leaf without it), so every API request names the
+	// fleet's domain.
+	remote bool
 }
 
 // split reports whether the connection's streams are split between two domains.
@@ -101,7 +104,7 @@ func (b *Bus) connectDomains(ctx context.Context, nc *nats.Conn, fleet string, o
 	case fleet: // on a server of the fleet's domain: its own API is the fleet's
 		b.domains = domains{fleet: fleet}
 	case "": // on a leaf without JetStream: every stream and bucket is the fleet's
-		b.domains, b.js = domains{fleet: fleet}, hub
+		b.domains, b.js = domains{fleet: fleet, remote: true}, hub
 	default:
 		b.domains, b.js = domains{fleet: fleet, local: own}, &router{JetStream: hub, local: local}
 	}
@@ -182,6 +185,8 @@ func (b *Bus) apiPrefix(stream string) string {
 	switch {
 	case b.domains.view != "":
 		return "$JS." + b.domains.view + ".API."
+	case b.domains.remote:
+		return "$JS." + b.domains.fleet + ".API."
 	case b.domains.split() && fleetWide(stream):
 		return "$JS." + b.domains.fleet + ".API."
 	}

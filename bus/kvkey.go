@@ -84,7 +84,10 @@ type KeyFollowerConfig struct {
 
 // FollowKey calls fn with the key's value as it changes, until ctx ends, without a consumer: one direct get
 // at the start, after each notice, after each reconnection and every Resync, and fn only when the revision
-// read is new. A core subscription to the writer's notices makes a change arrive within a round trip. The
+// read is new. A read older than what is known (the revision held, or one a notice named: any replica
+// answers a direct get, a follower catching up too) is made again, Retry doubling, and taken only after
+// maxBehind such reads in a row (the bucket made again), so a lagging replica never takes the follower back
+// to an older value nor drops the one it holds. A core subscription to the writer's notices makes a change arrive within a round trip. The
 // first call comes after the first read that succeeded, with found false when the key does not exist (or
 // was deleted: e.Deleted). A read that fails is tried again (Retry, doubling) and fn is not called: what the
 // caller holds stays in force. Compared with a key-value watch, it costs the servers no consumer per
@@ -138,6 +141,7 @@ func (b *Bus) FollowKey(ctx context.Context, cfg KeyFollowerConfig, fn func(e En
 		have   uint64 // the revision last passed to fn
 		called bool
 		wait   = cfg.Retry
+		behind int // reads in a row older than what is known
 		timer  = time.NewTimer(0)
 	)
 	defer timer.Stop()
@@ -149,7 +153,7 @@ func (b *Bus) FollowKey(ctx context.Context, cfg KeyFollowerConfig, fn func(e En
 		case <-timer.C:
 		}
 		mu.Lock()
-		want := announce
+		want := max(announce, have)
 		mu.Unlock()
 		e, err := b.GetKey(ctx, cfg.Bucket, cfg.Key)
 		found := err == nil && !e.Deleted
@@ -165,13 +169,25 @@ func (b *Bus) FollowKey(ctx context.Context, cfg KeyFollowerConfig, fn func(e En
 			resetTimer(timer, wait)
 			wait = min(2*wait, 30*time.Second)
 			continue
-		case e.Revision < want:
-			// A replica behind the write it was told of: read again shortly.
-			resetTimer(timer, min(wait, 250*time.Millisecond))
+		case e.Revision < want && behind < maxBehind:
+			// Older than a notice told of, or than what is held (a missing key included): a replica
+			// behind the writes (any replica answers a direct get, a follower catching up too). Read
+			// again, sooner at first, never going back meanwhile. After maxBehind such reads in a row
+			// the answer stands: the bucket was made again, or a notice named a revision it never had.
+			behind++
+			b.log.Debug("kv key read behind what is known, reading again", "bucket", cfg.Bucket, "key", cfg.Key,
+				"revision", e.Revision, "known", want, "retry_in", wait)
+			resetTimer(timer, wait)
 			wait = min(2*wait, 30*time.Second)
 			continue
+		case e.Revision < want:
+			b.log.Warn("kv key read behind what is known after several reads, taking it", "bucket", cfg.Bucket, "key", cfg.Key,
+				"revision", e.Revision, "known", want, "reads", behind+1)
+			mu.Lock()
+			announce = 0
+			mu.Unlock()
 		}
-		wait = cfg.Retry
+		wait, behind = cfg.Retry, 0
 		if !called || e.Revision != have {
 			called, have = true, e.Revision
 			fn(e, found)
@@ -179,6 +195,10 @@ func (b *Bus) FollowKey(ctx context.Context, cfg KeyFollowerConfig, fn func(e En
 		resetTimer(timer, jitter(cfg.Resync))
 	}
 }
+
+// maxBehind is how many reads in a row older than what a follower knows it makes before it takes the
+// answer: with Retry's doubling from 1 s, about a minute of a replica behind.
+const maxBehind = 6
 
 // jitter returns a duration drawn between d/2 and 3d/2.
 func jitter(d time.Duration) time.Duration { return d/2 + rand.N(d) }

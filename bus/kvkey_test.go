@@ -165,3 +165,64 @@ func TestFollowKeyReadsAgainAfterAReconnect(t *testing.T) {
 	r.start()
 	f.wait(t, "v2 read after the reconnection", "v1", "v2")
 }
+
+// TestFollowKeyNeverGoesBack holds v2, then the bucket is made again with an older revision (what a replica
+// catching up also answers), announced: the follower reads again rather than going back, and takes the
+// answer only after maxBehind reads in a row. A notice naming a revision the bucket never had does not keep
+// it reading for ever: the next write and its notice arrive.
+func TestFollowKeyNeverGoesBack(t *testing.T) {
+	_, b := bustest.Start(t)
+	ctx := t.Context()
+	kv, err := b.KV(ctx, bus.KVConfig{Bucket: "follow-test"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, v := range []string{"v1", "v2"} {
+		if _, err := kv.Put(ctx, "node-a", []byte(v)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var f follower
+	fctx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() {
+		done <- b.FollowKey(fctx, bus.KeyFollowerConfig{Bucket: "follow-test", Key: "node-a", Notices: "test.notice.node-a",
+			Resync: time.Hour, Retry: 50 * time.Millisecond}, f.fn)
+	}()
+	t.Cleanup(func() { cancel(); <-done })
+	f.wait(t, "v2 at the start", "v2")
+
+	// The bucket made again: its only value, "w1", is at revision 1, below the 2 held.
+	if err := b.DeleteStream(ctx, "KV_follow-test"); err != nil {
+		t.Fatal(err)
+	}
+	kv, err = b.KV(ctx, bus.KVConfig{Bucket: "follow-test"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	began := time.Now()
+	rev, err := kv.Put(ctx, "node-a", []byte("w1"))
+	if err != nil || rev != 1 {
+		t.Fatalf("put in the bucket made again: revision %d, %v", rev, err)
+	}
+	if err := b.AnnounceRevision("test.notice.node-a", rev); err != nil {
+		t.Fatal(err)
+	}
+	f.wait(t, "w1 taken after the reads behind", "v2", "w1")
+	// maxBehind reads from 50 ms doubling: 50+100+200+400+800+1600 ms before it is taken.
+	if d := time.Since(began); d < time.Second {
+		t.Errorf("w1 at revision 1 taken after %s, before the reads behind could be made", d)
+	}
+	// A notice of a revision far ahead: read again and again, then taken as it is (w1: nothing new).
+	if err := b.AnnounceRevision("test.notice.node-a", 1000); err != nil {
+		t.Fatal(err)
+	}
+	rev, err = kv.Put(ctx, "node-a", []byte("w2"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := b.AnnounceRevision("test.notice.node-a", rev); err != nil {
+		t.Fatal(err)
+	}
+	f.wait(t, "w2 by its notice", "v2", "w1", "w2")
+}
