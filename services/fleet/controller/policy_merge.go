@@ -138,8 +138,9 @@ type mergeConflict struct {
 //
 // Only what the policies set is checked: a setting the node takes from its own flags (a policy's maxAge
 // under the node's --minimum-image-ttl-duration) is not known here, and the node still refuses that one.
-// The thresholds are one setting taken from one policy whose schema orders them, so only the ages, which
-// two policies can set, can conflict.
+// The thresholds are one setting taken from one policy, whose schema orders them: they are checked all the
+// same (a policy stored before the schema's rule). The ages, which two policies can set, are the pair that
+// can conflict between policies.
 func checkMerge(ps []*v1alpha1.ImageGCPolicy) *mergeConflict {
 	ps = slices.Clone(ps)
 	slices.SortFunc(ps, precedes)
