@@ -109,9 +109,7 @@ func TestReadinessWaitsForEveryObjectOfTheKey(t *testing.T) {
 			if tc.followed {
 				follow(t, k, tc.b, map[string]bool{"n": true})
 			}
-			if _, err := k.Reconcile(t.Context(), ctrl.Request{NamespacedName: types.NamespacedName{Name: "n"}}); err != nil {
-				t.Fatal(err)
-			}
+			reconcileNode(t, k, "n")
 			if got := hasReadinessTaint(t, k.c, "n"); got != tc.keep {
 				t.Errorf("taint kept: %t, want %t", got, tc.keep)
 			}
@@ -125,15 +123,11 @@ func TestReadinessHoldsANodeMadeAfterItsOutcome(t *testing.T) {
 	k := testKeeper(t, a, taintedNode("n", "new-machine", time.Now()))
 	ko := follow(t, k, a, map[string]bool{})
 	ko.joins["n"] = &join{done: true, ok: true} // an outcome that names no Node: an earlier machine's
-	if _, err := k.Reconcile(t.Context(), ctrl.Request{NamespacedName: types.NamespacedName{Name: "n"}}); err != nil {
-		t.Fatal(err)
-	}
+	reconcileNode(t, k, "n")
 	if !hasReadinessTaint(t, k.c, "n") {
 		t.Error("the taint of a Node made after its name was warmed was removed")
 	}
-	k.mu.Lock()
-	j := ko.joins["n"]
-	k.mu.Unlock()
+	j := joinOf(k, ko, "n")
 	if j == nil || j.done || j.uid != "new-machine" {
 		t.Errorf("join %+v: want one at work for the new Node", j)
 	}
@@ -182,15 +176,11 @@ func TestReadinessRejoinsAReusedName(t *testing.T) {
 			ko := follow(t, k, a, map[string]bool{})
 			old := &join{done: true, ok: true, uid: "old"}
 			ko.joins["n"] = old
-			if _, err := k.Reconcile(t.Context(), ctrl.Request{NamespacedName: types.NamespacedName{Name: "n"}}); err != nil {
-				t.Fatal(err)
-			}
+			reconcileNode(t, k, "n")
 			if !hasReadinessTaint(t, k.c, "n") {
 				t.Error("the taint of a new Node under a warmed name was removed")
 			}
-			k.mu.Lock()
-			j := ko.joins["n"]
-			k.mu.Unlock()
+			j := joinOf(k, ko, "n")
 			if got := j != old && j.uid == "new" && !j.done; got != tc.rejoin {
 				t.Errorf("join %+v: a new one for the Node: %t, want %t", j, got, tc.rejoin)
 			}
@@ -229,12 +219,25 @@ func TestReadinessTakesOnlyAReusedNameOn(t *testing.T) {
 	k := testKeeper(t, a, taintedNode("n", "uid", time.Now()))
 	k.nodes["n"] = registryNode{started: time.Now().Add(time.Hour)}
 	ko := follow(t, k, a, map[string]bool{})
-	if _, err := k.Reconcile(t.Context(), ctrl.Request{NamespacedName: types.NamespacedName{Name: "n"}}); err != nil {
-		t.Fatal(err)
-	}
+	reconcileNode(t, k, "n")
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	if j := ko.joins["n"]; j != nil {
 		t.Errorf("join %+v of a node never taken on", j)
 	}
+}
+
+// reconcileNode runs the keeper's Node reconciler for node once.
+func reconcileNode(t *testing.T, k *keeper, node string) {
+	t.Helper()
+	if _, err := k.Reconcile(t.Context(), ctrl.Request{NamespacedName: types.NamespacedName{Name: node}}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// joinOf is ko's join of node, read under the keeper's lock.
+func joinOf(k *keeper, ko *keptObject, node string) *join {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return ko.joins[node]
 }
