@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"slices"
 	"sync"
-	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -172,42 +171,32 @@ func newPolicyUpdates(reg prometheus.Registerer) (*prometheus.CounterVec, error)
 
 // watchPolicy follows the node's key in events.GCPolicyBucket until ctx ends, without a consumer of the
 // bucket (bus.FollowKey): a direct get of the key at the start, after each revision the controller announces
-// on events.GCPolicyNotice, after a reconnection and every PolicyResync. A bucket not there yet, or a read
-// that fails, leaves the policy in force and is tried again. Nothing it meets ends the executor.
+// on events.GCPolicyNotice, after a reconnection and every PolicyResync. FollowKey retries every read itself
+// (a bucket not there yet, NATS away), the policy in force staying; it returns early only when it cannot
+// subscribe at all (the connection closed). Nothing it meets ends the executor.
 func (s *Service) watchPolicy(ctx context.Context) {
-	key := events.NodeToken(s.cfg.Node)
-	wait := s.cfg.PolicyRetry
-	for ctx.Err() == nil {
-		err := s.bus.FollowKey(ctx, bus.KeyFollowerConfig{Bucket: events.GCPolicyBucket, Key: key,
-			Notices: events.GCPolicyNotice(s.cfg.Node), Resync: s.cfg.PolicyResync, Retry: s.cfg.PolicyRetry},
-			func(e bus.Entry, found bool) {
-				if !found {
-					if s.clearPolicy() {
-						s.policyRemoved()
-					}
-					return
+	err := s.bus.FollowKey(ctx, bus.KeyFollowerConfig{Bucket: events.GCPolicyBucket, Key: events.NodeToken(s.cfg.Node),
+		Notices: events.GCPolicyNotice(s.cfg.Node), Resync: s.cfg.PolicyResync, Retry: s.cfg.PolicyRetry},
+		func(e bus.Entry, found bool) {
+			if !found {
+				if s.clearPolicy() {
+					s.policyRemoved()
 				}
-				if err := s.applyPolicy(e.Value, e.Revision); err != nil {
-					s.policyUpdates.WithLabelValues(policyRefused).Inc()
-					s.log.Error("image GC policy refused, the last good one stays in force", "revision", e.Revision, "err", err)
-					return
-				}
-				s.policyUpdates.WithLabelValues(policyApplied).Inc()
-				st := s.settings()
-				s.log.Info("image GC policy applied from the next pass", "policy", policyNames(st.sources), "revision", e.Revision,
-					"high_threshold", st.policy.HighThresholdPercent, "low_threshold", st.policy.LowThresholdPercent,
-					"min_age", st.policy.MinAge, "max_age", st.policy.MaxAge, "capacity", st.capacity, "pinned_policies", len(st.pins))
-			})
-		if ctx.Err() != nil {
-			return
-		}
-		s.log.Warn("image GC policy: following the key failed, the policy in force stays", "err", err, "retry_in", wait)
-		select {
-		case <-ctx.Done():
-			return
-		case <-time.After(wait):
-		}
-		wait = min(2*wait, 30*time.Second)
+				return
+			}
+			if err := s.applyPolicy(e.Value, e.Revision); err != nil {
+				s.policyUpdates.WithLabelValues(policyRefused).Inc()
+				s.log.Error("image GC policy refused, the last good one stays in force", "revision", e.Revision, "err", err)
+				return
+			}
+			s.policyUpdates.WithLabelValues(policyApplied).Inc()
+			st := s.settings()
+			s.log.Info("image GC policy applied from the next pass", "policy", policyNames(st.sources), "revision", e.Revision,
+				"high_threshold", st.policy.HighThresholdPercent, "low_threshold", st.policy.LowThresholdPercent,
+				"min_age", st.policy.MinAge, "max_age", st.policy.MaxAge, "capacity", st.capacity, "pinned_policies", len(st.pins))
+		})
+	if err != nil && ctx.Err() == nil {
+		s.log.Error("image GC policy not followed, the node's flags and the policy in force stay", "err", err)
 	}
 }
 
