@@ -11,6 +11,7 @@ import (
 	"slices"
 	"sort"
 	"strings"
+	"testing"
 	"time"
 
 	v1 "k8s.io/api/core/v1"
@@ -29,8 +30,7 @@ type faultStream struct {
 	copies map[string]int
 	// results counts the stored terminal pull events (pulled or failed) of each request id.
 	results     map[string]int
-	pulling     []events.Event
-	pulled      []events.Event
+	pulls       []events.Event // pulling, pulled and failed
 	removed     []events.Event
 	finished    []events.Event
 	transitions map[string]int // faultTransitionKey -> stored copies
@@ -55,15 +55,13 @@ func readFaultStream(ctx context.Context, b *bus.Bus, node string) (*faultStream
 		s.copies[ev.ID]++
 		switch ev.Type {
 		case events.TypeName(events.EntityPull, events.ActionPulling):
-			s.pulling = append(s.pulling, ev)
+			s.pulls = append(s.pulls, ev)
 		case events.TypeName(events.EntityPull, events.ActionPulled), events.TypeName(events.EntityPull, events.ActionFailed):
 			var r events.PullResult
 			if ev.DecodeData(&r) == nil {
 				s.results[r.RequestID]++
 			}
-			if ev.Type == events.TypeName(events.EntityPull, events.ActionPulled) {
-				s.pulled = append(s.pulled, ev)
-			}
+			s.pulls = append(s.pulls, ev)
 		case events.TypeName(events.EntityImage, events.ActionRemoved):
 			s.removed = append(s.removed, ev)
 		case events.TypeName(events.EntityGC, events.ActionFinished):
@@ -238,15 +236,17 @@ func fmtTime(t time.Time) string {
 	return t.Format(time.StampMilli)
 }
 
-// doubleRemovals finds an image removed twice with no pull of it in between: a removal reported twice, a
-// side effect done twice. A pull is a pull.pulling event or a pull.pulled event (which name the image by
-// reference): a pulled event of a real pull, or one saying the image was already present, which shows it was
-// back (a pull the killed agent had in flight finished after the first removal; its redelivered request then
-// found the image present, and its own pulling event had been stored under the same id before). A pull that
-// began up to 2 s before the first removal counts too, since a pull racing a removal brings the image back
-// after it.
-func doubleRemovals(removed, pulling, pulled []events.Event, idOf map[string]string) []string {
-	const slack = 2 * time.Second
+// doubleRemovals finds an image removed twice with nothing that could have brought it back in between: a
+// removal reported twice, a side effect done twice.
+//
+// What brings an image back is a pull of it that was in the runtime at some moment between the two removals.
+// A pull request's window runs from its pulling event (stored once: a redelivered request's pulling event
+// has the same id) or its result's runtime pull start (Finished less PullDuration), whichever is earlier, to
+// its result's Finished; a request without a result is open-ended. A failed pull counts as well: containerd
+// killed after it stored the image fails the call. The window must begin before the second removal and end
+// after the first removal's RemoveImage call began, which is at most removeTimeout (the agent's
+// --runtime-request-timeout) before its event.
+func doubleRemovals(removed, pulls []events.Event, idOf map[string]string, removeTimeout time.Duration) []string {
 	removals := map[string][]events.Event{}
 	for _, ev := range removed {
 		var r events.ImageRemoved
@@ -254,25 +254,123 @@ func doubleRemovals(removed, pulling, pulled []events.Event, idOf map[string]str
 			removals[r.ID] = append(removals[r.ID], ev)
 		}
 	}
-	pulls := map[string][]time.Time{}
-	for _, ev := range append(slices.Clone(pulling), pulled...) {
-		var r events.PullResult
-		if ev.DecodeData(&r) != nil {
-			continue
-		}
-		pulls[idOf[r.Image]] = append(pulls[idOf[r.Image]], ev.Time)
-	}
+	windows := pullWindows(pulls, idOf)
 	var bad []string
 	for id, rms := range removals {
 		sort.Slice(rms, func(i, j int) bool { return rms[i].Time.Before(rms[j].Time) })
 		for i := 1; i < len(rms); i++ {
 			first, second := rms[i-1].Time, rms[i].Time
-			if !slices.ContainsFunc(pulls[id], func(at time.Time) bool { return at.After(first.Add(-slack)) && at.Before(second) }) {
-				bad = append(bad, fmt.Sprintf("image %s removed at %s and again at %s with no pull between (events %s, %s)",
-					id, first.Format(time.StampMilli), second.Format(time.StampMilli), rms[i-1].ID, rms[i].ID))
+			back := slices.ContainsFunc(windows[id], func(w pullWindow) bool {
+				return w.from.Before(second) && (w.to.IsZero() || w.to.After(first.Add(-removeTimeout)))
+			})
+			if !back {
+				var seen []string
+				for _, w := range windows[id] {
+					seen = append(seen, w.String())
+				}
+				bad = append(bad, fmt.Sprintf("image %s removed at %s and again at %s with no pull between (events %s, %s); its pulls: %v",
+					id, first.Format(time.StampMilli), second.Format(time.StampMilli), rms[i-1].ID, rms[i].ID, seen))
 			}
 		}
 	}
 	sort.Strings(bad)
 	return bad
+}
+
+// pullWindow is the time one pull request may have had the image's pull in the runtime.
+type pullWindow struct {
+	request  string
+	from, to time.Time // to is zero: no result
+}
+
+func (w pullWindow) String() string {
+	return fmt.Sprintf("%s %s-%s", w.request, w.from.Format(time.StampMilli), fmtTime(w.to))
+}
+
+// pullWindows returns the pull windows of each image id, from the pull events (idOf maps references to ids).
+func pullWindows(pulls []events.Event, idOf map[string]string) map[string][]pullWindow {
+	byReq := map[string]*pullWindow{}
+	image := map[string]string{}
+	for _, ev := range pulls {
+		var r events.PullResult
+		if ev.DecodeData(&r) != nil {
+			continue
+		}
+		w := byReq[r.RequestID]
+		if w == nil {
+			w = &pullWindow{request: r.RequestID, from: ev.Time}
+			byReq[r.RequestID] = w
+			image[r.RequestID] = idOf[r.Image]
+		}
+		from := ev.Time
+		if !r.Finished.IsZero() {
+			from = r.Finished.Add(-r.PullDuration.Duration)
+			if r.Finished.After(w.to) {
+				w.to = r.Finished
+			}
+		}
+		if from.Before(w.from) {
+			w.from = from
+		}
+	}
+	out := map[string][]pullWindow{}
+	for req, w := range byReq {
+		out[image[req]] = append(out[image[req]], *w)
+	}
+	return out
+}
+
+func TestDoubleRemovalsCountsEveryPullThatCouldBringTheImageBack(t *testing.T) {
+	t0 := time.Date(2026, 11, 28, 11, 26, 34, 0, time.UTC)
+	const ref, id = "reg/app:1", "sha256:app"
+	idOf := map[string]string{ref: id}
+	event := func(action string, at time.Time, data any) events.Event {
+		ev, err := events.New("n", events.EntityPull, action, data)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ev.Time = at
+		return ev
+	}
+	var removals []events.Event
+	for _, at := range []time.Time{t0, t0.Add(3 * time.Second)} {
+		ev, err := events.New("n", events.EntityImage, events.ActionRemoved, events.ImageRemoved{ID: id})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ev.Time = at
+		removals = append(removals, ev)
+	}
+	pulling := func(req string, at time.Time) events.Event {
+		return event(events.ActionPulling, at, events.PullResult{RequestID: req, Image: ref})
+	}
+	result := func(action, req string, started, finished time.Time) events.Event {
+		return event(action, finished, events.PullResult{RequestID: req, Image: ref, Finished: finished,
+			PullDuration: events.Duration{Duration: finished.Sub(started)}})
+	}
+	for _, c := range []struct {
+		name  string
+		pulls []events.Event
+		want  bool // reported twice
+	}{
+		{"no pull", nil, true},
+		{"a pull that ended before the first removal's call", []events.Event{
+			pulling("a", t0.Add(-20*time.Second)), result(events.ActionPulled, "a", t0.Add(-20*time.Second), t0.Add(-11*time.Second))}, true},
+		{"a pull that began after the second removal", []events.Event{
+			pulling("a", t0.Add(4*time.Second)), result(events.ActionPulled, "a", t0.Add(4*time.Second), t0.Add(5*time.Second))}, true},
+		{"a pull of another image", []events.Event{
+			event(events.ActionPulling, t0.Add(time.Second), events.PullResult{RequestID: "a", Image: "reg/other:1"})}, true},
+		{"a pull between the removals", []events.Event{
+			pulling("a", t0.Add(time.Second)), result(events.ActionPulled, "a", t0.Add(time.Second), t0.Add(2*time.Second))}, false},
+		{"a redelivered request whose pulling event came long before and its result after both", []events.Event{
+			pulling("a", t0.Add(-30*time.Second)), result(events.ActionPulled, "a", t0.Add(5*time.Second), t0.Add(6*time.Second))}, false},
+		{"a failed pull across the first removal", []events.Event{
+			pulling("a", t0.Add(-3*time.Second)), result(events.ActionFailed, "a", t0.Add(-3*time.Second), t0.Add(time.Second))}, false},
+		{"a pull in flight at the end", []events.Event{pulling("a", t0.Add(-time.Minute))}, false},
+	} {
+		got := doubleRemovals(removals, c.pulls, idOf, 10*time.Second)
+		if (len(got) > 0) != c.want {
+			t.Errorf("%s: reported %v, want reported %v", c.name, got, c.want)
+		}
+	}
 }

@@ -20,6 +20,9 @@ import (
 
 const faultNode = "fault-node"
 
+// faultRuntimeTimeout is the agent's --runtime-request-timeout in the fault loop: no CRI call outlasts it.
+const faultRuntimeTimeout = 10 * time.Second
+
 // faultRounds is the number of faults injected: IMAGEFLEET_FAULT_ROUNDS, default 40 (about two and a half
 // minutes of faults, so CI stays short); the recorded run in docs/operations.md uses more.
 func faultRounds(t *testing.T) int {
@@ -97,7 +100,7 @@ func TestFaultInjection(t *testing.T) {
 	w.agentArgs = []string{"agent", "--node", faultNode, "--nats", w.natsURL(), "--cri", ctrd.Endpoint(), "--data-dir", dataDir,
 		"--pinned-images", pause.Ref, "--minimum-image-ttl-duration", "0s", "--image-maximum-gc-age", "4s", "--image-gc-period", "2s",
 		"--image-detect-period", "2s", "--pull-ack-wait", "5s", "--registry-qps", "0", "--serialize-image-pulls=false",
-		"--max-parallel-image-pulls", "3", "--runtime-request-timeout", "10s", "--pod-index-flush-interval", "200ms"}
+		"--max-parallel-image-pulls", "3", "--runtime-request-timeout", faultRuntimeTimeout.String(), "--pod-index-flush-interval", "200ms"}
 	w.startNATS()
 	b, err := bus.Connect(ctx, w.natsURL(), bus.Options{Name: "fault-client", Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
@@ -344,7 +347,7 @@ func TestFaultInjection(t *testing.T) {
 	for _, v := range gcBad {
 		t.Errorf("in use: %s", v)
 	}
-	doubles := doubleRemovals(stream.removed, stream.pulling, stream.pulled, idOf)
+	doubles := doubleRemovals(stream.removed, stream.pulls, idOf, faultRuntimeTimeout)
 	dups["image removals"] = len(doubles)
 	for _, v := range doubles {
 		t.Errorf("side effect twice: %s", v)
