@@ -113,6 +113,9 @@ func (b *Bus) FollowKey(ctx context.Context, cfg KeyFollowerConfig, fn func(e En
 	)
 	if cfg.Notices != "" {
 		sub, err := b.nc.Subscribe(cfg.Notices, func(m *nats.Msg) {
+			if refuseDelivered(b.log, m) {
+				return
+			}
 			rev, err := strconv.ParseUint(string(m.Data), 10, 64)
 			if err != nil {
 				b.log.Warn("kv key notice unreadable, reading the key", "subject", m.Subject, "err", err)

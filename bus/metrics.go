@@ -66,6 +66,11 @@ var (
 		Name: "imagefleet_nats_reconnects_total",
 		Help: "Reconnections to NATS.",
 	})
+	deliveriesRefused = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "imagefleet_bus_consumer_deliveries_refused_total",
+		Help: "Messages a JetStream push consumer delivered to a subject a worker serves or watches, dropped unread: " +
+			"only a publish reaches a worker (some client with consumer-create rights pointed a consumer there).",
+	})
 )
 
 // RegisterMetrics registers the bus's pipeline metrics and its event journal's on reg (the agent's: the
@@ -73,7 +78,7 @@ var (
 // so each agent of a process (a test's, the demo's) may call it; the series are the process's, shared.
 func RegisterMetrics(reg prometheus.Registerer) error {
 	for _, c := range []prometheus.Collector{eventsPublished, msgsConsumed, msgsAcked, msgsNaked, msgsTerminated,
-		handlerErrors, deadLetters, pullsLost, requestsServed, requestErrors, natsReconnects} {
+		handlerErrors, deadLetters, pullsLost, requestsServed, requestErrors, natsReconnects, deliveriesRefused} {
 		if err := registerOnce(reg, c); err != nil {
 			return fmt.Errorf("register bus metrics: %w", err)
 		}

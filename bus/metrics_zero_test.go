@@ -127,6 +127,7 @@ func TestRegisterMetrics(t *testing.T) {
 	}
 	// The series exported before any use: the others come with their first consumer, subject or loss.
 	for _, name := range []string{"imagefleet_bus_events_published_total", "imagefleet_nats_reconnects_total",
+		"imagefleet_bus_consumer_deliveries_refused_total",
 		"imagefleet_journal_appended_total", "imagefleet_journal_pending_events", "imagefleet_journal_dropped_total",
 		"imagefleet_journal_failed_attempts_total"} {
 		if !got[name] {

@@ -80,6 +80,12 @@ func (b *Bus) Listen(ctx context.Context, subject, queue string, n int, h Handle
 func (b *Bus) listen(ctx context.Context, subject, queue string, n int, answer func(context.Context, *nats.Msg)) (*Listener, error) {
 	ch := make(chan *nats.Msg, 256)
 	sub, err := b.nc.ChanQueueSubscribe(subject, queue, ch)
+	inner := answer
+	answer = func(ctx context.Context, m *nats.Msg) {
+		if !refuseDelivered(b.log, m) {
+			inner(ctx, m)
+		}
+	}
 	if err != nil {
 		return nil, fmt.Errorf("subscribe %s: %w", subject, err)
 	}
@@ -275,7 +281,11 @@ func (b *Bus) RequestRaw(ctx context.Context, subject string, data []byte) (even
 // Subscribe delivers core NATS messages on subject (no queue group) to fn, with their headers, until ctx
 // ends.
 func (b *Bus) Subscribe(ctx context.Context, subject string, fn func(subject string, header map[string][]string, data []byte)) error {
-	sub, err := b.nc.Subscribe(subject, func(m *nats.Msg) { fn(m.Subject, m.Header, m.Data) })
+	sub, err := b.nc.Subscribe(subject, func(m *nats.Msg) {
+		if !refuseDelivered(b.log, m) {
+			fn(m.Subject, m.Header, m.Data)
+		}
+	})
 	if err != nil {
 		return fmt.Errorf("subscribe %s: %w", subject, err)
 	}
@@ -285,7 +295,10 @@ func (b *Bus) Subscribe(ctx context.Context, subject string, fn func(subject str
 
 // Subscription is a synchronous core NATS subscription: it is registered at the server when Subscribe
 // returns, so a request published afterwards cannot race its answer.
-type Subscription struct{ sub *nats.Subscription }
+type Subscription struct {
+	sub *nats.Subscription
+	log *slog.Logger
+}
 
 // SubscribeSync subscribes to subject (no queue group) and flushes, so the server knows the interest before
 // the caller publishes anything.
@@ -300,12 +313,12 @@ func (b *Bus) SubscribeSync(ctx context.Context, subject string) (*Subscription,
 		_ = sub.Unsubscribe()
 		return nil, fmt.Errorf("subscribe %s: flush: %w", subject, err)
 	}
-	return &Subscription{sub: sub}, nil
+	return &Subscription{sub: sub, log: b.log}, nil
 }
 
 // Next waits for the next message until ctx ends.
 func (s *Subscription) Next(ctx context.Context) (subject string, data []byte, err error) {
-	m, err := s.sub.NextMsgWithContext(ctx)
+	m, err := s.next(ctx)
 	if err != nil {
 		return "", nil, err
 	}
@@ -314,11 +327,21 @@ func (s *Subscription) Next(ctx context.Context) (subject string, data []byte, e
 
 // NextMsg waits for the next message until ctx ends, with its headers.
 func (s *Subscription) NextMsg(ctx context.Context) (subject string, header map[string][]string, data []byte, err error) {
-	m, err := s.sub.NextMsgWithContext(ctx)
+	m, err := s.next(ctx)
 	if err != nil {
 		return "", nil, nil, err
 	}
 	return m.Subject, m.Header, m.Data, nil
+}
+
+// next returns the next message a client published (one a push consumer delivered is dropped).
+func (s *Subscription) next(ctx context.Context) (*nats.Msg, error) {
+	for {
+		m, err := s.sub.NextMsgWithContext(ctx)
+		if err != nil || !refuseDelivered(s.log, m) {
+			return m, err
+		}
+	}
 }
 
 // Close unsubscribes.
@@ -356,7 +379,7 @@ func (s *Subscription) Each(ctx context.Context, onErr func(error), fn func(subj
 // is not spun on.
 func (s *Subscription) Notify(ctx context.Context, fn func()) {
 	for {
-		_, err := s.sub.NextMsgWithContext(ctx)
+		_, err := s.next(ctx)
 		if ctx.Err() != nil {
 			return
 		}

@@ -6,7 +6,6 @@ import (
 	"encoding/base64"
 	"errors"
 	"fmt"
-	"github.com/imagefleet/imagefleet/bus/bustest"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -17,9 +16,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/deploy/natsconf"
 	"github.com/imagefleet/imagefleet/events"
 	"github.com/imagefleet/imagefleet/services/cri"
@@ -76,6 +78,47 @@ func (s *secured) connect(t *testing.T, name string) *bus.Bus {
 	}
 	t.Cleanup(b.Close)
 	return b
+}
+
+// jetStream connects as name with nats.go alone, for what a client may do with its rights beyond what the bus
+// does.
+func (s *secured) jetStream(t *testing.T, name string) jetstream.JetStream {
+	t.Helper()
+	nkey, err := nats.NkeyOptionFromSeed(s.seeds[name])
+	if err != nil {
+		t.Fatal(err)
+	}
+	pub, err := bus.NKeyPublic(s.seeds[name])
+	if err != nil {
+		t.Fatal(err)
+	}
+	nc, err := nats.Connect("tls://"+s.srv.addr, nkey, nats.RootCAs(s.certs.CA), nats.ClientCert(s.certs.ClientCert, s.certs.ClientKey),
+		nats.CustomInboxPrefix(bus.InboxRoot+"."+pub))
+	if err != nil {
+		t.Fatalf("connect as %s: %v", name, err)
+	}
+	t.Cleanup(nc.Close)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return js
+}
+
+// counterValue is the value of the counter name (no labels) on reg.
+func counterValue(t *testing.T, reg *prometheus.Registry, name string) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == name {
+			return mf.GetMetric()[0].GetCounter().GetValue()
+		}
+	}
+	t.Fatalf("%s not on the registry", name)
+	return 0
 }
 
 // wantViolation checks that err wraps bus.ErrPermissionViolation and says so in words.
@@ -378,6 +421,42 @@ func TestSecurityNodeIsolation(t *testing.T) {
 		defer cancel()
 		if err := a.EnsureStream(c, bus.StreamConfig{Name: "EVIL", Subjects: []string{"evil.>"}}); err == nil {
 			t.Error("a node created a stream")
+		}
+	})
+	t.Run("a push consumer aimed at another node's commands", func(t *testing.T) {
+		// A may create consumers on its own events, and the server checks a consumer's deliver subject
+		// against its syntax only: A can have its stored events delivered to B's command subject, in B's
+		// queue group. The server does deliver them (B's bus counts what it dropped); B's worker never reads one.
+		reg := prometheus.NewRegistry()
+		if err := bus.RegisterMetrics(reg); err != nil {
+			t.Fatal(err)
+		}
+		refusedBefore := counterValue(t, reg, "imagefleet_bus_consumer_deliveries_refused_total")
+		js := s.jetStream(t, nodeA)
+		base := bGot.Load()
+		_, err := js.CreateOrUpdatePushConsumer(ctx, events.EventsStream, jetstream.ConsumerConfig{Name: "aimed-at-b",
+			FilterSubject: events.NodeEvents(nodeA), DeliverSubject: events.CommandSubject(nodeB, events.VerbGC), DeliverGroup: "gc",
+			AckPolicy: jetstream.AckNonePolicy})
+		if err != nil {
+			t.Fatalf("A creates a push consumer on its own events (the rights a node holds allow it): %v", err)
+		}
+		adminJS := s.jetStream(t, natsconf.RoleAdmin)
+		t.Cleanup(func() { _ = adminJS.DeleteConsumer(context.Background(), events.EventsStream, "aimed-at-b") })
+		ev, _ := events.New(nodeA, events.EntityImage, events.ActionDetected, nil)
+		if err := a.Publish(ctx, ev); err != nil {
+			t.Fatal(err)
+		}
+		bustest.WaitFor(t, "B's bus to refuse what A's consumer delivered", func() bool {
+			return counterValue(t, reg, "imagefleet_bus_consumer_deliveries_refused_total") > refusedBefore
+		})
+		var out string
+		c, cancel := short(t)
+		defer cancel()
+		if err := admin.Request(c, events.CommandSubject(nodeB, events.VerbGC), nil, &out); err != nil || out != "ran" {
+			t.Fatalf("admin -> B gc: %q, %v", out, err)
+		}
+		if n := bGot.Load() - base; n != 1 {
+			t.Errorf("B ran %d commands, want the admin's only", n)
 		}
 	})
 }
