@@ -183,7 +183,9 @@ func (k *KV) Batch(ctx context.Context, puts map[string][]byte, deletes []string
 	return err
 }
 
-// BatchRevisions is Batch, and returns each written key's new revision.
+// BatchRevisions is Batch, and returns each written key's new revision. When some writes fail it returns
+// the first failure with the revisions of the writes the server acked (ctx ending: those acked so far), so a
+// caller can act on what was written.
 func (k *KV) BatchRevisions(ctx context.Context, puts map[string][]byte, deletes []string) (map[string]uint64, error) {
 	futures := make([]jetstream.PubAckFuture, 0, len(puts)+len(deletes))
 	keys := make([]string, 0, len(puts)+len(deletes))
@@ -205,17 +207,20 @@ func (k *KV) BatchRevisions(ctx context.Context, puts map[string][]byte, deletes
 		futures, keys = append(futures, f), append(keys, key)
 	}
 	revs := make(map[string]uint64, len(keys))
+	var failed error
 	for i, f := range futures {
 		select {
 		case ack := <-f.Ok():
 			revs[keys[i]] = ack.Sequence
 		case err := <-f.Err():
-			return nil, fmt.Errorf("publish %s: %w", f.Msg().Subject, err)
+			if failed == nil {
+				failed = fmt.Errorf("publish %s: %w", f.Msg().Subject, err)
+			}
 		case <-ctx.Done():
-			return nil, ctx.Err()
+			return revs, ctx.Err()
 		}
 	}
-	return revs, nil
+	return revs, failed
 }
 
 // Entry is one key's value.

@@ -4,9 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/bus/bustest"
@@ -225,4 +229,40 @@ func TestFollowKeyNeverGoesBack(t *testing.T) {
 		t.Fatal(err)
 	}
 	f.wait(t, "w2 by its notice", "v2", "w1", "w2")
+}
+
+// TestBatchRevisionsOfAPartialWrite: when some writes of a batch fail, BatchRevisions says so and still
+// returns the revisions of the writes the server took, so that those can be announced.
+func TestBatchRevisionsOfAPartialWrite(t *testing.T) {
+	srv, b := bustest.Start(t)
+	ctx := t.Context()
+	nc, err := nats.Connect(srv.ClientURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: "partial", MaxValueSize: 16}); err != nil {
+		t.Fatal(err)
+	}
+	kv, err := b.KVExisting(ctx, "partial")
+	if err != nil {
+		t.Fatal(err)
+	}
+	revs, err := kv.BatchRevisions(ctx, map[string][]byte{"small": []byte("v"), "large": make([]byte, 64), "other": []byte("w")}, nil)
+	if err == nil || !strings.Contains(err.Error(), "large") {
+		t.Errorf("err = %v, want the large value's failure", err)
+	}
+	for _, key := range []string{"small", "other"} {
+		_, rev, gerr := kv.Get(ctx, key)
+		if gerr != nil || revs[key] != rev {
+			t.Errorf("%s: revision returned %d, stored %d (%v)", key, revs[key], rev, gerr)
+		}
+	}
+	if _, ok := revs["large"]; ok {
+		t.Errorf("a revision for the write that failed: %v", revs)
+	}
 }

@@ -200,8 +200,10 @@ func (p *policySync) sync(ctx context.Context) error {
 	var writeErr error
 	if len(puts) > 0 || len(deletes) > 0 {
 		var revs map[string]uint64
-		if revs, writeErr = p.kv.BatchRevisions(ctx, puts, deletes); writeErr != nil {
+		revs, writeErr = p.kv.BatchRevisions(ctx, puts, deletes)
+		if writeErr != nil {
 			p.written = nil // read the bucket again before the next sync
+			p.announce(revs) // the keys that were written
 		} else {
 			maps.Copy(p.written, puts)
 			for _, k := range deletes {
