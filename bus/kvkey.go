@@ -165,12 +165,14 @@ func (b *Bus) FollowKey(ctx context.Context, cfg KeyFollowerConfig, fn func(e En
 			return nil
 		case err != nil && !errors.Is(err, ErrKeyNotFound):
 			level := slog.LevelWarn
-			if errors.Is(err, ErrBucketNotFound) {
-				level = slog.LevelDebug // not made yet (bus init, or its writer, makes it)
+			if errors.Is(err, ErrBucketNotFound) && wait < maxFollowWait {
+				// Not made yet (bus init, or its writer, makes it), or its stream electing a leader: a
+				// warning once the reads are as far apart as they get (no replica answers for long).
+				level = slog.LevelDebug
 			}
 			b.log.Log(ctx, level, "kv key read failed, what is held stays in force", "bucket", cfg.Bucket, "key", cfg.Key, "err", err, "retry_in", wait)
 			resetTimer(timer, wait)
-			wait = min(2*wait, 30*time.Second)
+			wait = min(2*wait, maxFollowWait)
 			continue
 		case e.Revision < want && behind < maxBehind:
 			// Older than a notice told of, or than what is held (a missing key included): a replica
@@ -181,7 +183,7 @@ func (b *Bus) FollowKey(ctx context.Context, cfg KeyFollowerConfig, fn func(e En
 			b.log.Debug("kv key read behind what is known, reading again", "bucket", cfg.Bucket, "key", cfg.Key,
 				"revision", e.Revision, "known", want, "retry_in", wait)
 			resetTimer(timer, wait)
-			wait = min(2*wait, 30*time.Second)
+			wait = min(2*wait, maxFollowWait)
 			continue
 		case e.Revision < want:
 			b.log.Warn("kv key read behind what is known after several reads, taking it", "bucket", cfg.Bucket, "key", cfg.Key,
@@ -254,3 +256,6 @@ func (b *Bus) AnnounceRevision(subject string, rev uint64) error {
 	}
 	return nil
 }
+
+// maxFollowWait is the longest a follower waits between reads that failed or came back behind.
+const maxFollowWait = 30 * time.Second
