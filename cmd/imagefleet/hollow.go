@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -277,6 +278,11 @@ func runHollow(ctx context.Context, cl *cli, cmd *cobra.Command, h *hollowConfig
 	// servers answer made heartbeats time out, their retries load the servers more, and a 10,000-agent
 	// start never came up (docs/scale.md).
 	starting := make(chan struct{}, h.MaxStarting)
+	var launched atomic.Int64
+	g.Go(func() error {
+		reportStart(gctx, stderr, allRunning, h.Nodes, &launched, func() int { return len(starting) }, 10*time.Second)
+		return nil
+	})
 	for i, name := range p.names {
 		if err := lim.Wait(gctx); err != nil {
 			break // stopping: a signal, or an agent failed
@@ -288,6 +294,7 @@ func runHollow(ctx context.Context, cl *cli, cmd *cobra.Command, h *hollowConfig
 		if gctx.Err() != nil {
 			break
 		}
+		launched.Add(1)
 		var settle sync.Once
 		settled := func() { settle.Do(func() { <-starting }) }
 		g.Go(func() error {
@@ -324,6 +331,33 @@ func runHollow(ctx context.Context, cl *cli, cmd *cobra.Command, h *hollowConfig
 	err = g.Wait()
 	fmt.Fprintf(stderr, "hollow: %d agents stopped (%d restarts after a failure)\n", running.Load(), restarts.Load())
 	return err
+}
+
+// reportStart prints the start's progress every period until every agent runs or ctx ends: how many agents
+// were launched, how many of them are starting (connected or connecting, not yet Ready), and, when no agent
+// became Ready over a period, that the start is stuck at the servers' pace (the heartbeats' warnings say why).
+func reportStart(ctx context.Context, w io.Writer, allRunning <-chan struct{}, nodes int, launched *atomic.Int64, starting func() int, period time.Duration) {
+	t := time.NewTicker(period)
+	defer t.Stop()
+	began, lastReady := time.Now(), int64(-1)
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-allRunning:
+			return
+		case <-t.C:
+		}
+		n, s := launched.Load(), starting()
+		ready := n - int64(s)
+		stalled := ""
+		if ready == lastReady {
+			stalled = fmt.Sprintf("; no agent became Ready in the last %s", period)
+		}
+		lastReady = ready
+		fmt.Fprintf(w, "hollow: %d of %d agents launched, %d Ready or ended, %d starting, after %s%s\n",
+			n, nodes, ready, s, time.Since(began).Round(time.Second), stalled)
+	}
 }
 
 // servePprof serves net/http/pprof's handlers on addr, in g, until ctx ends. A listen error is returned at
