@@ -83,6 +83,8 @@ var testNATSClient = map[string]string{
 	module + "/services/podindex": "flush_test purges the node's pod events from the stream as an operator would " +
 		"(events gone before delivery); bus offers no purge, on purpose",
 	module + "/deploy": "makes an account key as `imagefleet bus keys` does, to start the chart's NATS config in callout mode",
+	module + "/integration": "the security tests act with a node's rights through nats.go alone, to show what any client " +
+		"holding them can do beyond what bus does (a push consumer aimed at another node's commands)",
 }
 
 // violation is one broken rule: from depends on to (directly or not, as the rule says).
