@@ -61,6 +61,8 @@ type keeper struct {
 
 	// scan takes on the nodes of the registry for an object (scanRegistry; a test's fake stands in).
 	scan func(ko *keptObject) error
+	// rollouts reads and runs the joins' rollouts (busJoins; a test's fake stands in).
+	rollouts joinRollouts
 }
 
 // maxJoinsAtWork bounds the one-node rollouts the keeper runs at once (a burst of joins waits its turn).
@@ -100,11 +102,29 @@ type keptObject struct {
 	dirty              bool
 }
 
-// join is one joined node's warm-up.
+// join is one joined node's warm-up: its attempts, one after the other until one succeeds.
 type join struct {
-	done, ok bool
-	uid      types.UID // the Kubernetes Node's it warms ("": no such Node, or a join recorded under the name only)
-	started  time.Time // its rollout's start, for a join recorded under the name only
+	done, ok bool          // an attempt ended; the latest that ended succeeded
+	uid      types.UID     // the Kubernetes Node's it warms ("": no such Node, or a join recorded under the name only)
+	started  time.Time     // its first attempt's start, for a join recorded under the name only
+	next     int           // the attempt at work, or the one to run next (1 the first)
+	due      time.Time     // a failed join: when attempt next may start
+	kicked   bool          // its node's agent started again while an attempt was at work: retry at once
+	reason   string        // the latest failure's reason (a NodeFailed Event when it changes)
+	wake     chan struct{} // has its attempts' loop look again (poke)
+}
+
+func newJoin(uid types.UID, started time.Time) *join {
+	return &join{uid: uid, started: started, next: 1, wake: make(chan struct{}, 1)}
+}
+
+// poke has j's attempts' loop look again at its state: the object resumed, the node's agent started again,
+// or j gave way.
+func (j *join) poke() {
+	select {
+	case j.wake <- struct{}{}:
+	default:
+	}
 }
 
 // nodeID tells the Kubernetes Nodes of one name apart: a Node deleted and made again under its name (a new
@@ -134,6 +154,7 @@ func newKeeper(base context.Context, cfg Config, b *bus.Bus, k kind, c client.Cl
 		status: status, rec: rec, kick: make(chan event.GenericEvent, 1024), base: base, sem: make(chan struct{}, maxJoinsAtWork),
 		nodes: map[string]registryNode{}, objs: map[string]*keptObject{}}
 	kp.scan = kp.scanRegistry
+	kp.rollouts = busJoins{kp}
 	return kp
 }
 
@@ -185,6 +206,9 @@ func (k *keeper) observe(obj client.Object) {
 	var resumed map[string]string
 	if ko.paused && !o.Spec.Paused {
 		resumed, ko.held = ko.held, nil
+		for _, j := range ko.joins {
+			j.poke() // a failed join's retry was held
+		}
 	}
 	ko.paused = o.Spec.Paused
 	start := meta.IsStatusConditionTrue(o.Status.Conditions, v1alpha1.ConditionComplete) && !ko.active && !ko.loading && ko.rolloutID != ""
