@@ -203,6 +203,9 @@ func (k *keeper) awaitAttempt(ko *keptObject, node string, j *join) bool {
 		if t != nil {
 			t.Stop()
 		}
+		if ko.ctx.Err() != nil {
+			return false
+		}
 	}
 }
 
