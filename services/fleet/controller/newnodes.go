@@ -33,9 +33,17 @@ import (
 // are found when an object is taken on (activate): the registry's Ready nodes that match, less the first
 // rollout's; and again when the registry watch has passed its initial values (registryEntry).
 //
+// A failed join is tried again, without end (a pre-pull is idempotent): 30 s after the failure, doubling to
+// 10 min apart (joinBackoff), and at once when the node's agent starts again (registryEntry). Each attempt is
+// a one-node rollout of its own, JoinAttemptID(<rolloutID>, node, uid, k), the first with the join's id, so
+// the engine's promise (no node acted on twice within a rollout id) holds per attempt; a controller that
+// restarts finds the latest attempt (latestAttempt, in a number of lookups logarithmic in it) and goes on
+// from it (adopt). A node counts once: failed, and in failedNodes, until an attempt succeeds.
+//
 // An outcome is of one Kubernetes Node (nodeID): a Node made again under a reused name is a new node. A
-// paused object takes no node on: the nodes that join meanwhile are held, and taken on when it resumes. A
-// failed join is not tried again by its object (docs/kubernetes-objects.md says how to retry one).
+// paused object takes no node on: the nodes that join meanwhile are held, and taken on when it resumes; a
+// failed join's retry waits for the resume too. The attempts at work, first ones and retries, are bounded
+// together (maxJoinsAtWork).
 //
 // The keeper also removes each object's readiness taint from the Kubernetes Nodes it warmed (readiness.go).
 //
