@@ -31,7 +31,8 @@ type fakeJoins struct {
 	runs     []string // the rollout ids run, in order
 	probes   int      // start records read
 	paused   func() bool
-	ranPause bool // a run started while the object was paused
+	ranPause bool          // a run started while the object was paused
+	hold     chan struct{} // non-nil: a run waits for a receive from it before it ends
 }
 
 type fakeRollout struct {
@@ -80,6 +81,9 @@ func (f *fakeJoins) load(_ context.Context, id string) (*events.RolloutStarted, 
 
 func (f *fakeJoins) run(_ *keptObject, id, node, _ string) (events.RolloutNodeResult, error) {
 	paused := f.paused != nil && f.paused()
+	if f.hold != nil {
+		<-f.hold
+	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.ranPause = f.ranPause || paused
@@ -314,6 +318,38 @@ func TestAgentRestartRetriesAFailedJoinAtOnce(t *testing.T) {
 		want := []string{JoinAttemptID(a.Status.RolloutID, "n", "uid-n", 1), JoinAttemptID(a.Status.RolloutID, "n", "uid-n", 2)}
 		if got := f.ran(); !slices.Equal(got, want) {
 			t.Fatalf("ran %v, want %v: the second attempt at once", got, want)
+		}
+		wantCounts(t, counts(k, ko), 1, 0, nil)
+	})
+}
+
+// An agent that starts again while an attempt is at work has the next attempt start at once if that one
+// fails.
+func TestAgentRestartDuringAnAttemptRetriesAtOnce(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		a := keepNew("a", "")
+		f := newFakeJoins()
+		f.outcomes = []string{"registry unreachable", "agent stopped"}
+		f.hold = make(chan struct{})
+		k := retryKeeper(t, f, a, taintedNode("n", "uid-n", time.Now().Add(-time.Hour)))
+		ko := follow(t, k, a, map[string]bool{})
+		k.consider(ko, "n", "")
+		synctest.Wait()
+		f.hold <- struct{}{} // the first attempt fails
+		advance(30 * time.Second)
+		restarted(t, k, "n") // while the second is at work
+		f.hold <- struct{}{} // the second fails
+		synctest.Wait()
+		failed := time.Now()
+		f.hold <- struct{}{} // the third succeeds
+		synctest.Wait()
+		if d := time.Since(failed); d != 0 {
+			t.Errorf("the third attempt started %v after the second failed, want at once", d)
+		}
+		want := []string{JoinAttemptID(a.Status.RolloutID, "n", "uid-n", 1), JoinAttemptID(a.Status.RolloutID, "n", "uid-n", 2),
+			JoinAttemptID(a.Status.RolloutID, "n", "uid-n", 3)}
+		if got := f.ran(); !slices.Equal(got, want) {
+			t.Fatalf("ran %v, want %v: the third attempt at once", got, want)
 		}
 		wantCounts(t, counts(k, ko), 1, 0, nil)
 	})
