@@ -438,3 +438,26 @@ func TestJoinAttemptIDs(t *testing.T) {
 		t.Errorf("backoff after many attempts: %v", got)
 	}
 }
+
+// A deleted object's failed join is tried no more: its retries end with it.
+func TestForgottenObjectStopsItsRetries(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		a := keepNew("a", "")
+		f := newFakeJoins()
+		f.outcomes = []string{"registry unreachable"}
+		k := retryKeeper(t, f, a, taintedNode("n", "uid-n", time.Now().Add(-time.Hour)))
+		ko := follow(t, k, a, map[string]bool{})
+		k.consider(ko, "n", "")
+		synctest.Wait()
+		forgotten := time.Now()
+		k.forget("a")
+		k.wg.Wait() // the join's loop ends
+		if d := time.Since(forgotten); d != 0 {
+			t.Errorf("the join's loop ended %v after the object was let go, want at once", d)
+		}
+		advance(time.Hour)
+		if got := f.ran(); len(got) != 1 {
+			t.Errorf("ran %v, want the first attempt only", got)
+		}
+	})
+}
