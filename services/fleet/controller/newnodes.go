@@ -33,9 +33,17 @@ import (
 // are found when an object is taken on (activate): the registry's Ready nodes that match, less the first
 // rollout's; and again when the registry watch has passed its initial values (registryEntry).
 //
+// A failed join is tried again, without end (a pre-pull is idempotent): 30 s after the failure, doubling to
+// 10 min apart (joinBackoff), and at once when the node's agent starts again (registryEntry). Each attempt is
+// a one-node rollout of its own, JoinAttemptID(<rolloutID>, node, uid, k), the first with the join's id, so
+// the engine's promise (no node acted on twice within a rollout id) holds per attempt; a controller that
+// restarts finds the latest attempt (latestAttempt, in a number of lookups logarithmic in it) and goes on
+// from it (adopt). A node counts once: failed, and in failedNodes, until an attempt succeeds.
+//
 // An outcome is of one Kubernetes Node (nodeID): a Node made again under a reused name is a new node. A
-// paused object takes no node on: the nodes that join meanwhile are held, and taken on when it resumes. A
-// failed join is not tried again by its object (docs/kubernetes-objects.md says how to retry one).
+// paused object takes no node on: the nodes that join meanwhile are held, and taken on when it resumes; a
+// failed join's retry waits for the resume too. The attempts at work, first ones and retries, are bounded
+// together (maxJoinsAtWork).
 //
 // The keeper also removes each object's readiness taint from the Kubernetes Nodes it warmed (readiness.go).
 //
@@ -61,6 +69,8 @@ type keeper struct {
 
 	// scan takes on the nodes of the registry for an object (scanRegistry; a test's fake stands in).
 	scan func(ko *keptObject) error
+	// rollouts reads and runs the joins' rollouts (busJoins; a test's fake stands in).
+	rollouts joinRollouts
 }
 
 // maxJoinsAtWork bounds the one-node rollouts the keeper runs at once (a burst of joins waits its turn).
@@ -100,11 +110,29 @@ type keptObject struct {
 	dirty              bool
 }
 
-// join is one joined node's warm-up.
+// join is one joined node's warm-up: its attempts, one after the other until one succeeds.
 type join struct {
-	done, ok bool
-	uid      types.UID // the Kubernetes Node's it warms ("": no such Node, or a join recorded under the name only)
-	started  time.Time // its rollout's start, for a join recorded under the name only
+	done, ok bool          // an attempt ended; the latest that ended succeeded
+	uid      types.UID     // the Kubernetes Node's it warms ("": no such Node, or a join recorded under the name only)
+	started  time.Time     // its first attempt's start, for a join recorded under the name only
+	next     int           // the attempt at work, or the one to run next (1 the first)
+	due      time.Time     // a failed join: when attempt next may start
+	kicked   bool          // its node's agent started again while an attempt was at work: retry at once
+	reason   string        // the latest failure's reason (a NodeFailed Event when it changes)
+	wake     chan struct{} // has its attempts' loop look again (poke)
+}
+
+func newJoin(uid types.UID, started time.Time) *join {
+	return &join{uid: uid, started: started, next: 1, wake: make(chan struct{}, 1)}
+}
+
+// poke has j's attempts' loop look again at its state: the object resumed, the node's agent started again,
+// or j gave way.
+func (j *join) poke() {
+	select {
+	case j.wake <- struct{}{}:
+	default:
+	}
 }
 
 // nodeID tells the Kubernetes Nodes of one name apart: a Node deleted and made again under its name (a new
@@ -134,6 +162,7 @@ func newKeeper(base context.Context, cfg Config, b *bus.Bus, k kind, c client.Cl
 		status: status, rec: rec, kick: make(chan event.GenericEvent, 1024), base: base, sem: make(chan struct{}, maxJoinsAtWork),
 		nodes: map[string]registryNode{}, objs: map[string]*keptObject{}}
 	kp.scan = kp.scanRegistry
+	kp.rollouts = busJoins{kp}
 	return kp
 }
 
@@ -185,6 +214,9 @@ func (k *keeper) observe(obj client.Object) {
 	var resumed map[string]string
 	if ko.paused && !o.Spec.Paused {
 		resumed, ko.held = ko.held, nil
+		for _, j := range ko.joins {
+			j.poke() // a failed join's retry was held
+		}
 	}
 	ko.paused = o.Spec.Paused
 	start := meta.IsStatusConditionTrue(o.Status.Conditions, v1alpha1.ConditionComplete) && !ko.active && !ko.loading && ko.rolloutID != ""

@@ -4,7 +4,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
-	"errors"
+	"slices"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -77,47 +77,79 @@ func (k *keeper) consider(ko *keptObject, node, domain string) {
 		k.mu.Unlock()
 		return
 	}
-	j := &join{uid: id.uid}
-	ko.joins[node] = j // a join of an earlier Node of the name gives way: its outcome is not this Node's
+	k.takeOnLocked(ko, node, domain, newJoin(id.uid, time.Time{}))
+	k.mu.Unlock()
+}
+
+// takeOnLocked makes j ko's join of node and starts its attempts. A join of an earlier Node of the name gives
+// way: its outcome is not this Node's, and its retries end. k.mu is held.
+func (k *keeper) takeOnLocked(ko *keptObject, node, domain string, j *join) {
+	if old := ko.joins[node]; old != nil {
+		old.poke()
+	}
+	ko.joins[node] = j
 	ko.dirty = true
 	k.wg.Add(1)
-	k.mu.Unlock()
 	go func() {
 		defer k.wg.Done()
 		k.warm(ko, node, domain, j)
 	}()
 }
 
-// warm runs node's one-node rollout for ko, or reads its recorded outcome, and records the outcome. A join
-// that waited for its turn while ko was paused is held again instead.
+// warm runs node's attempts for ko, one after the other until one succeeds (or the join ends): each reads
+// its recorded outcome, or runs (resumes) its one-node rollout, and records the outcome. A failed attempt is
+// followed by the next after its backoff (awaitAttempt). Each attempt waits for its turn among the joins at
+// work; a first attempt that waited for it while ko was paused is held again instead, a retry waits for the
+// resume.
 func (k *keeper) warm(ko *keptObject, node, domain string, j *join) {
-	select {
-	case k.sem <- struct{}{}:
-	case <-ko.ctx.Done():
-		return
-	}
-	defer func() { <-k.sem }()
-	k.mu.Lock()
-	if ko.paused && ko.joins[node] == j {
-		delete(ko.joins, node)
-		if ko.held == nil {
-			ko.held = map[string]string{}
+	for k.awaitAttempt(ko, node, j) {
+		select {
+		case k.sem <- struct{}{}:
+		case <-ko.ctx.Done():
+			return
 		}
-		ko.held[node], ko.dirty = domain, true
+		k.mu.Lock()
+		if ko.joins[node] != j || ko.stopped {
+			k.mu.Unlock()
+			<-k.sem
+			return
+		}
+		if ko.paused {
+			if !j.done {
+				delete(ko.joins, node)
+				if ko.held == nil {
+					ko.held = map[string]string{}
+				}
+				ko.held[node], ko.dirty = domain, true
+				k.mu.Unlock()
+				<-k.sem
+				return
+			}
+			k.mu.Unlock()
+			<-k.sem
+			continue
+		}
+		attempt := j.next
+		j.kicked = false
+		if n, ok := k.nodes[node]; ok && n.domain != "" {
+			domain = n.domain // its agent may have started again elsewhere
+		}
 		k.mu.Unlock()
-		return
-	}
-	k.mu.Unlock()
-	id := JoinRolloutID(ko.rolloutID, node, j.uid)
-	var nr events.RolloutNodeResult
-	var fresh bool
-	if untilDone(ko.ctx, func() (err error) {
-		nr, fresh, err = k.warmOnce(ko, id, node, domain)
-		return err
-	}, func(err error, wait time.Duration) {
-		k.log.Warn("warming a joined node failed; resuming it", "name", ko.name, "node", node, "rollout", id, "err", err, "after", wait)
-	}) {
-		k.ended(ko, node, j, nr, fresh)
+		id := JoinAttemptID(ko.rolloutID, node, j.uid, attempt)
+		var nr events.RolloutNodeResult
+		var fresh bool
+		ok := untilDone(ko.ctx, func() (err error) {
+			nr, fresh, err = k.warmOnce(ko, id, node, domain, attempt)
+			return err
+		}, func(err error, wait time.Duration) {
+			k.log.Warn("warming a joined node failed; resuming it", "name", ko.name, "node", node, "rollout", id, "attempt", attempt, "err", err, "after", wait)
+		})
+		<-k.sem
+		if !ok || !k.ended(ko, node, j, attempt, nr, fresh, time.Now()) {
+			return
+		}
+		k.log.Info("a joined node failed to warm; trying it again", "name", ko.name, "node", node, "rollout", id, "attempt", attempt,
+			"err", nr.Error)
 	}
 }
 
@@ -141,11 +173,10 @@ func untilDone(ctx context.Context, op func() error, failed func(err error, wait
 	}
 }
 
-// warmOnce reads node's recorded outcome, or runs (resumes) its rollout. fresh is false for an outcome
-// recorded before: nothing new happened to the node.
-func (k *keeper) warmOnce(ko *keptObject, id, node, domain string) (nr events.RolloutNodeResult, fresh bool, err error) {
-	ctx := ko.ctx
-	started, _, results, err := fleet.LoadRollout(ctx, k.b, id)
+// warmOnce reads the outcome of node's attempt (rollout id), or runs (resumes) it. fresh is false for an
+// outcome recorded before: nothing new happened to the node.
+func (k *keeper) warmOnce(ko *keptObject, id, node, domain string, attempt int) (nr events.RolloutNodeResult, fresh bool, err error) {
+	started, _, results, err := k.rollouts.load(ko.ctx, id)
 	if err != nil {
 		return nr, false, err
 	}
@@ -153,56 +184,59 @@ func (k *keeper) warmOnce(ko *keptObject, id, node, domain string) (nr events.Ro
 		return r, false, nil
 	}
 	if started == nil {
-		k.event(ko.obj, corev1.EventTypeNormal, "NodeJoined", "Node %s joined: warming it (rollout %s)", node, id)
+		if attempt > 1 {
+			k.event(ko.obj, corev1.EventTypeNormal, "NodeJoined", "Node %s joined: warming it (rollout %s, attempt %d)", node, id, attempt)
+		} else {
+			k.event(ko.obj, corev1.EventTypeNormal, "NodeJoined", "Node %s joined: warming it (rollout %s)", node, id)
+		}
 	}
-	var timeout time.Duration
-	if ko.obj.Spec.NodeTimeout != nil {
-		timeout = ko.obj.Spec.NodeTimeout.Duration
-	}
-	cfg := fleet.RolloutConfig{ID: id, Kind: k.kind.rollout, Nodes: []string{node}, Selector: selectorString(ko), NodeTimeout: timeout,
-		Replicas: k.cfg.StreamReplicas, Logger: k.log}
-	domains := map[string]string{}
-	if domain != "" {
-		domains[node] = domain
-	}
-	act, stop, err := k.kind.prepare(ctx, k.b, ko.obj, &cfg, domains)
+	nr, err = k.rollouts.run(ko, id, node, domain)
 	if err != nil {
 		return nr, false, err
 	}
-	defer stop()
-	var got *events.RolloutNodeResult
-	cfg.Results = func(r events.RolloutNodeResult) { got = &r }
-	ro, err := fleet.NewRollout(cfg, k.b, act)
-	if err != nil {
-		return nr, false, err
-	}
-	if _, err := ro.Run(ctx); err != nil {
-		return nr, false, err
-	}
-	if got == nil {
-		return nr, false, errors.New("the rollout reported no outcome")
-	}
-	return *got, !got.Resumed, nil
+	return nr, !nr.Resumed, nil
 }
 
-// ended records the outcome of node's join j: the counters, the failure (a new one: an Event), and the
-// taint. A join that gave way to one of a newer Node of the name records nothing.
-func (k *keeper) ended(ko *keptObject, node string, j *join, nr events.RolloutNodeResult, fresh bool) {
+// ended records the outcome of attempt attempt of node's join j, ended at end: the counters, the failure
+// and when to try again, and the taint. A node counts once: failed (and in failedNodes) while its attempts
+// fail, succeeded (and out of failedNodes) once one succeeds. A Warning Event NodeFailed tells of a new
+// failure: the join's first, or a later one whose reason changed. A join that gave way to one of a newer
+// Node of the name records nothing. It reports whether the join is to be tried again.
+func (k *keeper) ended(ko *keptObject, node string, j *join, attempt int, nr events.RolloutNodeResult, fresh bool, end time.Time) (retry bool) {
 	k.mu.Lock()
 	if ko.joins[node] != j || ko.stopped {
 		k.mu.Unlock()
-		return
+		return false
 	}
+	first, prev := !j.done, j.reason
 	j.done, j.ok = true, nr.OK
 	ko.dirty = true
-	if !nr.OK && len(ko.failedNodes) < maxFailedNodes && !hasFailure(ko.failedNodes, node) {
-		ko.failedNodes = append(ko.failedNodes, v1alpha1.NodeFailure{Node: node, Reason: nr.Error})
+	if nr.OK {
+		j.reason = ""
+		if attempt > 1 { // the failure listed is this join's
+			ko.failedNodes = slices.DeleteFunc(ko.failedNodes, func(f v1alpha1.NodeFailure) bool { return f.Node == node })
+		}
+	} else {
+		j.reason, j.next, j.due = nr.Error, attempt+1, end.Add(joinBackoff(attempt))
+		if j.kicked {
+			j.due, j.kicked = time.Time{}, false
+		}
+		if i := slices.IndexFunc(ko.failedNodes, func(f v1alpha1.NodeFailure) bool { return f.Node == node }); i >= 0 {
+			ko.failedNodes[i].Reason = nr.Error
+		} else if len(ko.failedNodes) < maxFailedNodes {
+			ko.failedNodes = append(ko.failedNodes, v1alpha1.NodeFailure{Node: node, Reason: nr.Error})
+		}
 	}
 	k.mu.Unlock()
 	switch {
 	case nr.OK:
 		k.kickNode(node)
-	case fresh:
-		k.event(ko.obj, corev1.EventTypeWarning, "NodeFailed", "Node %s: %s", node, nr.Error)
+	case fresh && (first || nr.Error != prev):
+		if attempt > 1 {
+			k.event(ko.obj, corev1.EventTypeWarning, "NodeFailed", "Node %s: %s (attempt %d)", node, nr.Error, attempt)
+		} else {
+			k.event(ko.obj, corev1.EventTypeWarning, "NodeFailed", "Node %s: %s", node, nr.Error)
+		}
 	}
+	return !nr.OK
 }

@@ -49,7 +49,10 @@ func (k *keeper) scanRegistry(ko *keptObject) error {
 
 // adopt counts node's recorded join, or takes a Ready node on. The join is looked up under the id of the
 // node's Kubernetes Node, then under the node's name only (a join recorded before the UID was part of the
-// id), which counts if it started after the Node was made.
+// id), which counts if it started after the Node was made. Of a join it reads the latest attempt
+// (latestAttempt): a succeeded one is counted; a failed one is counted and tried again after its backoff,
+// measured from its end; one at work is resumed (at once), the failure before it counted. A join whose
+// first attempt is at work is taken on as a Ready node without one is, and resumes it.
 func (k *keeper) adopt(ko *keptObject, node, domain string, ready bool) error {
 	id := k.nodeID(ko.ctx, node)
 	k.mu.Lock()
@@ -58,35 +61,68 @@ func (k *keeper) adopt(ko *keptObject, node, domain string, ready bool) error {
 	if skip {
 		return nil
 	}
-	started, _, results, err := fleet.LoadRollout(ko.ctx, k.b, JoinRolloutID(ko.rolloutID, node, id.uid))
+	uid := id.uid
+	latest, first, err := k.latestAttempt(ko.ctx, ko.rolloutID, node, uid)
 	if err != nil {
 		return err
 	}
-	r, recorded := results[node]
-	j := &join{uid: id.uid, started: timeOf(started)}
-	if !recorded && id.uid != "" {
-		started, _, results, err = fleet.LoadRollout(ko.ctx, k.b, JoinRolloutID(ko.rolloutID, node, ""))
-		if err != nil {
+	if latest == 0 && uid != "" {
+		uid = ""
+		if latest, first, err = k.latestAttempt(ko.ctx, ko.rolloutID, node, ""); err != nil {
 			return err
 		}
-		r, recorded = results[node]
-		j = &join{started: timeOf(started)}
-		recorded = recorded && id.covers("", j.started)
+		if !id.covers("", timeOf(first)) {
+			latest = 0
+		}
 	}
-	if !recorded {
+	var last, before attemptRecord
+	if latest > 0 {
+		if last, err = k.loadAttempt(ko.ctx, ko.rolloutID, node, uid, latest); err != nil {
+			return err
+		}
+	}
+	if latest > 1 && !last.recorded {
+		if before, err = k.loadAttempt(ko.ctx, ko.rolloutID, node, uid, latest-1); err != nil {
+			return err
+		}
+		if !before.recorded { // its records are gone from the stream
+			before.result = events.RolloutNodeResult{Node: node, Error: "no outcome recorded"}
+		}
+	}
+	if latest == 0 || (latest == 1 && !last.recorded) {
 		if ready {
 			k.consider(ko, node, domain)
 		}
 		return nil
 	}
+	j := newJoin(uid, timeOf(first))
 	k.mu.Lock()
-	if !ko.hasOutcomeLocked(node, id) {
-		ko.joins[node] = j
+	if ko.hasOutcomeLocked(node, id) || ko.stopped {
 		k.mu.Unlock()
-		k.ended(ko, node, j, r, false)
 		return nil
 	}
+	ko.joins[node] = j
 	k.mu.Unlock()
+	rec := last
+	if !last.recorded {
+		rec = before
+	}
+	end := rec.end
+	if end.IsZero() {
+		end = time.Now()
+	}
+	if !k.ended(ko, node, j, rec.attempt, rec.result, false, end) {
+		return nil
+	}
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if ko.joins[node] != j || ko.stopped {
+		return nil
+	}
+	if !last.recorded {
+		j.next, j.due = latest, time.Time{} // at work when its controller stopped: resumed at once
+	}
+	k.takeOnLocked(ko, node, domain, j)
 	return nil
 }
 
@@ -138,7 +174,7 @@ func (k *keeper) Start(ctx context.Context) error {
 }
 
 // registryEntry takes one last-seen record: after the initial values, a node not seen before, or whose agent
-// started again, is taken on by every object that selects it.
+// started again, is taken on by every object that selects it, and a failed join of it is tried again at once.
 func (k *keeper) registryEntry(e bus.Entry, initialDone bool) {
 	if initialDone {
 		// A node written after an object's scan read the registry and before the watch passed its initial
@@ -187,6 +223,7 @@ func (k *keeper) registryEntry(e bus.Entry, initialDone bool) {
 	k.mu.Unlock()
 	for _, ko := range objs {
 		k.consider(ko, node, n.domain)
+		k.retryNow(ko, node) // a failed join of the node is tried again at once
 	}
 	if !known && joined {
 		k.kickNode(node) // its labels are known now: the objects that select it are too
