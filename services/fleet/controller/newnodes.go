@@ -34,7 +34,8 @@ import (
 // rollout's; and again when the registry watch has passed its initial values (registryEntry).
 //
 // A failed join is tried again, without end (a pre-pull is idempotent): 30 s after the failure, doubling to
-// 10 min apart (joinBackoff), and at once when the node's agent starts again (registryEntry). Each attempt is
+// 10 min apart (joinBackoff), not while the node is lost (lostRetry), and at once when the node's agent
+// starts again (registryEntry). Each attempt is
 // a one-node rollout of its own, JoinAttemptID(<rolloutID>, node, uid, k), the first with the join's id, so
 // the engine's promise (no node acted on twice within a rollout id) holds per attempt; a controller that
 // restarts finds the latest attempt (latestAttempt, in a number of lookups logarithmic in it) and goes on

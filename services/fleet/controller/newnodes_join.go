@@ -103,6 +103,9 @@ func (k *keeper) takeOnLocked(ko *keptObject, node, domain string, j *join) {
 // resume.
 func (k *keeper) warm(ko *keptObject, node, domain string, j *join) {
 	for k.awaitAttempt(ko, node, j) {
+		if k.lostRetry(ko, node, j) {
+			continue
+		}
 		select {
 		case k.sem <- struct{}{}:
 		case <-ko.ctx.Done():

@@ -10,6 +10,7 @@ import (
 
 	"k8s.io/apimachinery/pkg/types"
 
+	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/events"
 	"github.com/imagefleet/imagefleet/services/fleet"
 )
@@ -57,6 +58,9 @@ type joinRollouts interface {
 	load(ctx context.Context, id string) (*events.RolloutStarted, map[string]events.RolloutClaim, map[string]events.RolloutNodeResult, error)
 	// run runs (resumes) the one-node rollout id that warms node for ko and returns node's outcome.
 	run(ko *keptObject, id, node, domain string) (events.RolloutNodeResult, error)
+	// alive reports whether node heartbeats: its key in events.NodesBucket (which expires when the node
+	// stops) is there. An error leaves it unknown.
+	alive(ctx context.Context, node string) (bool, error)
 }
 
 // busJoins are the join rollouts on the bus, run through the rollout engine.
@@ -68,6 +72,17 @@ func (b busJoins) started(ctx context.Context, id string) (*events.RolloutStarte
 
 func (b busJoins) load(ctx context.Context, id string) (*events.RolloutStarted, map[string]events.RolloutClaim, map[string]events.RolloutNodeResult, error) {
 	return fleet.LoadRollout(ctx, b.k.b, id)
+}
+
+func (b busJoins) alive(ctx context.Context, node string) (bool, error) {
+	e, err := b.k.b.GetKey(ctx, events.NodesBucket, events.NodeToken(node))
+	if errors.Is(err, bus.ErrKeyNotFound) {
+		return false, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	return !e.Deleted, nil
 }
 
 func (b busJoins) run(ko *keptObject, id, node, domain string) (nr events.RolloutNodeResult, err error) {
@@ -219,4 +234,34 @@ func (k *keeper) retryNow(ko *keptObject, node string) {
 		j.due, j.kicked = time.Time{}, true
 		j.poke()
 	}
+}
+
+// lostRetry reports whether the retry of node's join j, due now, waits instead: node is lost (no heartbeat
+// in the registry), so an attempt would only wait out nodeTimeout with one of the keeper's slots. The retry
+// is put off by maxJoinRetry; the node's agent starting again (retryNow) tries it at once. A retry its agent's
+// start asked for, and a node whose liveness cannot be read, are tried.
+func (k *keeper) lostRetry(ko *keptObject, node string, j *join) bool {
+	k.mu.Lock()
+	retry, kicked := j.done && !j.ok, j.kicked
+	k.mu.Unlock()
+	if !retry || kicked {
+		return false
+	}
+	alive, err := k.rollouts.alive(ko.ctx, node)
+	if err != nil {
+		k.log.Warn("reading whether a joined node heartbeats failed; trying its join again", "name", ko.name, "node", node, "err", err)
+		return false
+	}
+	if alive {
+		return false
+	}
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if ko.joins[node] != j || j.kicked {
+		return false
+	}
+	j.due = time.Now().Add(maxJoinRetry)
+	k.log.Info("a joined node that failed to warm is lost; its retry waits for its agent to start", "name", ko.name, "node", node,
+		"next_look", maxJoinRetry)
+	return true
 }

@@ -33,6 +33,13 @@ type fakeJoins struct {
 	paused   func() bool
 	ranPause bool          // a run started while the object was paused
 	hold     chan struct{} // non-nil: a run waits for a receive from it before it ends
+	lost     bool          // the nodes heartbeat no more
+}
+
+func (f *fakeJoins) alive(context.Context, string) (bool, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return !f.lost, nil
 }
 
 type fakeRollout struct {
@@ -459,5 +466,38 @@ func TestForgottenObjectStopsItsRetries(t *testing.T) {
 		if got := f.ran(); len(got) != 1 {
 			t.Errorf("ran %v, want the first attempt only", got)
 		}
+	})
+}
+
+// A failed join of a node that is lost (no heartbeat) is not tried while it stays lost: an attempt would only
+// hold a slot for nodeTimeout. Its agent's start tries it at once.
+func TestLostNodeRetriesWaitForItsAgent(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		a := keepNew("a", "")
+		f := newFakeJoins()
+		f.outcomes = []string{"node did not answer"}
+		k := retryKeeper(t, f, a, taintedNode("n", "uid-n", time.Now().Add(-time.Hour)))
+		ko := follow(t, k, a, map[string]bool{})
+		k.consider(ko, "n", "")
+		synctest.Wait()
+		f.mu.Lock()
+		f.lost = true
+		f.mu.Unlock()
+		advance(3 * time.Hour)
+		first := []string{JoinAttemptID(a.Status.RolloutID, "n", "uid-n", 1)}
+		if got := f.ran(); !slices.Equal(got, first) {
+			t.Fatalf("ran %v while the node was lost, want the first attempt only", got)
+		}
+		wantCounts(t, counts(k, ko), 0, 1, []v1alpha1.NodeFailure{{Node: "n", Reason: "node did not answer"}})
+		f.mu.Lock()
+		f.lost = false
+		f.mu.Unlock()
+		restarted(t, k, "n")
+		synctest.Wait()
+		want := append(first, JoinAttemptID(a.Status.RolloutID, "n", "uid-n", 2))
+		if got := f.ran(); !slices.Equal(got, want) {
+			t.Fatalf("ran %v, want %v: the retry at once when its agent started", got, want)
+		}
+		wantCounts(t, counts(k, ko), 1, 0, nil)
 	})
 }

@@ -202,7 +202,7 @@ func (p *policySync) sync(ctx context.Context) error {
 		var revs map[string]uint64
 		revs, writeErr = p.kv.BatchRevisions(ctx, puts, deletes)
 		if writeErr != nil {
-			p.written = nil // read the bucket again before the next sync
+			p.written = nil  // read the bucket again before the next sync
 			p.announce(revs) // the keys that were written
 		} else {
 			maps.Copy(p.written, puts)
