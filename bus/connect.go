@@ -69,6 +69,12 @@ type Options struct {
 	// and buckets are then used in that domain and the node's own (pull work queues, node records) in the
 	// server's (domains.go). "": every stream and bucket in the server's own domain.
 	JSDomain string
+	// PullHeartbeat is the idle heartbeat this connection's pull requests ask for (default
+	// DefaultPullHeartbeat, 1 s; 1 s to 10 s): a request the servers lost is sent again after two missed
+	// heartbeats, and an idle consumer costs the server holding its request one message per heartbeat.
+	// Longer trades how soon a lost request is noticed for a fleet at rest that costs less
+	// (docs/scale.md, "Per node at rest").
+	PullHeartbeat time.Duration
 }
 
 // DefaultPublishAckTimeout is Options.PublishAckTimeout's default: twice the JetStream API's own timeout
@@ -81,9 +87,10 @@ type Bus struct {
 	js  jetstream.JetStream
 	log *slog.Logger
 
-	replicas   int
-	reconnects atomic.Int64
-	journal    atomic.Pointer[journal.Journal]
+	replicas      int
+	pullHeartbeat time.Duration // Options.PullHeartbeat
+	reconnects    atomic.Int64
+	journal       atomic.Pointer[journal.Journal]
 	// eventVersion is the type version events are written in (SetEventVersion; nil = events.V1).
 	eventVersion atomic.Pointer[string]
 	perms        violations
@@ -117,7 +124,13 @@ func Connect(ctx context.Context, url string, o Options) (*Bus, error) {
 	if o.ConnectTimeout == 0 {
 		o.ConnectTimeout = 30 * time.Second
 	}
-	b := &Bus{log: o.Logger, replicas: max(o.Replicas, 0)}
+	if o.PullHeartbeat == 0 {
+		o.PullHeartbeat = DefaultPullHeartbeat
+	}
+	if o.PullHeartbeat < MinPullHeartbeat || o.PullHeartbeat > MaxPullHeartbeat {
+		return nil, fmt.Errorf("pull heartbeat %s: want %s to %s", o.PullHeartbeat, MinPullHeartbeat, MaxPullHeartbeat)
+	}
+	b := &Bus{log: o.Logger, replicas: max(o.Replicas, 0), pullHeartbeat: o.PullHeartbeat}
 	opts := []nats.Option{
 		nats.Name(o.Name),
 		nats.MaxReconnects(-1),

@@ -58,7 +58,7 @@ type ConsumerConfig struct {
 	// (default 15s), then at periods that double up to 5 minutes (stallWatch); it makes the consumer anew
 	// when the server holds no pull request of ours with a handler free, when messages wait and none is
 	// delivered, or when the consumer does not answer twice. A lost pull request is not waited for: its
-	// heartbeats stop, and it is sent again within 2 s (pullHeartbeat), at no API cost.
+	// heartbeats stop, and it is sent again after two missed heartbeats (2 s by default, Options.PullHeartbeat), at no API cost.
 	StallAfter time.Duration
 	// MemoryStorage keeps the consumer's state (on a cluster, its Raft log too) in memory instead of files.
 	// Used by the benchmarks that measure what it saves (docs/benchmarks.md); no worker sets it.

@@ -135,7 +135,7 @@ func (b *Bus) InDomain(domain string) (*Bus, error) {
 	if err != nil {
 		return nil, fmt.Errorf("jetstream domain %s: %w", domain, err)
 	}
-	return &Bus{nc: b.nc, js: js, log: b.log, replicas: b.replicas, domains: domains{view: domain}}, nil
+	return &Bus{nc: b.nc, js: js, log: b.log, replicas: b.replicas, pullHeartbeat: b.pullHeartbeat, domains: domains{view: domain}}, nil
 }
 
 // inDomain adds to a pull work queue on a leaf domain its domain-addressed subjects, stored under the plain

@@ -16,8 +16,9 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 )
 
-// pullHeartbeat is the idle heartbeat every pull request asks for: the server holding a request of ours sends
-// one each pullHeartbeat while it has nothing to deliver, so a request silent for 2*pullHeartbeat is gone and
+// DefaultPullHeartbeat is the idle heartbeat every pull request asks for unless Options.PullHeartbeat says
+// otherwise: the server holding a request of ours sends one each heartbeat while it has nothing to deliver,
+// so a request silent for two heartbeats is gone and
 // is sent again. A pull request can be lost without a word: one sent while no server takes the consumer's
 // requests (the consumer being made anew, or electing a leader), one a server drops (a leader change; a full
 // waiting queue, which nats-server answers with nothing when the request asks for heartbeats), one left on a
@@ -26,7 +27,19 @@ import (
 // pushed by the server that holds the request and take no JetStream API request: one a second per idle
 // consumer, where a consumer info request (the watchdog's look) goes through the stream leader's API queue,
 // which 10,000 agents saturated (stallWatch).
-const pullHeartbeat = time.Second
+//
+// At rest each idle consumer costs one message a second (three per agent with the default workers). Of
+// 2,000 hollow agents at rest on this project's 2-core machine, 5 s instead of 1 s took the three servers
+// from 0.77-0.84 to 0.55-0.61 CPU-s/s and the agents' process from 0.49-0.56 to 0.37-0.41
+// (docs/scale.md): Options.PullHeartbeat (`--pull-heartbeat`) is the trade for a large fleet.
+const DefaultPullHeartbeat = time.Second
+
+// MinPullHeartbeat and MaxPullHeartbeat bound Options.PullHeartbeat: the longest keeps two heartbeats inside a
+// request's pullExpiry with room, so an idle request is still heard from before it expires.
+const (
+	MinPullHeartbeat = time.Second
+	MaxPullHeartbeat = 10 * time.Second
+)
 
 // pullExpiry is how long a pull request waits at the server (nats.go's default): an idle consumer sends one
 // every pullExpiry.
@@ -46,7 +59,7 @@ func repullDelay(n int) time.Duration {
 
 // Why a pull request was found lost: the reason label of imagefleet_bus_pulls_lost_total.
 const (
-	lostNoHeartbeat     = "no_heartbeat"     // silent for 2*pullHeartbeat: the server holds it no more
+	lostNoHeartbeat     = "no_heartbeat"     // silent for two heartbeats: the server holds it no more
 	lostNoResponders    = "no_responders"    // no server took it (503): the consumer is gone or has no leader
 	lostLeaderChanged   = "leader_changed"   // the consumer's new leader dropped it (409 Leadership Change)
 	lostConsumerDeleted = "consumer_deleted" // the consumer was deleted (409 Consumer Deleted): made anew
@@ -211,7 +224,7 @@ func (l *pullLoop) run(ctx context.Context) error {
 		loopErr = err
 		stop()
 	}
-	wake := time.NewTimer(2 * pullHeartbeat) // for the heartbeats and repullDelay
+	wake := time.NewTimer(2 * l.b.pullHeartbeat) // for the heartbeats and repullDelay
 	defer wake.Stop()
 	l.pull(ctx)
 	for ctx.Err() == nil {
@@ -253,13 +266,13 @@ func (l *pullLoop) run(ctx context.Context) error {
 			l.outstanding, l.holdUntil = 0, time.Time{}
 		}
 		now := time.Now()
-		if l.outstanding > 0 && now.Sub(l.heard) >= 2*pullHeartbeat {
+		if l.outstanding > 0 && now.Sub(l.heard) >= 2*l.b.pullHeartbeat {
 			l.lost(ctx, lostNoHeartbeat, nil)
 		}
 		l.pull(ctx)
-		next := 2 * pullHeartbeat
+		next := 2 * l.b.pullHeartbeat
 		if l.outstanding > 0 {
-			next = l.heard.Add(2 * pullHeartbeat).Sub(now)
+			next = l.heard.Add(2 * l.b.pullHeartbeat).Sub(now)
 		}
 		if now.Before(l.holdUntil) {
 			next = min(next, l.holdUntil.Sub(now))
@@ -289,7 +302,7 @@ func (l *pullLoop) pull(ctx context.Context) {
 	if want < 1 || pending >= (limit+1)/2 || l.making || time.Now().Before(l.holdUntil) {
 		return
 	}
-	body, _ := json.Marshal(pullRequest{Batch: want, Expires: pullExpiry, Heartbeat: pullHeartbeat})
+	body, _ := json.Marshal(pullRequest{Batch: want, Expires: pullExpiry, Heartbeat: l.b.pullHeartbeat})
 	if err := l.b.nc.PublishRequest(l.next, l.replyTo(), body); err != nil {
 		if !l.b.nc.IsClosed() {
 			l.lost(ctx, lostRefused, err)

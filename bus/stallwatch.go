@@ -34,7 +34,7 @@ func judgeStall(pending uint64, ackPending, maxAckPending, waiting int, room boo
 }
 
 // stallWatch schedules the watchdog's looks at an idle consumer. A lost pull request is not the watchdog's to
-// find: its heartbeats stop, and the pull loop sends it again within 2 s (pullHeartbeat), at no API cost. What
+// find: its heartbeats stop, and the pull loop sends it again after two missed heartbeats (2 s by default), at no API cost. What
 // is left to the watchdog needs the consumer's info: a consumer that is gone or has no leader (its info
 // fails, and only making it anew mends that), a server that holds no pull request of ours although no
 // heartbeat went missing, messages that wait while a request of ours waits too. An idle consumer (a puller

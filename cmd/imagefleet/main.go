@@ -31,6 +31,8 @@ type cli struct {
 	logLevel  string
 	logFormat string
 	jsDomain  string
+	// pullHeartbeat is --pull-heartbeat (bus.Options.PullHeartbeat).
+	pullHeartbeat time.Duration
 	// tokenFile, user and passwordFile: the other identities a client can present (bus.Options).
 	tokenFile    string
 	user         string
@@ -81,6 +83,7 @@ func newRootCmd() *cobra.Command {
 	pf.StringVar(&cl.tlsCert, "tls-cert", "", "client certificate for NATS")
 	pf.StringVar(&cl.tlsKey, "tls-key", "", "client key for NATS")
 	pf.StringVar(&cl.jsDomain, "js-domain", "", "JetStream domain of the fleet-wide streams and buckets when --nats is a leaf server with a domain of its own (e.g. hub): the node's pull queues and records stay in the leaf's domain (docs/operations.md)")
+	pf.DurationVar(&cl.pullHeartbeat, "pull-heartbeat", bus.DefaultPullHeartbeat, "idle heartbeat of the pull consumers' requests (1s to 10s): a request the servers lost is sent again after two missed; each idle consumer costs its server one message per heartbeat (docs/scale.md)")
 	pf.DurationVar(&cl.timeout, "timeout", 30*time.Second, "how long a command waits for an answer")
 	pf.StringVar(&cl.logLevel, "log-level", "info", "log level: debug, info, warn, error")
 	pf.StringVar(&cl.logFormat, "log-format", "text", "log format: text or json")
@@ -108,7 +111,7 @@ func (cl *cli) setupLogging(w io.Writer) error {
 func (cl *cli) busOptions(name string) bus.Options {
 	return bus.Options{Name: name, CredsFile: cl.creds, NKeyFile: cl.nkey, TokenFile: cl.tokenFile, User: cl.user,
 		PasswordFile: cl.passwordFile, TLSCA: cl.tlsCA, TLSCert: cl.tlsCert, TLSKey: cl.tlsKey,
-		ConnectTimeout: cl.timeout, Logger: slog.Default(), JSDomain: cl.jsDomain}
+		ConnectTimeout: cl.timeout, Logger: slog.Default(), JSDomain: cl.jsDomain, PullHeartbeat: cl.pullHeartbeat}
 }
 
 // connect connects a client command to NATS.
