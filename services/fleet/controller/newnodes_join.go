@@ -133,6 +133,13 @@ func (k *keeper) warm(ko *keptObject, node, domain string, j *join) {
 			continue
 		}
 		attempt := j.next
+		if n, known := k.nodes[node]; attempt > 1 && !ko.selects(node, n, known) {
+			// Relabelled out of the object's selection since it failed: not tried again (its failure stays).
+			k.mu.Unlock()
+			<-k.sem
+			k.log.Info("a joined node that failed to warm is no longer selected; not trying it again", "name", ko.name, "node", node)
+			return
+		}
 		j.kicked = false
 		if n, ok := k.nodes[node]; ok && n.domain != "" {
 			domain = n.domain // its agent may have started again elsewhere
@@ -221,8 +228,8 @@ func (k *keeper) ended(ko *keptObject, node string, j *join, attempt int, nr eve
 		}
 	} else {
 		j.reason, j.next, j.due = nr.Error, attempt+1, end.Add(joinBackoff(attempt))
-		if j.kicked {
-			j.due, j.kicked = time.Time{}, false
+		if j.kicked { // left set: the retry is its agent's start's, which lostRetry lets through
+			j.due = time.Time{}
 		}
 		if i := slices.IndexFunc(ko.failedNodes, func(f v1alpha1.NodeFailure) bool { return f.Node == node }); i >= 0 {
 			ko.failedNodes[i].Reason = nr.Error

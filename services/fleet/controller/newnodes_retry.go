@@ -230,7 +230,7 @@ func (k *keeper) retryNow(ko *keptObject, node string) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	n, known := k.nodes[node]
-	if j := ko.joins[node]; j != nil && j.done && !j.ok && !ko.stopped && ko.selects(node, n, known) {
+	if j := ko.joins[node]; j != nil && !(j.done && j.ok) && !ko.stopped && ko.selects(node, n, known) {
 		j.due, j.kicked = time.Time{}, true
 		j.poke()
 	}

@@ -12,6 +12,8 @@ import (
 	"testing/synctest"
 	"time"
 
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
 	kevents "k8s.io/client-go/tools/events"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -499,5 +501,59 @@ func TestLostNodeRetriesWaitForItsAgent(t *testing.T) {
 			t.Fatalf("ran %v, want %v: the retry at once when its agent started", got, want)
 		}
 		wantCounts(t, counts(k, ko), 1, 0, nil)
+	})
+}
+
+// A node relabelled out of the object's selection after its join failed is not tried again.
+func TestUnselectedNodeIsNotTriedAgain(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		a := keepNew("a", "")
+		a.Spec.Nodes.Selector = &metav1.LabelSelector{MatchLabels: map[string]string{"tier": "web"}}
+		f := newFakeJoins()
+		f.outcomes = []string{"registry unreachable"}
+		k := retryKeeper(t, f, a, taintedNode("n", "uid-n", time.Now().Add(-time.Hour)))
+		k.mu.Lock()
+		k.nodes["n"] = registryNode{labels: labels.Set{"tier": "web"}}
+		k.mu.Unlock()
+		ko := follow(t, k, a, map[string]bool{})
+		k.consider(ko, "n", "")
+		synctest.Wait()
+		k.mu.Lock()
+		k.nodes["n"] = registryNode{labels: labels.Set{"tier": "db"}}
+		k.mu.Unlock()
+		advance(time.Hour)
+		if got, want := f.ran(), []string{JoinAttemptID(a.Status.RolloutID, "n", "uid-n", 1)}; !slices.Equal(got, want) {
+			t.Fatalf("ran %v, want the first attempt only: the node is no longer selected", got)
+		}
+	})
+}
+
+// An agent that starts again during an attempt has the next one run at once even when the node's heartbeat
+// key is not there yet (its start writes the last-seen record first).
+func TestAgentRestartRetriesALostNodeAtOnce(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		a := keepNew("a", "")
+		f := newFakeJoins()
+		f.outcomes = []string{"registry unreachable", "agent stopped"}
+		f.hold = make(chan struct{})
+		f.lost = true
+		k := retryKeeper(t, f, a, taintedNode("n", "uid-n", time.Now().Add(-time.Hour)))
+		ko := follow(t, k, a, map[string]bool{})
+		k.consider(ko, "n", "")
+		synctest.Wait()
+		restarted(t, k, "n") // during the first attempt
+		f.hold <- struct{}{} // it fails
+		synctest.Wait()
+		select {
+		case f.hold <- struct{}{}: // the second, run at once, fails
+		case <-time.After(time.Hour): // the bubble's clock: no second attempt came
+			t.Fatalf("no second attempt within an hour; ran %v", f.ran())
+		}
+		synctest.Wait()
+		want := []string{JoinAttemptID(a.Status.RolloutID, "n", "uid-n", 1), JoinAttemptID(a.Status.RolloutID, "n", "uid-n", 2)}
+		if got := f.ran(); !slices.Equal(got, want) {
+			t.Fatalf("ran %v, want %v: the second attempt at once", got, want)
+		}
+		close(f.hold)
 	})
 }
