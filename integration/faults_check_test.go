@@ -288,13 +288,19 @@ func (w pullWindow) String() string {
 }
 
 // pullWindows returns the pull windows of each image id, from the pull events (idOf maps references to ids).
+// A request that reached the runtime has a pulling event, a pulled result, or a runtime pull time in its
+// result; one that failed before (cancelled, backed off) has none of these, and no window.
 func pullWindows(pulls []events.Event, idOf map[string]string) map[string][]pullWindow {
 	byReq := map[string]*pullWindow{}
 	image := map[string]string{}
+	failedType := events.TypeName(events.EntityPull, events.ActionFailed)
 	for _, ev := range pulls {
 		var r events.PullResult
 		if ev.DecodeData(&r) != nil {
 			continue
+		}
+		if ev.Type == failedType && r.PullDuration.Duration == 0 && byReq[r.RequestID] == nil {
+			continue // failed before any runtime pull (a pulling event comes before its result)
 		}
 		w := byReq[r.RequestID]
 		if w == nil {
@@ -367,6 +373,8 @@ func TestDoubleRemovalsCountsEveryPullThatCouldBringTheImageBack(t *testing.T) {
 		{"a failed pull across the first removal", []events.Event{
 			pulling("a", t0.Add(-3*time.Second)), result(events.ActionFailed, "a", t0.Add(-3*time.Second), t0.Add(time.Second))}, false},
 		{"a pull in flight at the end", []events.Event{pulling("a", t0.Add(-time.Minute))}, false},
+		{"a request that failed before reaching the runtime", []events.Event{
+			result(events.ActionFailed, "a", t0.Add(time.Second), t0.Add(time.Second))}, true},
 	} {
 		got := doubleRemovals(removals, c.pulls, idOf, 10*time.Second)
 		if (len(got) > 0) != c.want {
