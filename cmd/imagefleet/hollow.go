@@ -280,7 +280,7 @@ func runHollow(ctx context.Context, cl *cli, cmd *cobra.Command, h *hollowConfig
 	starting := make(chan struct{}, h.MaxStarting)
 	var launched atomic.Int64
 	g.Go(func() error {
-		reportStart(gctx, stderr, allRunning, h.Nodes, &launched, func() int { return len(starting) }, 10*time.Second)
+		reportStart(gctx, stderr, h.Nodes, &launched, func() int { return len(starting) }, 10*time.Second)
 		return nil
 	})
 	for i, name := range p.names {
@@ -333,10 +333,12 @@ func runHollow(ctx context.Context, cl *cli, cmd *cobra.Command, h *hollowConfig
 	return err
 }
 
-// reportStart prints the start's progress every period until every agent runs or ctx ends: how many agents
-// were launched, how many of them are starting (connected or connecting, not yet Ready), and, when no agent
-// became Ready over a period, that the start is stuck at the servers' pace (the heartbeats' warnings say why).
-func reportStart(ctx context.Context, w io.Writer, allRunning <-chan struct{}, nodes int, launched *atomic.Int64, starting func() int, period time.Duration) {
+// reportStart prints the start's progress every period until every agent was launched and none is
+// starting any more (each Ready, or ended), or ctx ends: how many agents were launched, how many are Ready
+// or ended, how many are starting (connected or connecting, not yet Ready), and, when agents are starting
+// but none became Ready over a period, that the start is stuck at the servers' pace (the heartbeats'
+// warnings say why).
+func reportStart(ctx context.Context, w io.Writer, nodes int, launched *atomic.Int64, starting func() int, period time.Duration) {
 	t := time.NewTicker(period)
 	defer t.Stop()
 	began, lastReady := time.Now(), int64(-1)
@@ -344,14 +346,15 @@ func reportStart(ctx context.Context, w io.Writer, allRunning <-chan struct{}, n
 		select {
 		case <-ctx.Done():
 			return
-		case <-allRunning:
-			return
 		case <-t.C:
 		}
 		n, s := launched.Load(), starting()
 		ready := n - int64(s)
+		if n == int64(nodes) && s == 0 {
+			return
+		}
 		stalled := ""
-		if ready == lastReady {
+		if s > 0 && ready == lastReady {
 			stalled = fmt.Sprintf("; no agent became Ready in the last %s", period)
 		}
 		lastReady = ready

@@ -30,18 +30,18 @@ func (s *syncBuffer) String() string {
 }
 
 // TestHollowStartReportsItsProgress: while agents start, the hollow fleet prints how many were launched, are
-// Ready and are starting, says so when none became Ready over a period, and stops once every agent runs.
+// Ready and are starting, says so when agents are starting and none became Ready over a period, and stops
+// once every agent was launched and none is starting.
 func TestHollowStartReportsItsProgress(t *testing.T) {
 	var out syncBuffer
 	var launched atomic.Int64
 	var starting atomic.Int64
 	launched.Store(5)
 	starting.Store(3)
-	allRunning := make(chan struct{})
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		reportStart(t.Context(), &out, allRunning, 8, &launched, func() int { return int(starting.Load()) }, 10*time.Millisecond)
+		reportStart(t.Context(), &out, 8, &launched, func() int { return int(starting.Load()) }, 10*time.Millisecond)
 	}()
 	lines := func() []string { return strings.Split(strings.TrimSpace(out.String()), "\n") }
 	bustest.WaitFor(t, "two reports", func() bool { return len(lines()) >= 2 })
@@ -66,10 +66,30 @@ func TestHollowStartReportsItsProgress(t *testing.T) {
 	if l := moved(); strings.Contains(l, "no agent") {
 		t.Errorf("the first report after two agents became Ready speaks of a stall: %q", l)
 	}
-	close(allRunning)
+	// Launched slowly: none starting and the Ready count unchanged is no stall.
+	launched.Store(6)
+	starting.Store(0)
+	idle := func() int {
+		n := 0
+		for _, l := range lines() {
+			if strings.Contains(l, "6 of 8 agents launched, 6 Ready or ended, 0 starting") {
+				n++
+			}
+		}
+		return n
+	}
+	bustest.WaitFor(t, "two reports with none starting", func() bool { return idle() >= 2 })
+	// Every agent launched, none starting: the reports end.
+	launched.Store(8)
+	starting.Store(0)
 	select {
 	case <-done:
 	case <-time.After(bustest.Timeout):
-		t.Fatal("the reports went on after every agent ran")
+		t.Fatal("the reports went on after every agent was Ready")
+	}
+	for _, l := range lines() {
+		if strings.Contains(l, " 0 starting") && strings.Contains(l, "no agent") {
+			t.Errorf("a stall reported while no agent was starting: %q", l)
+		}
 	}
 }
