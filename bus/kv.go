@@ -183,31 +183,36 @@ func (k *KV) Batch(ctx context.Context, puts map[string][]byte, deletes []string
 	return err
 }
 
-// BatchRevisions is Batch, and returns each written key's new revision. When some writes fail it returns
-// the first failure with the revisions of the writes the server acked (ctx ending: those acked so far), so a
-// caller can act on what was written.
+// BatchRevisions is Batch, and returns each written key's new revision. When some writes fail (or cannot be
+// sent) it returns the first failure with the revisions of the writes the server acked (ctx ending: those
+// acked so far), so a caller can act on what was written.
 func (k *KV) BatchRevisions(ctx context.Context, puts map[string][]byte, deletes []string) (map[string]uint64, error) {
 	futures := make([]jetstream.PubAckFuture, 0, len(puts)+len(deletes))
 	keys := make([]string, 0, len(puts)+len(deletes))
 	prefix := k.b.kvPutPrefix(k.kv.Bucket())
+	var failed error // the first failure; the writes already sent are still waited for
 	for key, v := range puts {
 		f, err := k.b.js.PublishAsync(prefix+key, v)
 		if err != nil {
-			return nil, fmt.Errorf("kv batch put %s/%s: %w", k.kv.Bucket(), key, err)
+			failed = fmt.Errorf("kv batch put %s/%s: %w", k.kv.Bucket(), key, err)
+			break
 		}
 		futures, keys = append(futures, f), append(keys, key)
 	}
 	for _, key := range deletes {
+		if failed != nil {
+			break
+		}
 		m := nats.NewMsg(prefix + key)
 		m.Header.Set("KV-Operation", "DEL")
 		f, err := k.b.js.PublishMsgAsync(m)
 		if err != nil {
-			return nil, fmt.Errorf("kv batch delete %s/%s: %w", k.kv.Bucket(), key, err)
+			failed = fmt.Errorf("kv batch delete %s/%s: %w", k.kv.Bucket(), key, err)
+			break
 		}
 		futures, keys = append(futures, f), append(keys, key)
 	}
 	revs := make(map[string]uint64, len(keys))
-	var failed error
 	for i, f := range futures {
 		select {
 		case ack := <-f.Ok():
