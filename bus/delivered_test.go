@@ -6,7 +6,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -27,15 +26,7 @@ func TestWorkersReadOnlyWhatIsPublished(t *testing.T) {
 	if err := bus.RegisterMetrics(reg); err != nil {
 		t.Fatal(err)
 	}
-	nc, err := nats.Connect(srv.ClientURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
-	js, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
+	nc, js := bustest.JetStream(t, srv)
 	if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: "STORED", Subjects: []string{"t.stored.>"}}); err != nil {
 		t.Fatal(err)
 	}

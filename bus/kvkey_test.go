@@ -9,7 +9,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/imagefleet/imagefleet/bus"
@@ -236,15 +235,7 @@ func TestFollowKeyNeverGoesBack(t *testing.T) {
 func TestBatchRevisionsOfAPartialWrite(t *testing.T) {
 	srv, b := bustest.Start(t)
 	ctx := t.Context()
-	nc, err := nats.Connect(srv.ClientURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
-	js, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, js := bustest.JetStream(t, srv)
 	if _, err := js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: "partial", MaxValueSize: 16}); err != nil {
 		t.Fatal(err)
 	}

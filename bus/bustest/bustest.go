@@ -5,6 +5,8 @@ import (
 	"context"
 	"testing"
 
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 	"go.uber.org/goleak"
 
 	"github.com/imagefleet/imagefleet/bus"
@@ -78,4 +80,20 @@ func VerifyNoLeaks(t testing.TB) {
 			t.Error(err)
 		}
 	})
+}
+
+// JetStream connects to srv with nats.go alone (closed at the test's end), for what a test does beside the
+// bus: a push consumer, a bucket with settings the bus does not make.
+func JetStream(t testing.TB, srv *bus.Server) (*nats.Conn, jetstream.JetStream) {
+	t.Helper()
+	nc, err := nats.Connect(srv.ClientURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return nc, js
 }
