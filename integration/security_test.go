@@ -133,17 +133,15 @@ func wantViolation(t *testing.T, what string, err error) {
 	}
 }
 
-// waitViolation polls until the server reported a violation for subject on b.
+// waitViolation waits until the server reported a violation for subject on b.
 func waitViolation(t *testing.T, b *bus.Bus, subject string) {
 	t.Helper()
-	deadline := time.Now().Add(bustest.Timeout)
-	for b.PermissionViolation(subject) == nil {
-		if time.Now().After(deadline) {
-			t.Errorf("no permissions violation reported for %s", subject)
-			return
+	bustest.Eventually(t, "a permissions violation reported for "+subject, bustest.Timeout, func() error {
+		if b.PermissionViolation(subject) == nil {
+			return errors.New("none yet")
 		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return nil
+	})
 	wantViolation(t, subject, b.PermissionViolation(subject))
 }
 
