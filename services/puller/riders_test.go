@@ -42,26 +42,22 @@ func pullConsumer(t *testing.T, b *bus.Bus) bus.ConsumerState {
 }
 
 // allDelivered waits until every request has left the queue's waiting list and only the pull's leader holds
-// a token: the requests that joined its pull gave theirs back. It reports a failure without stopping the
-// test, so that a test can still count the runtime pulls that follow.
+// a token: the requests that joined its pull gave theirs back. It waits in a subtest, whose failure fails the
+// test without stopping it, so that a test can still count the runtime pulls that follow.
 func allDelivered(t *testing.T, b *bus.Bus) {
 	t.Helper()
-	var st bus.ConsumerState
-	for deadline := time.Now().Add(bustest.Timeout); ; {
-		var err error
-		st, err = b.Consumer(t.Context(), events.PullStreamOf(testNode), events.PullerDurable(testNode))
-		if err != nil {
-			t.Fatal(err)
-		}
-		if st.NumPending == 0 && st.NumAckPending == 1 {
-			return
-		}
-		if time.Now().After(deadline) {
-			break
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	t.Errorf("during the pull: %d requests waiting for a token, %d tokens held; want 0 waiting and 1 held", st.NumPending, st.NumAckPending)
+	t.Run("all delivered", func(t *testing.T) {
+		bustest.Eventually(t, "every request delivered and one token held", bustest.Timeout, func() error {
+			st, err := b.Consumer(t.Context(), events.PullStreamOf(testNode), events.PullerDurable(testNode))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if st.NumPending == 0 && st.NumAckPending == 1 {
+				return nil
+			}
+			return fmt.Errorf("during the pull: %d requests waiting for a token, %d tokens held; want 0 waiting and 1 held", st.NumPending, st.NumAckPending)
+		})
+	})
 }
 
 // checkJoinedResults checks that each request got its Pulling event and one Pulled result, one of them the
