@@ -160,9 +160,8 @@ func TestJournalOutage(t *testing.T) {
 	mu.Lock()
 	produced := append([]string(nil), ids...)
 	mu.Unlock()
-	deadline := time.Now().Add(30*time.Second + down)
 	var got map[string]int
-	for {
+	bustest.Eventually(t, "every produced event stored", 30*time.Second+down, func() error {
 		got = storedEventIDs(t, ctx, b, events.NodeEvents(node))
 		lost := 0
 		for _, id := range produced {
@@ -170,27 +169,24 @@ func TestJournalOutage(t *testing.T) {
 				lost++
 			}
 		}
-		if lost == 0 || time.Now().After(deadline) {
-			dups := 0
-			for _, n := range got {
-				if n > 1 {
-					dups += n - 1
-				}
-			}
-			t.Logf("outage %s: produced %d events (%d while NATS was down), lost %d, duplicates %d, all stored %s after NATS was back; journal %+v",
-				down, len(produced), duringDown.Load(), lost, dups, time.Since(back).Round(time.Millisecond), b.JournalStats())
-			if lost != 0 {
-				t.Errorf("lost %d of %d events", lost, len(produced))
-			}
-			if dups != 0 {
-				t.Errorf("%d duplicates stored", dups)
-			}
-			if len(got) != len(produced) {
-				t.Errorf("stored %d distinct events, produced %d", len(got), len(produced))
-			}
-			break
+		if lost != 0 {
+			return fmt.Errorf("lost %d of %d events; journal %+v", lost, len(produced), b.JournalStats())
 		}
-		time.Sleep(100 * time.Millisecond)
+		return nil
+	})
+	dups := 0
+	for _, n := range got {
+		if n > 1 {
+			dups += n - 1
+		}
+	}
+	t.Logf("outage %s: produced %d events (%d while NATS was down), duplicates %d, all stored %s after NATS was back; journal %+v",
+		down, len(produced), duringDown.Load(), dups, time.Since(back).Round(time.Millisecond), b.JournalStats())
+	if dups != 0 {
+		t.Errorf("%d duplicates stored", dups)
+	}
+	if len(got) != len(produced) {
+		t.Errorf("stored %d distinct events, produced %d", len(got), len(produced))
 	}
 	if duringDown.Load() == 0 {
 		t.Error("no event was produced while NATS was down: the test proves nothing")
