@@ -24,6 +24,7 @@ import (
 
 	"github.com/imagefleet/imagefleet/api/v1alpha1"
 	"github.com/imagefleet/imagefleet/bus"
+	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
 	"github.com/imagefleet/imagefleet/integration/kubelab"
 	"github.com/imagefleet/imagefleet/integration/lab"
@@ -150,20 +151,15 @@ func (l *installLab) connect(ctx context.Context, name, token string) (*bus.Bus,
 	return bus.Connect(cctx, l.natsURL, bus.Options{Name: name, TokenFile: f, TLSCA: l.caFile})
 }
 
-// waitInstall polls cond every 250 ms until it holds or timeout passes, then fails with its last word.
+// waitInstall waits until cond holds or timeout passes, then fails with its last word.
 func waitInstall(t *testing.T, timeout time.Duration, what string, cond func() (bool, string)) {
 	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for {
-		ok, last := cond()
-		if ok {
-			return
+	bustest.Eventually(t, what, timeout, func() error {
+		if ok, last := cond(); !ok {
+			return errors.New(last)
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: not after %s: %s", what, timeout, last)
-		}
-		time.Sleep(250 * time.Millisecond)
-	}
+		return nil
+	})
 }
 
 // podsReady reports whether every pod of the namespace but the Jobs' is Ready, and says which is not.
