@@ -6,7 +6,6 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/bus/bustest"
@@ -18,12 +17,7 @@ import (
 // same run on the same server.
 func BenchmarkPublishEvent(b *testing.B) {
 	srv, bb := bustest.Start(b)
-	nc, err := nats.Connect(srv.ClientURL())
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer nc.Close()
-	js, _ := jetstream.New(nc)
+	_, js := bustest.JetStream(b, srv)
 	ctx := context.Background()
 	ev, _ := events.New("bench-node", events.EntityImage, events.ActionRemoved, events.ImageRemoved{ID: "sha256:0123456789abcdef", Size: 1 << 20, Reason: "space"})
 	m, _ := bus.EventMsg(ev)

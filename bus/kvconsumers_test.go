@@ -7,7 +7,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/imagefleet/imagefleet/bus"
@@ -34,15 +33,7 @@ func TestBucketTakesAWatcherPerNodePastOneThousand(t *testing.T) {
 	)
 	srv, b := bustest.Start(t)
 	ctx := t.Context()
-	nc, err := nats.Connect(srv.ClientURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
-	js, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, js := bustest.JetStream(t, srv)
 
 	// watchAll starts a watcher per node, each on its own keys, waits until every one has started or failed,
 	// and calls check with the errors of those that failed (a refusal is not retried: IsMaxConsumers says

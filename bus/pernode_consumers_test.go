@@ -7,7 +7,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/imagefleet/imagefleet/bus"
@@ -61,15 +60,7 @@ func TestPerNodeConsumersPastOneThousand(t *testing.T) {
 		})
 	})
 	t.Run("ordered consumers on the pods stream", func(t *testing.T) {
-		nc, err := nats.Connect(srv.ClientURL())
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer nc.Close()
-		js, err := jetstream.New(nc)
-		if err != nil {
-			t.Fatal(err)
-		}
+		_, js := bustest.JetStream(t, srv)
 		run(t, func(i int) error {
 			_, err := js.OrderedConsumer(ctx, events.PodsStream, jetstream.OrderedConsumerConfig{
 				FilterSubjects: []string{events.PodEventSubjects(fmt.Sprintf("hollow-%d", i))}})

@@ -5,7 +5,6 @@ import (
 	"slices"
 	"testing"
 
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/imagefleet/imagefleet/bus"
@@ -19,15 +18,7 @@ import (
 func TestPullPartitionStreams(t *testing.T) {
 	srv, b := bustest.Start(t)
 	ctx := t.Context()
-	nc, err := nats.Connect(srv.ClientURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
-	js, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, js := bustest.JetStream(t, srv)
 	config := func(name string) jetstream.StreamConfig {
 		t.Helper()
 		s, err := js.Stream(ctx, name)

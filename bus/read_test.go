@@ -11,9 +11,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
-
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/bus/bustest"
 )
@@ -134,15 +131,7 @@ func TestReadGoesOnAfterItsConsumerIsDeleted(t *testing.T) {
 	}
 	take(2)
 	// Its consumer, found with a connection of its own.
-	nc, err := nats.Connect(srv.ClientURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
-	js, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, js := bustest.JetStream(t, srv)
 	stream, err := js.Stream(ctx, "T")
 	if err != nil {
 		t.Fatal(err)
@@ -362,15 +351,7 @@ func TestReadToTheEndWhenTheRestIsGone(t *testing.T) {
 	var logs bustest.SyncBuffer
 	srv, _, b := tailBus(t, &logs)
 	publishN(t, b, 3)
-	nc, err := nats.Connect(srv.ClientURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
-	js, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, js := bustest.JetStream(t, srv)
 	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
 	defer cancel()
 	seqs, err := readAll(t, ctx, b, "", bus.OnStart(func(pending uint64) {

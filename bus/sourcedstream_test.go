@@ -7,7 +7,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/imagefleet/imagefleet/bus"
@@ -53,15 +52,7 @@ func TestSourcedStreamMigratesInPlace(t *testing.T) {
 	publish("n2.zone")
 	copies(2)
 	// Read them back (raw: the stream's subjects are the point).
-	nc, err := nats.Connect(srv.ClientURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
-	js, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, js := bustest.JetStream(t, srv)
 	s, err := js.Stream(ctx, "COPY")
 	if err != nil {
 		t.Fatal(err)

@@ -13,7 +13,6 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/imagefleet/imagefleet/bus"
@@ -312,15 +311,7 @@ func TestCatchUpSurvivesEventsRemovedBeforeDelivery(t *testing.T) {
 		info, err := b.Stream(t.Context(), events.PodsStream)
 		return err == nil && info.LastSeq >= n
 	})
-	nc, err := nats.Connect(srv.ClientURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
-	js, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, js := bustest.JetStream(t, srv)
 	stream, err := js.Stream(t.Context(), events.PodsStream)
 	if err != nil {
 		t.Fatal(err)
