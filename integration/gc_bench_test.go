@@ -157,17 +157,9 @@ func BenchmarkGCRemoval(b *testing.B) {
 func waitDetector(b *testing.B, bs interface {
 	Request(context.Context, string, any, any) error
 }, node string) {
-	deadline := time.Now().Add(30 * time.Second)
-	for {
+	bustest.Eventually(b, "the detector answering", 30*time.Second, func() error {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		err := bs.Request(ctx, events.CommandSubject(node, events.VerbDetect), events.DetectRequest{}, &events.DetectReply{})
-		cancel()
-		if err == nil {
-			return
-		}
-		if time.Now().After(deadline) {
-			b.Fatalf("detector: %v", err)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+		defer cancel()
+		return bs.Request(ctx, events.CommandSubject(node, events.VerbDetect), events.DetectRequest{}, &events.DetectReply{})
+	})
 }

@@ -2,10 +2,12 @@ package integration_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"testing"
 	"time"
 
+	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
 	"github.com/imagefleet/imagefleet/integration/lab"
 )
@@ -47,19 +49,15 @@ func benchOnePass(b *testing.B, node string) {
 			crossed = time.Now()
 		}
 	}
-	deadline := time.Now().Add(time.Minute)
 	var res events.GCResult
-	for {
+	bustest.Eventually(b, "a GC pass after crossing the high threshold", time.Minute, func() error {
 		passes := l.passes(b)
-		if len(passes) > 0 {
-			res = passes[0]
-			break
+		if len(passes) == 0 {
+			return errors.New("no pass yet")
 		}
-		if time.Now().After(deadline) {
-			b.Fatal("no GC pass within a minute of crossing the high threshold")
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		res = passes[0]
+		return nil
+	})
 	end := res.Started.Add(res.Duration.Duration)
 	ok := res.Succeeded()
 	if res.Error != "" || len(ok) == 0 || res.Trigger != events.GCTriggerUsage {
