@@ -20,6 +20,9 @@ func SetGCAttemptTimeout(d time.Duration) (restore func()) {
 // StretchedPeriod is stretchedPeriod, the heartbeat's rate controller.
 var StretchedPeriod = stretchedPeriod
 
+// SelectNodes picks nodes by selector as Plan does over every node of the registry.
+var SelectNodes = selectNodes
+
 // Indexed counts the live placements in the index, and those of them in a partition the replica does not
 // own (partitioned: none should be).
 func (s *Inventory) Indexed() (n, foreign int) {

@@ -24,7 +24,7 @@ type HeartbeatConfig struct {
 	// Period is the heartbeat period (default 10s).
 	Period time.Duration
 	// TTL is how long the heartbeat key lives without a new heartbeat (default: 3 periods, at least
-	// DefaultHeartbeatTTL while MaxRate stretches the period). It is the TTL of the imagefleet-nodes bucket,
+	// defaultHeartbeatTTL while MaxRate stretches the period). It is the TTL of the imagefleet-nodes bucket,
 	// fixed by whichever agent creates it first (`imagefleet bus init` in production).
 	TTL time.Duration
 	// MaxRate is how many heartbeats per second the fleet's TTL bucket should take at most (default
@@ -57,17 +57,17 @@ type heartbeatRuntime interface {
 	ImageFsInfo(ctx context.Context) ([]cri.FsInfo, error)
 }
 
-// DefaultFullEvery is how many heartbeats may pass between two writes of an unchanged full record.
-const DefaultFullEvery = 30
+// defaultFullEvery is how many heartbeats may pass between two writes of an unchanged full record.
+const defaultFullEvery = 30
 
 // DefaultHeartbeatMaxRate is the heartbeats per second the registry's TTL bucket takes before the nodes
 // stretch their period: 500, what the kubelets of Kubernetes' largest supported cluster (5,000 nodes) write
 // renewing their node leases every 10 s. A fleet of up to 5,000 nodes heartbeats every 10 s; 10,000 every 20 s.
 const DefaultHeartbeatMaxRate = 500
 
-// DefaultHeartbeatTTL is the TTL of the heartbeat bucket `imagefleet bus init` makes: 3 periods of 30 s, the
+// defaultHeartbeatTTL is the TTL of the heartbeat bucket `imagefleet bus init` makes: 3 periods of 30 s, the
 // longest period the default rate stretches to (15,000 nodes).
-const DefaultHeartbeatTTL = 90 * time.Second
+const defaultHeartbeatTTL = 90 * time.Second
 
 // Heartbeat announces its node into the registry every period: a thin record (node, time, period) into the
 // TTL bucket every period, the full record into the last-seen bucket when it changed or every FullEvery-th
@@ -105,16 +105,16 @@ func NewHeartbeat(cfg HeartbeatConfig, rt heartbeatRuntime, b *bus.Bus) (*Heartb
 		cfg.MaxRate = DefaultHeartbeatMaxRate
 	}
 	if cfg.TTL == 0 {
-		cfg.TTL = time.Duration(DefaultLostAfterPeriods) * cfg.Period
+		cfg.TTL = time.Duration(defaultLostAfterPeriods) * cfg.Period
 		if cfg.MaxRate > 0 {
-			cfg.TTL = max(cfg.TTL, DefaultHeartbeatTTL)
+			cfg.TTL = max(cfg.TTL, defaultHeartbeatTTL)
 		}
 	}
 	if cfg.FullEvery < 0 {
 		return nil, fmt.Errorf("heartbeat full-every %d must not be negative", cfg.FullEvery)
 	}
 	if cfg.FullEvery == 0 {
-		cfg.FullEvery = DefaultFullEvery
+		cfg.FullEvery = defaultFullEvery
 	}
 	if cfg.TTL < cfg.Period {
 		return nil, fmt.Errorf("heartbeat ttl %v must be at least the period %v", cfg.TTL, cfg.Period)

@@ -21,7 +21,7 @@ import (
 //
 //   - mode=previous: the previous release's heartbeat, the full record into both buckets (the baseline);
 //   - mode=thin-steady: this release's heartbeat in steady state, the thin record every period and the full
-//     one every DefaultFullEvery-th (the nodes' full writes staggered, as nodes started at different times
+//     one every defaultFullEvery-th (the nodes' full writes staggered, as nodes started at different times
 //     spread them), averaged over 3 periods;
 //   - mode=thin-restart: the period after every agent restarted at once (each writes its full record).
 //
@@ -32,7 +32,7 @@ func BenchmarkHeartbeat(b *testing.B) {
 	srv := bustest.Server(b)
 	conn := bustest.Connect(b, srv)
 	ctx := context.Background()
-	alive, seen, err := heartbeatBuckets(ctx, conn, time.Duration(DefaultLostAfterPeriods)*DefaultHeartbeatPeriod, 1)
+	alive, seen, err := heartbeatBuckets(ctx, conn, time.Duration(defaultLostAfterPeriods)*DefaultHeartbeatPeriod, 1)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -133,7 +133,7 @@ func BenchmarkHeartbeat(b *testing.B) {
 // the TTL bucket, written with direct KV puts) six ways, in one run: the previous release's read (both
 // buckets listed whole into memory, then decoded: the baseline), this release's List of every node, a page of
 // 100, a page of 100 of a selector matching 1/16 of the nodes, and a rollout's plan for that selector, first
-// as it was (every node listed, then SelectNodes: plan-whole), then Plan (the selector applied as the
+// as it was (every node listed, then selectNodes: plan-whole), then Plan (the selector applied as the
 // registry streams). Figures: ms per read, heap allocated per read (MiB), each one's ratio to the baseline's
 // time, and Plan's allocation over plan-whole's.
 func BenchmarkRegistryList(b *testing.B) {
@@ -224,7 +224,7 @@ func BenchmarkRegistryList(b *testing.B) {
 			if err != nil {
 				b.Fatal(err)
 			}
-			chosen, _ := SelectNodes(nodes, sel, false)
+			chosen, _ := selectNodes(nodes, sel, false)
 			return len(chosen)
 		}},
 		{"plan", func() int {

@@ -27,11 +27,11 @@ func heartbeatBuckets(ctx context.Context, b *bus.Bus, ttl time.Duration, replic
 	return alive, seen, nil
 }
 
-// EnsureBuckets creates the fleet's buckets and stream (heartbeats with DefaultHeartbeatTTL, last
+// EnsureBuckets creates the fleet's buckets and stream (heartbeats with defaultHeartbeatTTL, last
 // seen, inventory, rollouts) with replicas (0: the connection's default): what `imagefleet bus init` runs
 // with the admin identity, so agents with node identities, which may not create buckets, find them.
 func EnsureBuckets(ctx context.Context, b *bus.Bus, replicas int) error {
-	if _, _, err := heartbeatBuckets(ctx, b, DefaultHeartbeatTTL, replicas); err != nil {
+	if _, _, err := heartbeatBuckets(ctx, b, defaultHeartbeatTTL, replicas); err != nil {
 		return err
 	}
 	if _, err := b.KV(ctx, inventoryBucket(replicas)); err != nil {

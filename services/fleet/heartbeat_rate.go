@@ -20,7 +20,7 @@ func (h *Heartbeat) adapt(alive *bus.KV, rev uint64, at time.Time) {
 	}
 	limit := h.cfg.Period
 	if ttl, ok := alive.TTL(); ok && ttl > 0 {
-		limit = max(limit, ttl/time.Duration(DefaultLostAfterPeriods))
+		limit = max(limit, ttl/time.Duration(defaultLostAfterPeriods))
 	}
 	rate := float64(rev-prevRev) / at.Sub(prevAt).Seconds()
 	next := stretchedPeriod(h.period, h.cfg.Period, limit, rate, h.cfg.MaxRate)

@@ -13,9 +13,9 @@ import (
 // placementKey is the bucket key of image id on node: image first, <image token>.<node token>.
 func placementKey(node, id string) string { return events.InventoryKey(id, node) }
 
-// ApplyCopy applies one image event copied into events.InventoryStream: as Apply, guarded by the event's
+// applyCopy applies one image event copied into events.InventoryStream: as Apply, guarded by the event's
 // sequence in the events stream (the copy's Nats-Stream-Source header), not the copy's own.
-func (s *Inventory) ApplyCopy(ctx context.Context, m *bus.Msg) error {
+func (s *Inventory) applyCopy(ctx context.Context, m *bus.Msg) error {
 	seq, err := events.SourceSequence(m.Header.Get(sourceHeader), events.EventsStream)
 	if err != nil {
 		return bus.Permanent(fmt.Errorf("inventory copy %s: %w", m.Subject, err))

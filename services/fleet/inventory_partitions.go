@@ -230,7 +230,7 @@ func (s *Inventory) startConsumer(p int) {
 		err := s.b.Consume(ctx, bus.ConsumerConfig{Stream: events.InventoryStream,
 			Durable: events.InventoryPartitionDurable(p), FilterSubjects: []string{events.InventoryPartitionFilter(p)},
 			MaxAckPending: inventoryPartitionMaxAckPending, Concurrency: per, MaxDeliver: 10, Backoff: inventoryBackoff,
-			AckWait: inventoryAckWait, AsyncAck: true, StallAfter: inventoryStallAfter}, s.ApplyCopy)
+			AckWait: inventoryAckWait, AsyncAck: true, StallAfter: inventoryStallAfter}, s.applyCopy)
 		if err != nil && ctx.Err() == nil {
 			select {
 			case s.fail <- fmt.Errorf("consume partition %d: %w", p, err):

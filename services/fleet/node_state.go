@@ -6,20 +6,20 @@ import (
 	"github.com/imagefleet/imagefleet/events"
 )
 
-// DefaultLostAfterPeriods is how many heartbeat periods a node may miss before it is shown as lost.
-const DefaultLostAfterPeriods = 3
+// defaultLostAfterPeriods is how many heartbeat periods a node may miss before it is shown as lost.
+const defaultLostAfterPeriods = 3
 
 // DefaultHeartbeatPeriod is how often an agent heartbeats unless told otherwise.
 const DefaultHeartbeatPeriod = 10 * time.Second
 
 // nodeStatus computes a node's state from its last heartbeat (n, kept forever), whether its key is still in
 // the TTL bucket (alive), and now. A node is Ready when its heartbeat key has not expired and its last
-// heartbeat is at most lostAfter old (0: DefaultLostAfterPeriods of the node's own period); otherwise it is
+// heartbeat is at most lostAfter old (0: defaultLostAfterPeriods of the node's own period); otherwise it is
 // Lost. The TTL is the server's clock, the age the node's: either one noticing silence is enough.
 func nodeStatus(n events.NodeInfo, alive bool, now time.Time, lostAfter time.Duration) events.NodeStatus {
 	limit := lostAfter
 	if limit <= 0 {
-		limit = time.Duration(DefaultLostAfterPeriods) * n.Period.Duration
+		limit = time.Duration(defaultLostAfterPeriods) * n.Period.Duration
 	}
 	age := now.Sub(n.Heartbeat)
 	if age < 0 {

@@ -23,7 +23,7 @@ type NodePlan struct {
 // Plan picks a rollout's nodes from the registry: those matching selector, Ready ones only unless
 // includeLost (lost ones are returned as skipped), in name order. The registry is read once, streamed, with
 // the selector applied to each record as it goes by (Registry.List): memory is the matching nodes, not the
-// fleet. The choice is SelectNodes's over the whole registry, node for node.
+// fleet. The choice is selectNodes's over the whole registry, node for node.
 func Plan(ctx context.Context, b *bus.Bus, selector string, includeLost bool, clock func() time.Time) (NodePlan, error) {
 	sel, err := ParseSelector(selector)
 	if err != nil {
@@ -37,20 +37,14 @@ func Plan(ctx context.Context, b *bus.Bus, selector string, includeLost bool, cl
 	if err != nil {
 		return NodePlan{}, err
 	}
-	// SelectNodes matches again against each node's merged record (the TTL bucket's full record of a
+	// selectNodes matches again against each node's merged record (the TTL bucket's full record of a
 	// previous-release agent, where it is the newer), as a plan over the whole registry did.
 	p := NodePlan{Domains: map[string]string{}}
-	p.Nodes, p.Skipped = SelectNodes(page.Nodes, sel, includeLost)
+	p.Nodes, p.Skipped = selectNodes(page.Nodes, sel, includeLost)
 	for _, n := range page.Nodes {
 		if n.JSDomain != "" {
 			p.Domains[n.Node] = n.JSDomain
 		}
 	}
 	return p, nil
-}
-
-// PlanNodes is Plan without the nodes' domains.
-func PlanNodes(ctx context.Context, b *bus.Bus, selector string, includeLost bool, clock func() time.Time) ([]string, []events.RolloutNodeError, error) {
-	p, err := Plan(ctx, b, selector, includeLost, clock)
-	return p.Nodes, p.Skipped, err
 }

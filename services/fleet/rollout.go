@@ -19,7 +19,7 @@ import (
 // outcomes and summary in the rollout stream (events.RolloutStream, rollout_stream.go). A driver (the CLI's
 // fleet gc and fleet pull, a controller) uses this API and nothing else:
 //
-//   - Plan or PlanNodes pick the nodes from the registry (plan.go), or the driver names them;
+//   - Plan picks the nodes from the registry (plan.go), or the driver names them;
 //   - NewRolloutID names a rollout; NodeRequestID names its request to one node (rollout_ids.go);
 //   - NewRollout(RolloutConfig, bus, action) validates the config (rollout_config.go) and (*Rollout).Run
 //     runs the rollout to its end (rollout_run.go), reporting as it goes through RolloutConfig.Progress and
@@ -56,7 +56,7 @@ type RolloutConfig struct {
 	ID string
 	// Kind is gc or pull (required).
 	Kind string
-	// Nodes are the nodes to act on, in order (required; see PlanNodes to pick them from the registry).
+	// Nodes are the nodes to act on, in order (required; see Plan to pick them from the registry).
 	Nodes []string
 	// Skipped are nodes the selection left out and why (reported as is).
 	Skipped []events.RolloutNodeError

@@ -22,9 +22,9 @@ func ParseSelector(s string) (labels.Selector, error) {
 	return sel, nil
 }
 
-// SelectNodes picks the nodes whose labels match sel, in name order. Lost nodes are returned apart (skipped)
+// selectNodes picks the nodes whose labels match sel, in name order. Lost nodes are returned apart (skipped)
 // unless includeLost, in which case they are planned like the rest (and will fail if they do not answer).
-func SelectNodes(nodes []events.NodeStatus, sel labels.Selector, includeLost bool) (chosen []string, skipped []events.RolloutNodeError) {
+func selectNodes(nodes []events.NodeStatus, sel labels.Selector, includeLost bool) (chosen []string, skipped []events.RolloutNodeError) {
 	sorted := append([]events.NodeStatus(nil), nodes...)
 	sort.Slice(sorted, func(i, j int) bool { return sorted[i].Node < sorted[j].Node })
 	for _, n := range sorted {
