@@ -8,13 +8,12 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+
+	"github.com/imagefleet/imagefleet/internal/testenv"
 )
 
 // Binaries are the programs the lab runs, as deploy/lab/kube/build.sh names them.
 var Binaries = []string{"kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "etcd"}
-
-// DefaultCache is where build.sh keeps its builds unless IMAGEFLEET_KUBE_CACHE says otherwise.
-const DefaultCache = "/var/cache/imagefleet/kube"
 
 // buildHint ends every "missing binaries" error.
 const buildHint = "build them with deploy/lab/kube/build.sh (as .ci/run does; 6 to 12 minutes on a fresh machine, seconds when cached)"
@@ -57,7 +56,7 @@ func Key(toolsDir, goVersion string) (string, error) {
 // BinDir is the directory holding the Binaries: $IMAGEFLEET_KUBE_BIN when set, else
 // build.sh's directory for this checkout's key. It returns an error naming the fix when a binary is missing.
 func BinDir() (string, error) {
-	dir := os.Getenv("IMAGEFLEET_KUBE_BIN")
+	dir := testenv.Lookup("IMAGEFLEET_KUBE_BIN")
 	if dir == "" {
 		tools, err := ToolsDir()
 		if err != nil {
@@ -67,11 +66,7 @@ func BinDir() (string, error) {
 		if err != nil {
 			return "", err
 		}
-		cache := os.Getenv("IMAGEFLEET_KUBE_CACHE")
-		if cache == "" {
-			cache = DefaultCache
-		}
-		dir = filepath.Join(cache, key)
+		dir = filepath.Join(testenv.Lookup("IMAGEFLEET_KUBE_CACHE"), key)
 	}
 	for _, b := range Binaries {
 		fi, err := os.Stat(filepath.Join(dir, b))

@@ -56,6 +56,16 @@ func String(tb testing.TB, name string) string {
 	return get(tb, name, KindString).(string)
 }
 
+// Lookup returns a string knob's value, its default when unset. A string cannot fail to parse, so it needs
+// no testing.TB: helpers that run outside a test's call (the kube lab's binary lookup) read their knobs here.
+func Lookup(name string) string {
+	k := mustKnob(name, KindString)
+	if v := os.Getenv(name); v != "" {
+		return v
+	}
+	return k.Default
+}
+
 // Int returns the knob's value, its default when unset; a knob without a default must be IsSet.
 func Int(tb testing.TB, name string) int {
 	tb.Helper()

@@ -93,6 +93,13 @@ func TestGetters(t *testing.T) {
 	if got := String(t, "IMAGEFLEET_BASELINE_BINARY"); got != "" {
 		t.Errorf("unset IMAGEFLEET_BASELINE_BINARY = %q", got)
 	}
+	if got := Lookup("IMAGEFLEET_KUBE_CACHE"); got != "/var/cache/imagefleet/kube" {
+		t.Errorf("unset IMAGEFLEET_KUBE_CACHE = %q, want its default", got)
+	}
+	t.Setenv("IMAGEFLEET_KUBE_CACHE", "/tmp/kube")
+	if got := Lookup("IMAGEFLEET_KUBE_CACHE"); got != "/tmp/kube" {
+		t.Errorf("IMAGEFLEET_KUBE_CACHE=/tmp/kube read as %q", got)
+	}
 	if IsSet("IMAGEFLEET_FAULT_SEED") {
 		t.Error("IsSet of an unset knob")
 	}
