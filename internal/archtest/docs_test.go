@@ -50,6 +50,9 @@ func repoFiles(t *testing.T) (root string, files []string) {
 	if out, err := exec.Command("git", "-C", root, "ls-files", "-z").Output(); err == nil && len(out) > 0 {
 		listed = strings.Split(strings.TrimRight(string(out), "\x00"), "\x00")
 	} else {
+		// No git, not a work tree, or one git refuses ("dubious ownership"): the walk sees untracked files
+		// too and skips dot directories (.ci, .github), so say which listing this run checked.
+		t.Logf("git ls-files did not list the files (%v); walking %s instead", err, root)
 		err = filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
 			if err != nil {
 				return err
@@ -79,13 +82,21 @@ func repoFiles(t *testing.T) (root string, files []string) {
 	return root, files
 }
 
-// isText reports whether the file at p exists and has no NUL byte in its first 8 KiB.
+// isText reports whether the file at p is a regular file (a symbolic link followed) with no NUL byte in its
+// first 8 KiB. A tracked path deleted in the work tree, a link to a directory or a submodule is not.
 func isText(t *testing.T, p string) bool {
 	t.Helper()
-	f, err := os.Open(p)
+	fi, err := os.Stat(p)
 	if errors.Is(err, fs.ErrNotExist) {
-		return false // tracked, deleted in the work tree
+		return false
 	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !fi.Mode().IsRegular() {
+		return false
+	}
+	f, err := os.Open(p)
 	if err != nil {
 		t.Fatal(err)
 	}
