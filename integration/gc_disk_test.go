@@ -70,7 +70,7 @@ func startDiskLabWith(t testing.TB, node, tmpfs string, high, low int, withPulle
 		t.Fatal(err)
 	}
 	gcStartWorker(t, "detector", det.Run)
-	waitWorkerReady(t, "the detector's first detection", det.Ready())
+	bustest.WaitClosed(t, "the detector's first detection", det.Ready())
 	ch, err := cache.New(cache.Config{Node: node, Period: time.Hour, Logger: log}, cl, l.b)
 	if err != nil {
 		t.Fatal(err)
@@ -370,7 +370,7 @@ func TestGCKeepsTheRuntimesSandboxImage(t *testing.T) {
 	// The detector's first detection records the images before the pass: one that ran after the pass began
 	// would record them first detected after its start, too young even for a minimum age of 0 (the
 	// kubelet's rule), and the pass would find nothing eligible.
-	waitWorkerReady(t, "the detector's first detection", det.Ready())
+	bustest.WaitClosed(t, "the detector's first detection", det.Ready())
 	g, err := gc.New(gc.Config{Node: node, Policy: gc.Policy{HighThresholdPercent: 85, LowThresholdPercent: 80},
 		Period: time.Hour, Registerer: prometheus.NewRegistry(), Logger: log}, gc.Deps{Runtime: cl, Bus: b})
 	if err != nil {

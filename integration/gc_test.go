@@ -33,16 +33,6 @@ func gcStartWorker(t testing.TB, name string, run func(context.Context) error) *
 // stop stops the worker now; the name was given at start.
 func (w *gcWorker) stop(testing.TB, string) { w.stopFn() }
 
-// waitWorkerReady waits for a worker's Ready channel.
-func waitWorkerReady(t testing.TB, what string, ready <-chan struct{}) {
-	t.Helper()
-	select {
-	case <-ready:
-	case <-time.After(bustest.Timeout):
-		t.Fatalf("%s: not ready after %s", what, bustest.Timeout)
-	}
-}
-
 // gcRequest sends a request, retrying while nobody serves the subject yet.
 func gcRequest(t testing.TB, b *bus.Bus, subject string, req, resp any) {
 	t.Helper()

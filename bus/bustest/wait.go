@@ -24,6 +24,17 @@ func WaitFor(t testing.TB, what string, cond func() bool) {
 	WaitWithin(t, what, Timeout, cond)
 }
 
+// WaitClosed waits until ch is closed (a worker's Ready, a Started callback's signal); after Timeout it fails
+// the test with what was awaited.
+func WaitClosed(t testing.TB, what string, ch <-chan struct{}) {
+	t.Helper()
+	select {
+	case <-ch:
+	case <-time.After(Timeout):
+		t.Fatalf("%s: not after %v", what, Timeout)
+	}
+}
+
 // WaitWithin is WaitFor with its own timeout, for a test whose assertion is the time ("within a second").
 func WaitWithin(t testing.TB, what string, timeout time.Duration, cond func() bool) {
 	t.Helper()

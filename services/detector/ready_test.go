@@ -38,11 +38,7 @@ func TestReadyOnceDetected(t *testing.T) {
 	default:
 	}
 	rt.FailList(nil)
-	select {
-	case <-svc.Ready():
-	case <-time.After(bustest.Timeout):
-		t.Fatalf("not ready %v after the runtime came back", bustest.Timeout)
-	}
+	bustest.WaitClosed(t, "the detector ready after the runtime came back", svc.Ready())
 	var recs events.RecordsReply
 	if err := client.Request(t.Context(), events.QuerySubject(node, events.QryRecords), events.QueryRequest{}, &recs); err != nil {
 		t.Fatal(err)

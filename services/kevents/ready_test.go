@@ -33,11 +33,7 @@ func TestReadyOnceConsuming(t *testing.T) {
 	}
 	stop := bustest.RunService(t, s)
 	defer stop()
-	select {
-	case <-s.Ready():
-	case <-time.After(bustest.Timeout):
-		t.Fatalf("not ready after %v", bustest.Timeout)
-	}
+	bustest.WaitClosed(t, "the events bridge ready", s.Ready())
 	if _, err := b.Consumer(t.Context(), events.EventsStream, Durable("node-1")); err != nil {
 		t.Fatalf("the bridge's consumer once ready: %v", err)
 	}

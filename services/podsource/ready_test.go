@@ -49,10 +49,6 @@ func TestKubeletSourceReadyOnceSynced(t *testing.T) {
 	podsv1alpha1.RegisterPodsServer(gs, s)
 	go func() { _ = gs.Serve(ln) }()
 	defer gs.Stop()
-	select {
-	case <-src.Ready():
-	case <-time.After(bustest.Timeout):
-		t.Fatalf("not ready %v after the kubelet came up", bustest.Timeout)
-	}
+	bustest.WaitClosed(t, "the source ready after the kubelet came up", src.Ready())
 	wantCounts(t, "initial pods once ready", pub.take(), 1, 0, 0)
 }

@@ -26,11 +26,7 @@ func TestReadyOnceConsuming(t *testing.T) {
 	}
 	stop := bustest.RunService(t, s)
 	defer stop()
-	select {
-	case <-s.Ready():
-	case <-time.After(bustest.Timeout):
-		t.Fatalf("not ready after %v", bustest.Timeout)
-	}
+	bustest.WaitClosed(t, "the removals worker ready", s.Ready())
 	if _, err := b.Consumer(t.Context(), events.EventsStream, events.RemovalsDurable(node)); err != nil {
 		t.Fatalf("the removals consumer once ready: %v", err)
 	}
