@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"reflect"
 	"sync"
 	"time"
 
@@ -192,7 +193,9 @@ func (e *remoteError) Unwrap() []error {
 var ErrNoResponders = errors.New("no responders")
 
 // Request sends req (marshalled as JSON; a []byte is sent as is) to subject and decodes the reply's data into
-// resp (which may be nil). An error reply is returned as an error wrapping ErrRemote with the remote text.
+// resp (which may be nil). resp is zeroed before, so it holds this reply only: a retry loop that decodes each
+// attempt into one variable does not keep a field an earlier reply set and this one omits. An error reply
+// is returned as an error wrapping ErrRemote with the remote text, and leaves resp as it was.
 func (b *Bus) Request(ctx context.Context, subject string, req any, resp any) error {
 	var data []byte
 	switch v := req.(type) {
@@ -215,6 +218,9 @@ func (b *Bus) Request(ctx context.Context, subject string, req any, resp any) er
 	data, err = replyData(subject, m)
 	if err != nil {
 		return err
+	}
+	if v := reflect.ValueOf(resp); v.Kind() == reflect.Pointer && !v.IsNil() {
+		v.Elem().SetZero()
 	}
 	if resp != nil && len(data) > 0 {
 		if err := json.Unmarshal(data, resp); err != nil {

@@ -81,6 +81,40 @@ func TestHandlerReadsTheRequestSubject(t *testing.T) {
 	}
 }
 
+// TestRequestDecodesEachReplyAfresh: a retry loop that decodes every attempt into one variable sees what the
+// last reply holds, not what an earlier one left: fields the reply omits (omitempty, here GCResult's error)
+// are zero, and a reply with no data leaves resp zero.
+func TestRequestDecodesEachReplyAfresh(t *testing.T) {
+	_, b := bustest.Start(t)
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	replies := []any{events.GCResult{Node: "n", Error: "list images: connection refused"}, events.GCResult{Node: "n"}, nil}
+	calls := 0
+	l, err := b.Listen(ctx, "t.afresh", "", 1, func(context.Context, []byte) (any, error) {
+		r := replies[calls%len(replies)]
+		calls++
+		return r, nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- l.Serve(ctx) }()
+	var res events.GCResult
+	for i, want := range []events.GCResult{{Node: "n", Error: "list images: connection refused"}, {Node: "n"}, {}} {
+		if err := b.Request(t.Context(), "t.afresh", nil, &res); err != nil {
+			t.Fatal(err)
+		}
+		if res.Node != want.Node || res.Error != want.Error {
+			t.Errorf("reply %d decoded as node %q error %q, want node %q error %q", i+1, res.Node, res.Error, want.Node, want.Error)
+		}
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+}
+
 // TestSubscribeSyncHoldsABoundedBurst: a synchronous subscription holds bus.SyncQueueLen messages unread; the
 // next one is dropped, and the next read says so (a slow consumer), so a worker knows it missed some. The
 // bound is what keeps each subscription's buffer small (nats.go's default holds 65,536).
