@@ -57,12 +57,18 @@ func TestFaultInjection(t *testing.T) {
 	began := time.Now()
 	rounds, seed := faultRounds(t), faultSeed(t)
 	t.Logf("fault loop: %d rounds, seed %d (replay: IMAGEFLEET_FAULT_SEED=%d IMAGEFLEET_FAULT_ROUNDS=%d)", rounds, seed, seed, rounds)
-	defer func() {
+	// Registered first, so it runs last: after the parts' log tails, the seed and the reasons a settle
+	// failed are the test's last lines, those a CI report that keeps only the end still shows.
+	var settleFailures []string
+	t.Cleanup(func() {
 		if t.Failed() {
+			for _, f := range settleFailures {
+				t.Log(f)
+			}
 			t.Logf("failed with seed %d: IMAGEFLEET_FAULT_SEED=%d IMAGEFLEET_FAULT_ROUNDS=%d go test -count=1 -run TestFaultInjection -v ./integration/",
 				seed, seed, rounds)
 		}
-	}()
+	})
 	rng := rand.New(rand.NewPCG(seed, 1))
 	ctx := t.Context()
 	bin := imagefleetBinary(t)
@@ -166,7 +172,10 @@ func TestFaultInjection(t *testing.T) {
 				return
 			}
 			if time.Now().After(deadline) {
-				t.Errorf("%s: not within %s: %v", what, limit, err)
+				d := w.ctrd.Diagnose()
+				t.Errorf("%s: not within %s: %v\nthe runtime now: %s", what, limit, err, d)
+				first, _, _ := strings.Cut(d, "\n")
+				settleFailures = append(settleFailures, fmt.Sprintf("%s: not within %s (the runtime then: %s): %v", what, limit, first, err))
 				return
 			}
 			time.Sleep(250 * time.Millisecond) // polling interval, not an assertion
@@ -188,15 +197,17 @@ func TestFaultInjection(t *testing.T) {
 	})
 	wl.stopWatcher()
 	// One more GC pass with every part up: it must succeed and keep the running pods' images.
-	var last events.GCResult
 	settle("a last GC pass", time.Minute, func() error {
 		c, cancel := context.WithTimeout(ctx, 30*time.Second)
 		defer cancel()
-		if err := b.Request(c, events.CommandSubject(faultNode, events.VerbGC), events.GCRequest{AllUnused: true}, &last); err != nil {
+		// Each attempt reads its own reply: GCResult's error is omitted when empty, so a reply decoded over
+		// an earlier failed one would keep that one's error.
+		var res events.GCResult
+		if err := b.Request(c, events.CommandSubject(faultNode, events.VerbGC), events.GCRequest{AllUnused: true}, &res); err != nil {
 			return err
 		}
-		if last.Error != "" {
-			return fmt.Errorf("gc: %s", last.Error)
+		if res.Error != "" {
+			return fmt.Errorf("gc: %s", res.Error)
 		}
 		return nil
 	})

@@ -134,7 +134,7 @@ func (w *faultWorld) checkProcs() {
 	default:
 	}
 	// containerd is not ours: one that exits by itself is restarted as its systemd unit would, and its log
-	// shown (a CI run once found it down at the end of the loop, with no trace of why).
+	// shown.
 	if !w.ctrd.Running() {
 		w.ctrdExits = append(w.ctrdExits, w.ctrd.LogTail(30))
 		time.Sleep(500 * time.Millisecond)

@@ -52,8 +52,7 @@ func Dial(cfg Config) (*Client, error) {
 	}
 	// The kubelet's CRI client's reconnect backoff (k8s.io/cri-client remote_runtime.go: base 100 ms, max
 	// 3 s, minimum connect timeout 5 s), not gRPC's default (1 s doubling by 1.6 up to 120 s): a runtime
-	// restarted after a few seconds down is used again within 3 s, not after a backoff grown meanwhile (the
-	// fault test's last GC pass saw containerd refused for a minute after it was back).
+	// restarted after a few seconds down is used again within 3 s, not after a backoff grown meanwhile.
 	params := grpc.ConnectParams{Backoff: backoff.DefaultConfig, MinConnectTimeout: 5 * time.Second}
 	params.Backoff.BaseDelay, params.Backoff.MaxDelay = 100*time.Millisecond, 3*time.Second
 	conn, err := grpc.NewClient(target,
