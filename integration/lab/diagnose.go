@@ -7,15 +7,15 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
-	"syscall"
 	"time"
 )
 
 // Diagnose reports what stands behind the CRI socket right now, for a test that finds the runtime
-// unreachable: the process the lab started and whether it lives, the socket file's inode, whether a plain
-// connect and a CRI Version succeed, which listening unix sockets the kernel has bound to the path, which of
+// unreachable: the process the lab started and whether it lives, when the socket file was made, whether a
+// plain connect and a CRI Version succeed, which listening unix sockets the kernel has bound to the path, which of
 // them containerd holds, every process whose command line points into the lab's directory, and the end of
 // containerd's log. The first line sums it up (a test's failure line can carry it); each other line stands
 // alone, so a part that cannot be read leaves the others.
@@ -30,14 +30,10 @@ func (c *Containerd) Diagnose() string {
 		pid = proc.Pid
 	}
 	line("containerd: pid %d, running %v", pid, c.Running())
-	var sockIno uint64
 	if fi, err := os.Lstat(c.grpcSock); err != nil {
 		line("socket %s: %v", c.grpcSock, err)
 	} else {
-		if st, ok := fi.Sys().(*syscall.Stat_t); ok {
-			sockIno = st.Ino
-		}
-		line("socket %s: mode %s, file inode %d, modified %s", c.grpcSock, fi.Mode(), sockIno, fi.ModTime().Format(time.RFC3339Nano))
+		line("socket %s: mode %s, modified %s", c.grpcSock, fi.Mode(), fi.ModTime().Format(time.RFC3339Nano))
 	}
 	connected := "ok"
 	if conn, err := net.DialTimeout("unix", c.grpcSock, 2*time.Second); err != nil {
@@ -81,14 +77,16 @@ func (c *Containerd) Diagnose() string {
 		}
 	}
 	line("containerd log, last lines:\n%s", c.LogTail(60))
-	listening := 0
-	for _, st := range bound {
-		if st == "listening" {
-			listening++
+	listening, ours := 0, false
+	for ino, st := range bound {
+		if st != "listening" {
+			continue
 		}
+		listening++
+		ours = ours || slices.ContainsFunc(held, func(h string) bool { return strings.HasSuffix(h, " = "+ino) })
 	}
-	return fmt.Sprintf("containerd pid %d running %v; connect: %s; listening sockets bound to the path %d, held by containerd %d; CRI Version error: %v\n%s",
-		pid, c.Running(), connected, listening, len(held), versionErr, b.String())
+	return fmt.Sprintf("containerd pid %d running %v; connect: %s; listening sockets bound to the path %d, one of them containerd's %v; CRI Version error: %v\n%s",
+		pid, c.Running(), connected, listening, ours, versionErr, b.String())
 }
 
 // boundSockets lists the unix sockets bound to path (socket inode to "listening" or "flags F state S") from
