@@ -200,8 +200,6 @@ func TestFaultInjection(t *testing.T) {
 	settle("a last GC pass", time.Minute, func() error {
 		c, cancel := context.WithTimeout(ctx, 30*time.Second)
 		defer cancel()
-		// Each attempt reads its own reply: GCResult's error is omitted when empty, so a reply decoded over
-		// an earlier failed one would keep that one's error.
 		var res events.GCResult
 		if err := b.Request(c, events.CommandSubject(faultNode, events.VerbGC), events.GCRequest{AllUnused: true}, &res); err != nil {
 			return err

@@ -6,7 +6,6 @@ import (
 	"github.com/imagefleet/imagefleet/bus/bustest"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -266,30 +265,11 @@ func TestLabCleanupAfterKill(t *testing.T) {
 	if _, err := os.Stat(dir); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("%s left behind: %v", dir, err)
 	}
-	if pids := processesMentioning(t, dir); len(pids) > 0 {
+	if pids, err := lab.ProcessesMentioning(dir); err != nil {
+		t.Fatal(err)
+	} else if len(pids) > 0 {
 		t.Errorf("processes of %s left: %v", dir, pids)
 	}
-}
-
-// processesMentioning lists live processes whose command line mentions s.
-func processesMentioning(t *testing.T, s string) []string {
-	t.Helper()
-	entries, err := os.ReadDir("/proc")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var out []string
-	for _, e := range entries {
-		cmdline, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
-		if err != nil || !strings.Contains(string(cmdline), s) {
-			continue
-		}
-		if stat, err := os.ReadFile(filepath.Join("/proc", e.Name(), "stat")); err == nil && strings.Contains(string(stat), ") Z ") {
-			continue // a zombie holds nothing
-		}
-		out = append(out, e.Name()+": "+strings.ReplaceAll(string(cmdline), "\x00", " "))
-	}
-	return out
 }
 
 func findImage(images []cri.Image, id string) (cri.Image, bool) {

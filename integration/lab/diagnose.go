@@ -7,7 +7,6 @@ import (
 	"net"
 	"os"
 	"path/filepath"
-	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -25,11 +24,12 @@ func (c *Containerd) Diagnose() string {
 	c.mu.Lock()
 	proc := c.proc
 	c.mu.Unlock()
+	running := c.Running()
 	pid := 0
 	if proc != nil {
 		pid = proc.Pid
 	}
-	line("containerd: pid %d, running %v", pid, c.Running())
+	line("containerd: pid %d, running %v", pid, running)
 	if fi, err := os.Lstat(c.grpcSock); err != nil {
 		line("socket %s: %v", c.grpcSock, err)
 	} else {
@@ -43,20 +43,20 @@ func (c *Containerd) Diagnose() string {
 	}
 	line("connect: %s", connected)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	_, version, err := c.client.Version(ctx)
+	_, version, versionErr := c.client.Version(ctx)
 	cancel()
-	line("CRI Version: %q, error %v", version, err)
-	versionErr := err
-	var held []string
+	line("CRI Version: %q, error %v", version, versionErr)
 	bound, err := boundSockets(c.grpcSock)
 	if err != nil {
 		line("%v", err)
 	} else {
 		line("kernel sockets bound to the path (socket inode: flags, state): %v", bound)
 	}
-	if pid != 0 {
+	// A dead process's pid may belong to another process by now: only a running containerd's is read.
+	var held map[string]string
+	if running {
 		held = heldSockets(pid, bound)
-		line("of those, containerd (pid %d) holds: %v", pid, held)
+		line("of those, containerd (pid %d) holds (socket inode: fd): %v", pid, held)
 		if s, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid)); err == nil {
 			for _, l := range strings.Split(string(s), "\n") {
 				if strings.HasPrefix(l, "State:") || strings.HasPrefix(l, "Threads:") {
@@ -65,28 +65,45 @@ func (c *Containerd) Diagnose() string {
 			}
 		}
 	}
-	procs, _ := filepath.Glob("/proc/[0-9]*/cmdline")
+	procs, err := ProcessesMentioning(c.dir + "/")
+	if err != nil {
+		line("%v", err)
+	}
 	for _, p := range procs {
-		raw, err := os.ReadFile(p)
-		if err != nil {
-			continue
-		}
-		cmdline := strings.TrimSpace(strings.ReplaceAll(string(raw), "\x00", " "))
-		if strings.Contains(cmdline, c.dir) {
-			line("process %s: %s", strings.Split(p, "/")[2], cmdline)
-		}
+		line("process %s", p)
 	}
 	line("containerd log, last lines:\n%s", c.LogTail(60))
 	listening, ours := 0, false
 	for ino, st := range bound {
-		if st != "listening" {
-			continue
+		if st == "listening" {
+			listening++
+			_, mine := held[ino]
+			ours = ours || mine
 		}
-		listening++
-		ours = ours || slices.ContainsFunc(held, func(h string) bool { return strings.HasSuffix(h, " = "+ino) })
 	}
 	return fmt.Sprintf("containerd pid %d running %v; connect: %s; listening sockets bound to the path %d, one of them containerd's %v; CRI Version error: %v\n%s",
-		pid, c.Running(), connected, listening, ours, versionErr, b.String())
+		pid, running, connected, listening, ours, versionErr, b.String())
+}
+
+// ProcessesMentioning lists the live processes whose command line contains s, as "pid: command line" (a
+// zombie holds nothing and is left out).
+func ProcessesMentioning(s string) ([]string, error) {
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		return nil, fmt.Errorf("list processes: %w", err)
+	}
+	var out []string
+	for _, e := range entries {
+		cmdline, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
+		if err != nil || !strings.Contains(string(cmdline), s) {
+			continue
+		}
+		if stat, err := os.ReadFile(filepath.Join("/proc", e.Name(), "stat")); err == nil && strings.Contains(string(stat), ") Z ") {
+			continue
+		}
+		out = append(out, e.Name()+": "+strings.TrimSpace(strings.ReplaceAll(string(cmdline), "\x00", " ")))
+	}
+	return out, nil
 }
 
 // boundSockets lists the unix sockets bound to path (socket inode to "listening" or "flags F state S") from
@@ -118,9 +135,9 @@ func boundSockets(path string) (map[string]string, error) {
 	return bound, nil
 }
 
-// heldSockets returns which of the sockets (by inode) process pid has open, as "fd N = inode".
-func heldSockets(pid int, sockets map[string]string) []string {
-	held := []string{}
+// heldSockets returns which of the sockets (by inode) process pid has open, as socket inode to "fd N".
+func heldSockets(pid int, sockets map[string]string) map[string]string {
+	held := map[string]string{}
 	fds, _ := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
 	for _, fd := range fds {
 		target, err := os.Readlink(fmt.Sprintf("/proc/%d/fd/%s", pid, fd.Name()))
@@ -129,7 +146,7 @@ func heldSockets(pid int, sockets map[string]string) []string {
 		}
 		ino := strings.TrimSuffix(strings.TrimPrefix(target, "socket:["), "]")
 		if _, ok := sockets[ino]; ok {
-			held = append(held, "fd "+fd.Name()+" = "+ino)
+			held[ino] = "fd " + fd.Name()
 		}
 	}
 	return held
