@@ -246,16 +246,33 @@ func (r *reconciler) reconcileScheduled(ctx context.Context, o *v1alpha1.ImageGC
 			return ctrl.Result{}, err
 		}
 	}
-	r.wakeAt(o.Name, st, d.Wake(sch).Sub(now))
+	r.wakeAt(o.Name, st, d.Wake(sch))
 	return ctrl.Result{}, nil
 }
 
-// wakeAt enqueues name again after d on the clock (replacing the timer set before).
-func (r *reconciler) wakeAt(name string, st *scheduled, d time.Duration) {
+// wakeAt enqueues name again when the clock reaches at, replacing the timer set before. The delay is read
+// from the clock as the timer is set, not at the reconcile's start, so a slow status write in between does
+// not make the timer late; a clock that moves on by a second or more while the timer is set (a stalled
+// process, a test's fake clock stepped) sets it again. A time already reached enqueues at once: a fake
+// clock's zero-delay timer would wait for its next step.
+func (r *reconciler) wakeAt(name string, st *scheduled, at time.Time) {
 	if st.timer != nil {
 		st.timer.Stop()
+		st.timer = nil
 	}
-	st.timer = r.clock().AfterFunc(max(d, 0), func() { r.poke(name) })
+	clk := r.clock()
+	for {
+		now := clk.Now()
+		if !at.After(now) {
+			go r.poke(name)
+			return
+		}
+		st.timer = clk.AfterFunc(at.Sub(now), func() { r.poke(name) })
+		if clk.Since(now) < time.Second {
+			return
+		}
+		st.timer.Stop()
+	}
 }
 
 // startRun starts the runner of the firing at fired with status (a new run's or the resumed one's). A
