@@ -195,7 +195,8 @@ var ErrNoResponders = errors.New("no responders")
 // Request sends req (marshalled as JSON; a []byte is sent as is) to subject and decodes the reply's data into
 // resp (which may be nil). resp is zeroed before, so it holds this reply only: a retry loop that decodes each
 // attempt into one variable does not keep a field an earlier reply set and this one omits. An error reply
-// is returned as an error wrapping ErrRemote with the remote text, and leaves resp as it was.
+// is returned as an error wrapping ErrRemote with the remote text, and leaves resp as it was; a reply whose
+// data does not decode into resp is an error, and leaves resp zeroed or partly filled.
 func (b *Bus) Request(ctx context.Context, subject string, req any, resp any) error {
 	var data []byte
 	switch v := req.(type) {

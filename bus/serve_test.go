@@ -88,11 +88,15 @@ func TestRequestDecodesEachReplyAfresh(t *testing.T) {
 	_, b := bustest.Start(t)
 	ctx, cancel := context.WithCancel(t.Context())
 	defer cancel()
-	replies := []any{events.GCResult{Node: "n", Error: "list images: connection refused"}, events.GCResult{Node: "n"}, nil}
+	// The third call is refused: an error reply, which leaves the second reply in place.
+	replies := []any{events.GCResult{Node: "n", Error: "list images: connection refused"}, events.GCResult{Node: "n"}, nil, nil}
 	calls := 0
 	l, err := b.Listen(ctx, "t.afresh", "", 1, func(context.Context, []byte) (any, error) {
 		r := replies[calls%len(replies)]
 		calls++
+		if calls == 3 {
+			return nil, errors.New("refused")
+		}
 		return r, nil
 	})
 	if err != nil {
@@ -101,8 +105,13 @@ func TestRequestDecodesEachReplyAfresh(t *testing.T) {
 	done := make(chan error, 1)
 	go func() { done <- l.Serve(ctx) }()
 	var res events.GCResult
-	for i, want := range []events.GCResult{{Node: "n", Error: "list images: connection refused"}, {Node: "n"}, {}} {
-		if err := b.Request(t.Context(), "t.afresh", nil, &res); err != nil {
+	for i, want := range []events.GCResult{{Node: "n", Error: "list images: connection refused"}, {Node: "n"}, {Node: "n"}, {}} {
+		err := b.Request(t.Context(), "t.afresh", nil, &res)
+		if i == 2 {
+			if !errors.Is(err, bus.ErrRemote) {
+				t.Fatalf("reply 3: %v, want an error reply", err)
+			}
+		} else if err != nil {
 			t.Fatal(err)
 		}
 		if res.Node != want.Node || res.Error != want.Error {
