@@ -149,7 +149,7 @@ func (r *reconciler) reconcileScheduled(ctx context.Context, o *v1alpha1.ImageGC
 		if o.Spec.Window != nil {
 			window = o.Spec.Window.Duration
 		}
-		if err := r.startRun(ctx, o, st, *base, base.LastScheduleTime.Time, window); err != nil {
+		if err := r.startRun(ctx, o, st, *base, base.LastScheduleTime.Time, window, nil); err != nil {
 			return ctrl.Result{}, err
 		}
 		running, base = true, nil
@@ -229,12 +229,14 @@ func (r *reconciler) reconcileScheduled(ctx context.Context, o *v1alpha1.ImageGC
 		run := *base
 		run.NextScheduleTime = &next
 		meta.SetStatusCondition(&run.Conditions, ok)
-		if err := r.startRun(ctx, o, st, run, d.Fire, sch.window); err != nil {
+		fire := d.Fire
+		started := func(id string) {
+			r.rec.Eventf(o, nil, corev1.EventTypeNormal, "RunStarted", "RunStarted", "Started run %s for the firing at %s", id,
+				fire.In(sch.loc).Format(time.RFC3339))
+		}
+		if err := r.startRun(ctx, o, st, run, d.Fire, sch.window, started); err != nil {
 			return ctrl.Result{}, err // the firing is tried again until its deadline
 		}
-		id := st.run.id()
-		r.rec.Eventf(o, nil, corev1.EventTypeNormal, "RunStarted", "RunStarted", "Started run %s for the firing at %s", id,
-			d.Fire.In(sch.loc).Format(time.RFC3339))
 	default:
 		base.NextScheduleTime = &next
 		base.ObservedGeneration = o.Generation
@@ -276,8 +278,11 @@ func (r *reconciler) wakeAt(name string, st *scheduled, at time.Time) {
 }
 
 // startRun starts the runner of the firing at fired with status (a new run's or the resumed one's). A
-// new run's status is written first: its lastScheduleTime, before any node is acted on.
-func (r *reconciler) startRun(ctx context.Context, o *v1alpha1.ImageGC, st *scheduled, status v1alpha1.RolloutStatus, fired time.Time, window time.Duration) error {
+// new run's status is written first: its lastScheduleTime, before any node is acted on. started, when not
+// nil, is called with the run's id before the runner starts, so what it records (the RunStarted Event)
+// comes before anything the run records.
+func (r *reconciler) startRun(ctx context.Context, o *v1alpha1.ImageGC, st *scheduled, status v1alpha1.RolloutStatus, fired time.Time, window time.Duration,
+	started func(id string)) error {
 	if status.LastScheduleTime == nil || !status.LastScheduleTime.Time.Equal(fired) || status.CompletionTime != nil {
 		// A new run: the counters describe it alone.
 		now := r.now()
@@ -298,6 +303,9 @@ func (r *reconciler) startRun(ctx context.Context, o *v1alpha1.ImageGC, st *sche
 	r.mu.Lock()
 	r.runners[o.Name] = run // stopped with the others when the controller stops, or when the object goes
 	r.mu.Unlock()
+	if started != nil {
+		started(status.RolloutID)
+	}
 	go func() {
 		run.run()
 		r.poke(o.Name)
