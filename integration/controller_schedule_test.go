@@ -2,6 +2,7 @@ package integration_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"strings"
@@ -123,8 +124,9 @@ func TestControllerSchedulesImageGC(t *testing.T) {
 			return st
 		}
 		runOnce(t, first)
-		if reasons := objectEvents(t, kc, o.Name, "Completed"); !slices.Equal(reasons, []string{"RunStarted", "WaveStarted", "Completed"}) {
-			t.Errorf("events %v", reasons)
+		want := []string{"RunStarted", "WaveStarted", "Completed"}
+		if reasons := objectEventsUntil(t, kc, o.Name, func(r []string) bool { return slices.Equal(r, want) }); !slices.Equal(reasons, want) {
+			t.Errorf("events %v, want %v", reasons, want)
 		}
 		// Nothing more happens until the next firing: the status stays where the first run left it.
 		clk.SetTime(first.Add(59 * time.Minute))
@@ -140,11 +142,13 @@ func TestControllerSchedulesImageGC(t *testing.T) {
 	t.Run("a window that ends in the first wave starts no later wave", func(t *testing.T) {
 		clk := clocktesting.NewFakeClock(time.Now())
 		runControllerInProcess(t, kc, url, clk)
-		// Waves [gone-1] [h0 h1] [h2 h3]: gone-1 answers nobody, so the first wave takes the node timeout.
+		// Waves [gone-1] [h0 h1] [h2 h3]: gone-1 is held by the test, so the first wave is at work until the
+		// test has ended the window; then gone-1 fails.
+		asked, release := heldNode(t, b, "gone-1")
 		o := &v1alpha1.ImageGC{ObjectMeta: metav1.ObjectMeta{Name: "gc-window"}, Spec: v1alpha1.ImageGCSpec{Mode: "AllUnused", DryRun: true,
 			Schedule: "0 3 * * *", TimeZone: "Europe/Berlin", Window: &metav1.Duration{Duration: 10 * time.Minute},
 			RolloutSpec: v1alpha1.RolloutSpec{Nodes: v1alpha1.NodeSelection{Names: append([]string{"gone-1"}, all...)},
-				NodeTimeout: &metav1.Duration{Duration: 5 * time.Second}, FailureBudget: intstr.FromInt32(1)}}}
+				NodeTimeout: &metav1.Duration{Duration: 5 * time.Minute}, FailureBudget: intstr.FromInt32(1)}}}
 		if err := cl.Create(ctx, o); err != nil {
 			t.Fatal(err)
 		}
@@ -154,10 +158,12 @@ func TestControllerSchedulesImageGC(t *testing.T) {
 			t.Errorf("next firing %s is not 03:00 in Berlin", fired)
 		}
 		clk.SetTime(fired)
+		waitAsked(t, asked, "gone-1")
 		waitStatus(t, cl, o, "the first wave at work", func(st v1alpha1.RolloutStatus) bool {
 			return st.LastScheduleTime != nil && st.LastScheduleTime.Equal(&metav1.Time{Time: fired}) && st.CurrentWave == 1 && st.CompletionTime == nil
 		})
 		clk.Step(11 * time.Minute) // the window ends while gone-1 is waited for
+		release()
 		st = waitStatus(t, cl, o, "the run ended", func(st v1alpha1.RolloutStatus) bool { return st.CompletionTime != nil })
 		c := meta.FindStatusCondition(st.Conditions, v1alpha1.ConditionLastRunComplete)
 		if c == nil || c.Status != metav1.ConditionFalse || c.Reason != "WindowEnded" ||
@@ -201,20 +207,24 @@ func TestControllerSchedulesImageGC(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		// gone-1, the first wave, is held by the test until the controller is stopped: stopped mid-run.
+		asked, release := heldNode(t, b, "gone-1")
 		o := &v1alpha1.ImageGC{ObjectMeta: metav1.ObjectMeta{Name: "gc-resume"}, Spec: v1alpha1.ImageGCSpec{Mode: "AllUnused", DryRun: true,
 			Schedule: "*/10 * * * *", RolloutSpec: v1alpha1.RolloutSpec{Nodes: v1alpha1.NodeSelection{Names: append([]string{"gone-1"}, all...)},
-				NodeTimeout: &metav1.Duration{Duration: 5 * time.Second}, FailureBudget: intstr.FromInt32(1)}}}
+				NodeTimeout: &metav1.Duration{Duration: 5 * time.Minute}, FailureBudget: intstr.FromInt32(1)}}}
 		if err := cl.Create(ctx, o); err != nil {
 			t.Fatal(err)
 		}
 		st := waitStatus(t, cl, o, "the first nextScheduleTime", func(st v1alpha1.RolloutStatus) bool { return st.NextScheduleTime != nil })
 		fired := st.NextScheduleTime.Time
 		clk.SetTime(fired)
+		waitAsked(t, asked, "gone-1")
 		st = waitStatus(t, cl, o, "the first wave at work", func(st v1alpha1.RolloutStatus) bool {
 			return st.LastScheduleTime != nil && st.LastScheduleTime.Equal(&metav1.Time{Time: fired}) && st.CurrentWave == 1
 		})
 		id := st.RolloutID
 		stop()
+		release() // its answer reaches nobody: gone-1's outcome is not recorded, its claim is
 		// The next controller's clock is half a minute on: the firing is still within its deadline, and must
 		// not start again.
 		runControllerInProcess(t, kc, url, clocktesting.NewFakeClock(fired.Add(30*time.Second)))
@@ -340,4 +350,52 @@ func runControllerInProcess(t *testing.T, kc *kubelab.Cluster, url string, clk *
 		t.Fatal("controller not ready after 1m")
 	}
 	return stop
+}
+
+// heldNode answers node's GC requests, as an agent of that name would, with a failure, each only once the
+// test calls release; asked receives a value as each request arrives. A wave of the node alone is at work
+// until the test says so: what the test does meanwhile (step the clock, stop the controller) races no
+// timeout.
+func heldNode(t *testing.T, b *bus.Bus, node string) (asked <-chan struct{}, release func()) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	ask := make(chan struct{}, 16)
+	released := make(chan struct{})
+	l, err := b.Listen(ctx, events.CommandSubject(node, events.VerbGC), "", 4, func(hctx context.Context, _ []byte) (any, error) {
+		select {
+		case ask <- struct{}{}:
+		default:
+		}
+		select {
+		case <-released:
+		case <-hctx.Done():
+		}
+		return nil, errors.New("held by the test, then failed")
+	})
+	if err != nil {
+		cancel()
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- l.Serve(ctx) }()
+	var once sync.Once
+	release = func() { once.Do(func() { close(released) }) }
+	t.Cleanup(func() {
+		release()
+		cancel()
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	})
+	return ask, release
+}
+
+// waitAsked waits for a request to a heldNode.
+func waitAsked(t *testing.T, asked <-chan struct{}, node string) {
+	t.Helper()
+	select {
+	case <-asked:
+	case <-time.After(time.Minute):
+		t.Fatalf("%s was not asked within a minute", node)
+	}
 }

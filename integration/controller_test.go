@@ -388,6 +388,14 @@ var runningController *proc
 // the last one is last (the recorder posts them in the background).
 func objectEvents(t testing.TB, kc *kubelab.Cluster, name, last string) []string {
 	t.Helper()
+	return objectEventsUntil(t, kc, name, func(reasons []string) bool { return len(reasons) > 0 && reasons[len(reasons)-1] == last })
+}
+
+// objectEventsUntil waits until the reasons of the Events regarding the object name, in the order they were
+// made, satisfy done, and returns them. The recorder posts each Event on its own, so one made before
+// another may be stored after it: a check of the whole list waits for the whole list.
+func objectEventsUntil(t testing.TB, kc *kubelab.Cluster, name string, done func([]string) bool) []string {
+	t.Helper()
 	cs, err := kc.Admin()
 	if err != nil {
 		t.Fatal(err)
@@ -405,7 +413,7 @@ func objectEvents(t testing.TB, kc *kubelab.Cluster, name, last string) []string
 		for _, e := range evs {
 			reasons = append(reasons, e.Reason)
 		}
-		if len(reasons) == 0 || reasons[len(reasons)-1] != last {
+		if !done(reasons) {
 			return fmt.Errorf("reasons so far %v", reasons)
 		}
 		return nil
