@@ -114,7 +114,7 @@ func New(cfg Config, deps Deps) (*Service, error) {
 	if sb, ok := deps.Runtime.(interface {
 		SandboxImage(ctx context.Context) (string, error)
 	}); ok {
-		s.c.sandboxImage = sb.SandboxImage
+		s.c.sandboxImage = (&sandboxCache{read: sb.SandboxImage, now: time.Now}).get
 	}
 	return s, nil
 }
