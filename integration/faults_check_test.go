@@ -34,10 +34,14 @@ type faultStream struct {
 	removed     []events.Event
 	finished    []events.Event
 	transitions map[string]int // faultTransitionKey -> stored copies
+	// transitionEvents describes each stored registration event by its faultTransitionKey: stream sequence,
+	// id, time and pod, for a failure's report.
+	transitionEvents map[string][]string
 }
 
 func readFaultStream(ctx context.Context, b *bus.Bus, node string) (*faultStream, error) {
-	s := &faultStream{copies: map[string]int{}, results: map[string]int{}, transitions: map[string]int{}}
+	s := &faultStream{copies: map[string]int{}, results: map[string]int{}, transitions: map[string]int{},
+		transitionEvents: map[string][]string{}}
 	podPrefix := events.EventSubject(node, events.EntityPod, "")
 	var bad []string
 	err := b.Read(ctx, events.EventsStream, events.NodeEvents(node), func(m bus.StreamMsg) error {
@@ -71,7 +75,10 @@ func readFaultStream(ctx context.Context, b *bus.Bus, node string) (*faultStream
 			var rc events.RefChange
 			if ev.DecodeData(&rc) == nil {
 				registered := strings.HasSuffix(strings.TrimSuffix(ev.Type, ".v1"), "."+events.ActionRegistered)
-				s.transitions[faultTransitionKey(rc.StreamSeq, rc.Kind, rc.Namespace, rc.Name, registered)]++
+				k := faultTransitionKey(rc.StreamSeq, rc.Kind, rc.Namespace, rc.Name, registered)
+				s.transitions[k]++
+				s.transitionEvents[k] = append(s.transitionEvents[k], fmt.Sprintf("events seq %d id %s at %s by pod %s (uid %s)",
+					m.Seq, ev.ID, ev.Time.Format("15:04:05.000"), rc.PodName, rc.PodUID))
 			}
 		}
 		return nil

@@ -333,6 +333,17 @@ func TestFaultInjection(t *testing.T) {
 	dups["registration events"] = len(extra)
 	if len(missing)+len(extra) > 0 {
 		t.Errorf("registration events differ from the acked pod events (seq kind ns/name registered):\nmissing %v\nextra   %v", missing, extra)
+		for _, k := range slices.Concat(missing, extra) {
+			var seq uint64
+			_, _ = fmt.Sscan(k, &seq)
+			var pe []string
+			for _, e := range ledger {
+				if e.seq == seq {
+					pe = append(pe, fmt.Sprintf("%s %s id %s", e.action, e.msg.Subject, e.id))
+				}
+			}
+			t.Logf("%s: stored registration events %v; the acked pod event at that sequence %v", k, stream.transitionEvents[k], pe)
+		}
 	}
 
 	// 3. Every pull request ended in exactly one result event.
