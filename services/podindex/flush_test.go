@@ -90,11 +90,12 @@ func TestCatchingUpWritesTheSnapshotOnceCaughtUp(t *testing.T) {
 
 // snapshotWrites records the snapshot bucket's writes for testNode as the server sees them.
 type snapshotWrites struct {
-	mu      sync.Mutex
-	pods    int      // pod records written or deleted
-	applied []uint64 // the applied sequences written, in order
-	pos     int      // the pods stream positions written
-	marker  bool     // the test's marker key was written
+	mu        sync.Mutex
+	pods      int      // pod records written or deleted
+	applied   []uint64 // the applied sequences written, in order
+	pos       int      // the pods stream positions written
+	confirmed int      // the confirmed sequences written (before each write of pod records)
+	marker    bool     // the test's marker key was written
 }
 
 // watchSnapshot subscribes to the snapshot bucket's subjects of testNode (in place when it returns) until the
@@ -125,6 +126,8 @@ func watchSnapshot(t *testing.T, b *bus.Bus) *snapshotWrites {
 				w.applied = append(w.applied, seq)
 			} else if strings.HasSuffix(subject, ".pos") {
 				w.pos++ // written with the applied sequence: not a pod record
+			} else if strings.HasSuffix(subject, ".confirmed") {
+				w.confirmed++ // written before the pod records: not one
 			} else if strings.HasSuffix(subject, ".marker") {
 				w.marker = true // a test's, after the writes it waits for
 			} else {

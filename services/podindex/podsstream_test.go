@@ -121,7 +121,7 @@ func TestSnapshotOfTheEventsStreamMovesOver(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, applied, pos, err := store.load(t.Context())
+	_, applied, pos, _, err := store.load(t.Context())
 	if err != nil || applied != seq || pos == 0 {
 		t.Fatalf("snapshot at %d (pods stream %d), %v; want %d", applied, pos, err, seq)
 	}
@@ -181,7 +181,7 @@ func TestSnapshotOfTheEventsStreamMovesOver(t *testing.T) {
 	if err := s2.flushSnapshot(t.Context()); err != nil {
 		t.Fatal(err)
 	}
-	if _, _, pos, err := store.load(t.Context()); err != nil || pos == 0 {
+	if _, _, pos, _, err := store.load(t.Context()); err != nil || pos == 0 {
 		t.Fatalf("pods stream position %d after the move, %v", pos, err)
 	}
 }

@@ -359,6 +359,14 @@ func newRegistry() *Registry {
 	return &Registry{pods: make(map[types.UID]*registration), objs: make(map[objKey]*objRef)}
 }
 
+// reset empties the registry in place (readers hold the same pointer).
+func (r *Registry) reset() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.pods = make(map[types.UID]*registration)
+	r.objs = make(map[objKey]*objRef)
+}
+
 func refKey(pod *v1.Pod) podRefKey {
 	return podRefKey{namespace: pod.Namespace, name: pod.Name, uid: pod.UID}
 }

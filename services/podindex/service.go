@@ -174,11 +174,11 @@ func (s *Service) Run(ctx context.Context) error {
 		return err
 	}
 	s.store = store
-	records, applied, pos, err := store.load(ctx)
+	records, applied, pos, confirmed, err := store.load(ctx)
 	if err != nil {
 		return err
 	}
-	if err := s.state.load(records, applied, pos); err != nil {
+	if err := s.state.load(records, applied, pos, confirmed); err != nil {
 		return fmt.Errorf("load pod index of %s: %w", s.cfg.Node, err)
 	}
 	pods, mirrors := s.state.Index.size()

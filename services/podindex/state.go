@@ -34,6 +34,13 @@ type State struct {
 	// deleted are the UIDs deleted since the last takeDirty (repeats possible); a UID indexed again since
 	// is stored instead.
 	deleted []types.UID
+	// quiet is the sequence through which the registration transitions are known stored though the
+	// snapshot may not reflect it (0: none): a snapshot write that stopped part way leaves pods newer than
+	// its applied sequence, and events replayed onto them would make transitions their first application
+	// did not, under other ids. Events up to quiet make no transitions; once the index passes it, the
+	// registrations are recomputed from the indexed pods (rebuildRefs), which the replay has brought to
+	// what they were at quiet.
+	quiet uint64
 }
 
 // NewState returns an empty state.
@@ -68,6 +75,30 @@ func isTerminal(pod *v1.Pod) bool {
 func (s *State) Apply(seq uint64, ev PodEvent) []Transition {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if s.quiet > 0 && seq > s.quiet {
+		s.rebuildRefs()
+	}
+	out := s.applyLocked(seq, ev)
+	if s.quiet > 0 {
+		if seq == s.quiet {
+			s.rebuildRefs()
+		}
+		return nil // stored when the event was first applied
+	}
+	return out
+}
+
+// rebuildRefs recomputes the registrations from the indexed pods, as load does, and ends the quiet replay.
+func (s *State) rebuildRefs() {
+	s.Refs.reset()
+	s.Index.each(func(e *entry, _ bool) {
+		e.reg = nil
+		s.register(e.pod)
+	})
+	s.quiet = 0
+}
+
+func (s *State) applyLocked(seq uint64, ev PodEvent) []Transition {
 	var out []Transition
 	pod := ev.Pod
 	switch ev.Action {
@@ -168,6 +199,9 @@ func (s *State) skip(seq uint64) {
 	defer s.mu.Unlock()
 	if seq > s.applied {
 		s.applied = seq
+	}
+	if s.quiet > 0 && seq >= s.quiet {
+		s.rebuildRefs()
 	}
 }
 
@@ -325,7 +359,11 @@ func (s *State) redirty(d snapshotDelta) {
 
 // Load rebuilds the state from snapshot records (as takeDirty encodes them) and the sequence they were
 // taken at; pods are re-applied in the order of their upserts.
-func (s *State) load(records [][]byte, applied, pos uint64) error {
+//
+// confirmed is the sequence through which the registration transitions were stored before the last
+// snapshot write began (0: not known): past applied, that write stopped part way, and the replay up to it
+// is quiet (State.quiet).
+func (s *State) load(records [][]byte, applied, pos, confirmed uint64) error {
 	type loaded struct {
 		order uint64
 		pod   *v1.Pod
@@ -351,5 +389,8 @@ func (s *State) load(records [][]byte, applied, pos uint64) error {
 		s.register(l.pod)
 	}
 	s.applied, s.pos = applied, pos
+	if confirmed > applied {
+		s.quiet = confirmed
+	}
 	return nil
 }

@@ -47,6 +47,8 @@ func (s *Store) appliedKey() string { return events.NodeToken(s.node) + ".applie
 
 func (s *Store) posKey() string { return events.NodeToken(s.node) + ".pos" }
 
+func (s *Store) confirmedKey() string { return events.NodeToken(s.node) + ".confirmed" }
+
 func (s *Store) podKey(uid types.UID) string {
 	return events.NodeToken(s.node) + ".pod." + escapeKey(string(uid))
 }
@@ -55,22 +57,27 @@ func (s *Store) podKey(uid types.UID) string {
 // The applied sequence is read first: pods written after it are at least as new, which replaying the events
 // after it tolerates (see Service).
 // The position is read before the applied sequence (it is written after it), so it never runs ahead of it.
-func (s *Store) load(ctx context.Context) (records [][]byte, applied, pos uint64, err error) {
+// confirmed is the sequence through which the registration events were stored when the last write began
+// (0: none written; see State.load).
+func (s *Store) load(ctx context.Context) (records [][]byte, applied, pos, confirmed uint64, err error) {
 	if pos, err = s.loadPos(ctx); err != nil {
-		return nil, 0, 0, err
+		return nil, 0, 0, 0, err
 	}
 	if applied, err = s.loadSeq(ctx, s.appliedKey(), "applied sequence"); err != nil {
-		return nil, 0, 0, err
+		return nil, 0, 0, 0, err
+	}
+	if confirmed, err = s.loadSeq(ctx, s.confirmedKey(), "confirmed sequence"); err != nil {
+		return nil, 0, 0, 0, err
 	}
 	entries, err := s.kv.List(ctx, events.NodeToken(s.node)+".pod.>")
 	if err != nil {
-		return nil, 0, 0, fmt.Errorf("load pod index of %s: %w", s.node, err)
+		return nil, 0, 0, 0, fmt.Errorf("load pod index of %s: %w", s.node, err)
 	}
 	records = make([][]byte, 0, len(entries))
 	for _, e := range entries {
 		records = append(records, e.Value)
 	}
-	return records, applied, pos, nil
+	return records, applied, pos, confirmed, nil
 }
 
 // loadSeq reads a sequence key (0 when absent).
@@ -104,6 +111,11 @@ func (s *Store) write(ctx context.Context, d snapshotDelta) error {
 		dels = append(dels, s.podKey(uid))
 	}
 	if len(puts)+len(dels) > 0 {
+		// The flush confirmed every registration event through d.Applied before this write: said first, so
+		// that a write stopped part way is replayed quietly up to it (State.load).
+		if _, err := s.kv.Put(ctx, s.confirmedKey(), []byte(strconv.FormatUint(d.Applied, 10))); err != nil {
+			return fmt.Errorf("write pod index of %s: %w", s.node, err)
+		}
 		if err := s.kv.Batch(ctx, puts, dels); err != nil {
 			return fmt.Errorf("write pod index of %s: %w", s.node, err)
 		}
