@@ -224,13 +224,9 @@ func TestFleetScaleHollowAgents(t *testing.T) {
 	if min := int64(scaleNodes) * 5 * 10 << 20; gc.FreedBytes < min {
 		t.Errorf("gc freed %d bytes, want at least %d", gc.FreedBytes, min)
 	}
-	passes, err := gcFinishedPerNode(ctx, b, from, false)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if bad := onceEach(names, passes); bad != "" {
-		t.Errorf("gc passes (gc.finished events): %s", bad)
-	}
+	// A pass whose gc.finished ack came late replied anyway (the publish logged as failed): its event can be
+	// stored after the rollout ended, so it is waited for.
+	waitGCFinishedOnceEach(t, ctx, b, names, from, false, time.Minute)
 	checkRecords("scale-gc")
 	t.Logf("scale test done in %s (%s nodes)", time.Since(began).Round(time.Millisecond), strconv.Itoa(scaleNodes))
 }
