@@ -175,7 +175,10 @@ func (l *diskLab) passes(t testing.TB) []events.GCResult {
 	return out
 }
 
-// waitIdle waits until a usage check would find nothing to do: usage under the high threshold.
+// waitIdle waits until a usage check would find nothing to do: usage under the high threshold, and the pass
+// that brought it there finished. Usage falls under the threshold part way through a pass (its removals free
+// space one image at a time), so it then asks for a dry run at the node's policy: passes run one at a time, so
+// its reply comes after the pass in progress has ended.
 func (l *diskLab) waitIdle(t *testing.T) {
 	t.Helper()
 	bustest.Eventually(t, fmt.Sprintf("usage under the high threshold %d%%", l.high), time.Minute, func() error {
@@ -184,6 +187,11 @@ func (l *diskLab) waitIdle(t *testing.T) {
 		}
 		return nil
 	})
+	var r events.GCResult
+	gcRequest(t, l.b, events.CommandSubject(l.node, events.VerbGC), events.GCRequest{DryRun: true}, &r)
+	if r.UsagePercent >= l.high {
+		t.Fatalf("usage %d%% after the pass in progress, at or over the high threshold %d%%", r.UsagePercent, l.high)
+	}
 }
 
 // TestGCOnARealDiskBetweenPeriods is GC between periods on a real disk, in the lab: images of 10 MiB (about
@@ -274,8 +282,8 @@ func TestGCOnARealDiskBetweenPeriods(t *testing.T) {
 	cl := l.ctrd.Client()
 	waitFsUsedFresh(t, cl, 15*time.Second)
 	capacity, available, usage := gcUsage(t, l.mount)
-	// One point under the usage read here: containerd's own files share the filesystem, so the executor's
-	// reading a moment later can round one point lower, which at usage itself would skip both passes.
+	// One point of slack under the usage read here: containerd's own files share the filesystem and change
+	// between this read and the executor's.
 	high := usage - 1
 	low := 100 - int((available+25*gcMiB)*100/capacity)
 	var plan, res events.GCResult
@@ -294,6 +302,10 @@ func TestGCOnARealDiskBetweenPeriods(t *testing.T) {
 		high, low, len(planned), len(done), res.MeasuredFreedBytes, res.MeasuredAvailableBytes, res.Error)
 	if len(planned) == 0 || !slices.Equal(planned, done) {
 		t.Errorf("dry run planned %v, the pass removed %v: want the same images in the same order", planned, done)
+		for _, r := range []events.GCResult{plan, res} {
+			t.Logf("dry run %v: usage %d%% (capacity %d, available %d; read here %d%%, %d), skipped %+v",
+				r.DryRun, r.UsagePercent, r.CapacityBytes, r.AvailableBytes, usage, available, r.Skipped)
+		}
 	}
 	if res.Error != "" {
 		t.Errorf("pass error %q", res.Error)
