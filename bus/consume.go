@@ -61,8 +61,17 @@ type ConsumerConfig struct {
 	// heartbeats stop, and it is sent again after two missed heartbeats (2 s by default, Options.PullHeartbeat), at no API cost.
 	StallAfter time.Duration
 	// MemoryStorage keeps the consumer's state (on a cluster, its Raft log too) in memory instead of files.
-	// Used by the benchmarks that measure what it saves (docs/benchmarks.md); no worker sets it.
+	// Used by the benchmarks that measure what it saves (docs/benchmarks.md).
 	MemoryStorage bool
+	// MemoryStorageWhenReplicated keeps the consumer's state in memory when its stream has more than one
+	// replica, and in files on an R1 stream; the stream's replicas are read each time the consumer is made.
+	// A replicated consumer's state then lives while a quorum of its servers runs (a server restarted
+	// catches up from the others) and costs the servers no file write per delivery and ack; only a loss of
+	// every server at once loses it, and the consumer then starts over from its deliver policy. For a work
+	// queue stream, whose acked messages are gone, that delivers the unacked ones again; do not set it on a
+	// limits stream, where it would deliver everything the stream holds. An existing consumer of the other
+	// storage is kept as it is (compat_consumer_storage.go).
+	MemoryStorageWhenReplicated bool
 	// AsyncAck acks a handled message with a plain ack, not waiting for the server to confirm it, instead of
 	// the default double ack (which on a replicated consumer waits for a Raft round of the consumer's group),
 	// so the handler's slot takes the next message at once. Only for idempotent handlers: an ack the server
@@ -243,6 +252,8 @@ type ConsumerState struct {
 	NumWaiting int
 	// Leader is the server leading the consumer in a cluster ("" on a single server).
 	Leader string
+	// MemoryStorage: the consumer's state is kept in memory (ConsumerConfig.MemoryStorageWhenReplicated).
+	MemoryStorage bool
 }
 
 // Consumer reports the state of a durable consumer.
@@ -257,7 +268,7 @@ func (b *Bus) Consumer(ctx context.Context, stream, durable string) (ConsumerSta
 	}
 	return ConsumerState{NumPending: int(info.NumPending), NumAckPending: info.NumAckPending,
 		NumRedelivered: info.NumRedelivered, MaxAckPending: info.Config.MaxAckPending, NumWaiting: info.NumWaiting,
-		Leader: leader(info.Cluster)}, nil
+		Leader: leader(info.Cluster), MemoryStorage: info.Config.MemoryStorage}, nil
 }
 
 // IsConsumerNotFound reports whether err says the consumer does not exist.

@@ -10,19 +10,32 @@ import (
 )
 
 // openConsumer creates or updates the consumer cc on cfg.Stream, or with cfg.Bind only finds it.
+// With cfg.MemoryStorageWhenReplicated it first reads the stream's replicas.
 func (b *Bus) openConsumer(ctx context.Context, cfg ConsumerConfig, cc jetstream.ConsumerConfig) (jetstream.Consumer, error) {
 	if cfg.Bind {
 		return b.js.Consumer(ctx, cfg.Stream, cfg.Durable)
 	}
-	return b.js.CreateOrUpdateConsumer(ctx, cfg.Stream, cc)
+	if cfg.MemoryStorageWhenReplicated {
+		s, err := b.js.Stream(ctx, cfg.Stream)
+		if err != nil {
+			return nil, err
+		}
+		cc.MemoryStorage = s.CachedInfo().Config.Replicas > 1
+	}
+	cons, err := b.js.CreateOrUpdateConsumer(ctx, cfg.Stream, cc)
+	if isStorageChange(err) {
+		return b.keepConsumerStorage(ctx, cfg, cc) // compat_consumer_storage.go
+	}
+	return cons, err
 }
 
 // EnsureConsumer creates (or updates) the durable consumer cfg describes, with the settings Consume gives
 // it, without consuming: for tools and benchmarks that make consumers as the workers do.
 func (b *Bus) EnsureConsumer(ctx context.Context, cfg ConsumerConfig) error {
 	cfg, cc := consumerSettings(cfg)
+	cfg.Bind = false
 	return b.retryTransient(ctx, "consumer "+cfg.Durable, func(actx context.Context) error {
-		if _, err := b.js.CreateOrUpdateConsumer(actx, cfg.Stream, cc); err != nil {
+		if _, err := b.openConsumer(actx, cfg, cc); err != nil {
 			return fmt.Errorf("consumer %s on %s: %w", cfg.Durable, cfg.Stream, err)
 		}
 		return nil

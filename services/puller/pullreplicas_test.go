@@ -5,6 +5,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/imagefleet/imagefleet/bus"
 	"github.com/imagefleet/imagefleet/bus/bustest"
 	"github.com/imagefleet/imagefleet/events"
@@ -63,4 +65,86 @@ func TestPullReplicasKeptByAgents(t *testing.T) {
 
 	ensure(bus.StreamsConfig{Replicas: 3, PullReplicas: 3})
 	want("after --pull-replicas 3", 3, 3)
+}
+
+// TestNodeConsumerStorageFollowsPartitionReplicas: on a 3-server cluster a node's pull consumer on an R3
+// partition keeps its state in memory (replicated on the three servers), and on an R1 partition in files; a
+// consumer already made with the other storage (by an earlier release, which made every node's consumer with
+// files, or before the partition's replicas changed) is kept as it is, and the puller runs on it.
+func TestNodeConsumerStorageFollowsPartitionReplicas(t *testing.T) {
+	c := bustest.StartCluster(t, 3, bustest.ClusterName("storage"))
+	b := connectCluster(t, c, "operator") // every stream R3
+	ensure := func(cfg bus.StreamsConfig) {
+		t.Helper()
+		bustest.Eventually(t, "the streams", time.Minute, func() error {
+			ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+			defer cancel()
+			return b.EnsureStreams(ctx, cfg)
+		})
+	}
+	make := func(cc bus.ConsumerConfig) {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+		defer cancel()
+		if err := b.EnsureConsumer(ctx, cc); err != nil {
+			t.Fatalf("consumer %s: %v", cc.Durable, err)
+		}
+	}
+	memory := func(node string) bool {
+		t.Helper()
+		st, err := b.Consumer(t.Context(), events.PullStreamOf(node), events.PullerDurable(node))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return st.MemoryStorage
+	}
+
+	onR3, earlier, onR1 := "node-r3", testNode, "node-r1"
+	make(ConsumerConfig(Config{Node: onR3}))
+	if !memory(onR3) {
+		t.Errorf("%s: the consumer on an R3 partition keeps its state in files, want memory", onR3)
+	}
+	// An earlier release's consumer: files on an R3 partition.
+	old := ConsumerConfig(Config{Node: earlier})
+	old.MemoryStorageWhenReplicated = false
+	make(old)
+	make(ConsumerConfig(Config{Node: earlier}))
+	if memory(earlier) {
+		t.Errorf("%s: an earlier release's file consumer was not kept", earlier)
+	}
+
+	ensure(bus.StreamsConfig{Replicas: 3, PullReplicas: 1}) // bus init --stream-replicas 3 --pull-replicas 1
+	make(ConsumerConfig(Config{Node: onR1}))
+	if memory(onR1) {
+		t.Errorf("%s: the consumer on an R1 partition keeps its state in memory, want files", onR1)
+	}
+	// Made in memory on R3, its partition now R1: kept.
+	make(ConsumerConfig(Config{Node: onR3}))
+	if !memory(onR3) {
+		t.Errorf("%s: the memory consumer was not kept after its partition became R1", onR3)
+	}
+
+	// The puller runs on a kept consumer: a pull request reaches it.
+	ensure(bus.StreamsConfig{Replicas: 3, PullReplicas: 3})
+	cb := c.Connect("agent")
+	startService(t, cb, newFakeImages(), Config{Registerer: prometheus.NewRegistry()})
+	sub := subscribePull(t, cb)
+	id := events.NewID()
+	if _, err := Enqueue(t.Context(), b, earlier, events.PullRequest{ID: id, Image: "registry.example/app:1", Policy: events.PullIfNotPresent}); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	for {
+		ev, res, err := nextPullEvent(t, ctx, sub)
+		if err != nil {
+			t.Fatalf("no result from the puller on the kept consumer: %v", err)
+		}
+		if res.RequestID == id && ev.Type == events.TypeName(events.EntityPull, events.ActionPulled) {
+			break
+		}
+	}
+	if memory(earlier) {
+		t.Errorf("%s: the puller changed the kept consumer's storage", earlier)
+	}
 }
