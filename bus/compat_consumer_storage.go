@@ -25,9 +25,9 @@ func isStorageChange(err error) bool {
 	return errors.As(err, &apiErr) && strings.Contains(apiErr.Description, "storage type can not be updated")
 }
 
-// keepConsumerStorage makes cc with the storage the existing consumer has.
+// keepConsumerStorage makes cc, whose storage is the existing consumer's, and says so once (openConsumer
+// remembers the storage).
 func (b *Bus) keepConsumerStorage(ctx context.Context, cfg ConsumerConfig, cc jetstream.ConsumerConfig) (jetstream.Consumer, error) {
-	cc.MemoryStorage = !cc.MemoryStorage
 	cons, err := b.js.CreateOrUpdateConsumer(ctx, cfg.Stream, cc)
 	if err == nil {
 		storage := "file"

@@ -96,6 +96,10 @@ type Bus struct {
 	perms        violations
 	// domains is the JetStream domain layout (Options.JSDomain; domains.go).
 	domains domains
+	// consumerStorage is the storage each MemoryStorageWhenReplicated consumer was made with (stream and
+	// durable -> memory), so that making it again (the stall watchdog) asks neither the stream's replicas
+	// nor the server's refusal of the other storage a second time.
+	consumerStorage sync.Map
 
 	// OnReconnect's callbacks.
 	reconnectMu  sync.Mutex

@@ -10,12 +10,19 @@ import (
 )
 
 // openConsumer creates or updates the consumer cc on cfg.Stream, or with cfg.Bind only finds it.
-// With cfg.MemoryStorageWhenReplicated it first reads the stream's replicas.
+// With cfg.MemoryStorageWhenReplicated it first reads the stream's replicas, the first time this Bus makes
+// the consumer; later it makes it with the storage it had.
 func (b *Bus) openConsumer(ctx context.Context, cfg ConsumerConfig, cc jetstream.ConsumerConfig) (jetstream.Consumer, error) {
 	if cfg.Bind {
 		return b.js.Consumer(ctx, cfg.Stream, cfg.Durable)
 	}
-	if cfg.MemoryStorageWhenReplicated {
+	if !cfg.MemoryStorageWhenReplicated {
+		return b.js.CreateOrUpdateConsumer(ctx, cfg.Stream, cc)
+	}
+	key := cfg.Stream + " " + cfg.Durable
+	if memory, ok := b.consumerStorage.Load(key); ok {
+		cc.MemoryStorage = memory.(bool)
+	} else {
 		s, err := b.js.Stream(ctx, cfg.Stream)
 		if err != nil {
 			return nil, err
@@ -24,7 +31,11 @@ func (b *Bus) openConsumer(ctx context.Context, cfg ConsumerConfig, cc jetstream
 	}
 	cons, err := b.js.CreateOrUpdateConsumer(ctx, cfg.Stream, cc)
 	if isStorageChange(err) {
-		return b.keepConsumerStorage(ctx, cfg, cc) // compat_consumer_storage.go
+		cc.MemoryStorage = !cc.MemoryStorage
+		cons, err = b.keepConsumerStorage(ctx, cfg, cc) // compat_consumer_storage.go
+	}
+	if err == nil {
+		b.consumerStorage.Store(key, cc.MemoryStorage)
 	}
 	return cons, err
 }

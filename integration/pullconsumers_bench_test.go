@@ -199,7 +199,7 @@ func runR3PullConsumers(b *testing.B, bin, layout string, n int, budget, idle ti
 			defer wg.Done()
 			for i := range next {
 				cc := puller.ConsumerConfig(puller.Config{Node: fmt.Sprintf("hollow-%d", i)})
-				cc.MemoryStorage = layout == "memory"
+				cc.MemoryStorage, cc.MemoryStorageWhenReplicated = layout == "memory", false
 				cctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 				err := bb.EnsureConsumer(cctx, cc)
 				cancel()

@@ -130,7 +130,7 @@ func BenchmarkPullConsumersCluster(b *testing.B) {
 				bb := connectCluster(b, cl, "bench")
 				mk := func(node string) bus.ConsumerConfig {
 					cc := pullerConsumer(b, node)
-					cc.MemoryStorage = c.layout == "r3-memory"
+					cc.MemoryStorage, cc.MemoryStorageWhenReplicated = c.layout == "r3-memory", false
 					return cc
 				}
 				if c.layout == "r1-limits" {
