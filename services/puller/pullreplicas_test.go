@@ -2,6 +2,9 @@ package puller
 
 import (
 	"context"
+	"encoding/json"
+	"fmt"
+	"slices"
 	"testing"
 	"time"
 
@@ -82,11 +85,13 @@ func TestNodeConsumerStorageFollowsPartitionReplicas(t *testing.T) {
 			return b.EnsureStreams(ctx, cfg)
 		})
 	}
-	make := func(cc bus.ConsumerConfig) {
+	// Each on a connection of its own, as an agent starting: a Bus remembers the storage it made a consumer
+	// with.
+	ensureConsumer := func(cc bus.ConsumerConfig) {
 		t.Helper()
 		ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
 		defer cancel()
-		if err := b.EnsureConsumer(ctx, cc); err != nil {
+		if err := c.Connect("agent").EnsureConsumer(ctx, cc); err != nil {
 			t.Fatalf("consumer %s: %v", cc.Durable, err)
 		}
 	}
@@ -100,26 +105,26 @@ func TestNodeConsumerStorageFollowsPartitionReplicas(t *testing.T) {
 	}
 
 	onR3, earlier, onR1 := "node-r3", testNode, "node-r1"
-	make(ConsumerConfig(Config{Node: onR3}))
+	ensureConsumer(ConsumerConfig(Config{Node: onR3}))
 	if !memory(onR3) {
 		t.Errorf("%s: the consumer on an R3 partition keeps its state in files, want memory", onR3)
 	}
 	// An earlier release's consumer: files on an R3 partition.
 	old := ConsumerConfig(Config{Node: earlier})
 	old.MemoryStorageWhenReplicated = false
-	make(old)
-	make(ConsumerConfig(Config{Node: earlier}))
+	ensureConsumer(old)
+	ensureConsumer(ConsumerConfig(Config{Node: earlier}))
 	if memory(earlier) {
 		t.Errorf("%s: an earlier release's file consumer was not kept", earlier)
 	}
 
 	ensure(bus.StreamsConfig{Replicas: 3, PullReplicas: 1}) // bus init --stream-replicas 3 --pull-replicas 1
-	make(ConsumerConfig(Config{Node: onR1}))
+	ensureConsumer(ConsumerConfig(Config{Node: onR1}))
 	if memory(onR1) {
 		t.Errorf("%s: the consumer on an R1 partition keeps its state in memory, want files", onR1)
 	}
 	// Made in memory on R3, its partition now R1: kept.
-	make(ConsumerConfig(Config{Node: onR3}))
+	ensureConsumer(ConsumerConfig(Config{Node: onR3}))
 	if !memory(onR3) {
 		t.Errorf("%s: the memory consumer was not kept after its partition became R1", onR3)
 	}
@@ -147,4 +152,79 @@ func TestNodeConsumerStorageFollowsPartitionReplicas(t *testing.T) {
 	if memory(earlier) {
 		t.Errorf("%s: the puller changed the kept consumer's storage", earlier)
 	}
+}
+
+// TestMemoryNodeConsumerAfterEveryServerStopped: a node's pull consumer kept in memory on an R3 partition
+// loses its state when every server stops at once; once they are back it is there again, delivers the request
+// it had not delivered, and not the one acked before (the work queue deleted it).
+func TestMemoryNodeConsumerAfterEveryServerStopped(t *testing.T) {
+	c := bustest.StartCluster(t, 3, bustest.ClusterName("restart"))
+	b := connectCluster(t, c, "operator")
+	const node = "node-restart"
+	cc := ConsumerConfig(Config{Node: node})
+	enqueue := func(b *bus.Bus, image string) {
+		t.Helper()
+		if _, err := Enqueue(t.Context(), b, node, events.PullRequest{ID: events.NewID(), Image: image, Policy: events.PullIfNotPresent}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// consume runs the consumer on b until it has handled one request, and returns that request's image.
+	consume := func(b *bus.Bus) string {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
+		defer cancel()
+		got := make(chan string, 10)
+		done := make(chan error, 1)
+		go func() {
+			done <- b.Consume(ctx, cc, func(_ context.Context, m *bus.Msg) error {
+				var req events.PullRequest
+				if err := json.Unmarshal(m.Data, &req); err != nil {
+					return bus.Permanent(err)
+				}
+				got <- req.Image
+				return nil
+			})
+		}()
+		var image string
+		select {
+		case image = <-got:
+		case <-ctx.Done():
+			t.Fatal("no request delivered")
+		}
+		cancel()
+		<-done
+		return image
+	}
+
+	enqueue(b, "registry.example/acked:1")
+	if got := consume(b); got != "registry.example/acked:1" {
+		t.Fatalf("delivered %s", got)
+	}
+	st, err := b.Consumer(t.Context(), cc.Stream, cc.Durable)
+	if err != nil || !st.MemoryStorage {
+		t.Fatalf("consumer %+v (%v), want memory storage", st, err)
+	}
+	enqueue(b, "registry.example/waiting:1")
+	for i := range c.N() {
+		c.Stop(i)
+	}
+	for i := range c.N() {
+		c.Start(i)
+	}
+	after := c.Connect("after")
+	var delivered []string
+	delivered = append(delivered, consume(after))
+	if !slices.Equal(delivered, []string{"registry.example/waiting:1"}) {
+		t.Fatalf("after every server stopped, delivered %v first, want the request not delivered before", delivered)
+	}
+	bustest.Eventually(t, "nothing left for the node", time.Minute, func() error {
+		st, err := after.Consumer(t.Context(), cc.Stream, cc.Durable)
+		if err != nil {
+			return err
+		}
+		if st.NumPending != 0 || st.NumAckPending != 0 {
+			return fmt.Errorf("consumer %+v", st)
+		}
+		return nil
+	})
 }
