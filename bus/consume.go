@@ -64,7 +64,8 @@ type ConsumerConfig struct {
 	// Used by the benchmarks that measure what it saves (docs/benchmarks.md).
 	MemoryStorage bool
 	// MemoryStorageWhenReplicated keeps the consumer's state in memory when its stream has more than one
-	// replica, and in files on an R1 stream; the stream's replicas are read each time the consumer is made.
+	// replica, and in files on an R1 stream; the stream's replicas are read when the Bus first makes the
+	// consumer, and a later make (the stall watchdog's) keeps the storage it had.
 	// A replicated consumer's state then lives while a quorum of its servers runs (a server restarted
 	// catches up from the others) and costs the servers no file write per delivery and ack; only a loss of
 	// every server at once loses it, and the consumer then starts over from its deliver policy. For a work
