@@ -460,9 +460,10 @@ func failuresByError(failed []events.RolloutNodeError) string {
 func (rc rolloutCost) report(b *testing.B, f *hollowFleet, baseline time.Duration) {
 	// Each rollout of the row on a line of its own: a benchmark metric keeps only the last iteration's
 	// value, and a goal holds for every run.
-	b.Logf("rollout %s: command %.3f s (%.1fx the floor), run %.3f s (%.1fx); %.2f server messages and %.2f JetStream API requests per node; CPU agents %.2f s, servers %.2f s, orchestrator %.2f s; failed %d",
+	b.Logf("rollout %s: command %.3f s (%.1fx the floor), run %.3f s (%.1fx); %.2f server messages and %.2f JetStream API requests per node; CPU agents %.2f s, servers %.2f s, orchestrator %.2f s; peak RSS servers together %.0f MiB, orchestrator %.0f MiB; failed %d",
 		rc.res.ID, rc.wall.Seconds(), rc.wall.Seconds()/baseline.Seconds(), rc.res.Duration.Seconds(), rc.res.Duration.Seconds()/baseline.Seconds(),
-		rc.msgsPerNode, rc.apiPerNode, rc.hollowUse.CPU.Seconds(), rc.nats.CPU.Seconds(), rc.orchCPU.Seconds(), rc.res.FailedTotal())
+		rc.msgsPerNode, rc.apiPerNode, rc.hollowUse.CPU.Seconds(), rc.nats.CPU.Seconds(), rc.orchCPU.Seconds(),
+		float64(rc.nats.PeakRSS)/(1<<20), float64(rc.orchRSS)/(1<<20), rc.res.FailedTotal())
 	b.ReportMetric(rc.wall.Seconds(), "s/rollout")
 	b.ReportMetric(rc.wall.Seconds()/baseline.Seconds(), "x-baseline")
 	// The rollout's own run (RolloutResult.Duration: its stream checked and plan recorded, the batches, up
