@@ -13,10 +13,17 @@ import (
 func connectCluster(tb testing.TB, c *bustest.Cluster, name string) *bus.Bus {
 	tb.Helper()
 	b := c.Connect(name)
-	bustest.Eventually(tb, "the streams", 2*time.Minute, func() error {
+	ensureStreams(tb, b, bus.StreamsConfig{Replicas: c.N()}, 2*time.Minute)
+	return b
+}
+
+// ensureStreams ensures the streams with cfg (an operator's bus init, or an agent's start), asking again
+// until they are made or limit has passed.
+func ensureStreams(tb testing.TB, b *bus.Bus, cfg bus.StreamsConfig, limit time.Duration) {
+	tb.Helper()
+	bustest.Eventually(tb, "the streams", limit, func() error {
 		ctx, cancel := context.WithTimeout(tb.Context(), 30*time.Second)
 		defer cancel()
-		return b.EnsureStreams(ctx, bus.StreamsConfig{Replicas: c.N()})
+		return b.EnsureStreams(ctx, cfg)
 	})
-	return b
 }

@@ -22,14 +22,6 @@ import (
 func TestPullReplicasKeptByAgents(t *testing.T) {
 	c := bustest.StartCluster(t, 3, bustest.ClusterName("pull"))
 	b := connectCluster(t, c, "operator") // every stream R3
-	ensure := func(cfg bus.StreamsConfig) {
-		t.Helper()
-		bustest.Eventually(t, "the streams", time.Minute, func() error {
-			ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
-			defer cancel()
-			return b.EnsureStreams(ctx, cfg)
-		})
-	}
 	replicas := func(stream string) int {
 		t.Helper()
 		info, err := b.Stream(t.Context(), stream)
@@ -52,9 +44,9 @@ func TestPullReplicasKeptByAgents(t *testing.T) {
 		}
 	}
 	want("made R3", 3, 3)
-	ensure(bus.StreamsConfig{Replicas: 3, PullReplicas: 1}) // bus init --stream-replicas 3 --pull-replicas 1
+	ensureStreams(t, b, bus.StreamsConfig{Replicas: 3, PullReplicas: 1}, time.Minute) // bus init --stream-replicas 3 --pull-replicas 1
 	want("after --pull-replicas 1", 1, 3)
-	ensure(bus.StreamsConfig{Replicas: 3}) // an agent with --stream-replicas 3
+	ensureStreams(t, b, bus.StreamsConfig{Replicas: 3}, time.Minute) // an agent with --stream-replicas 3
 	want("after an agent's --stream-replicas 3", 1, 3)
 
 	node := "hollow-01150"
@@ -66,7 +58,7 @@ func TestPullReplicasKeptByAgents(t *testing.T) {
 		t.Fatalf("node consumer on an R1 partition: %v", err)
 	}
 
-	ensure(bus.StreamsConfig{Replicas: 3, PullReplicas: 3})
+	ensureStreams(t, b, bus.StreamsConfig{Replicas: 3, PullReplicas: 3}, time.Minute)
 	want("after --pull-replicas 3", 3, 3)
 }
 
@@ -77,14 +69,6 @@ func TestPullReplicasKeptByAgents(t *testing.T) {
 func TestNodeConsumerStorageFollowsPartitionReplicas(t *testing.T) {
 	c := bustest.StartCluster(t, 3, bustest.ClusterName("storage"))
 	b := connectCluster(t, c, "operator") // every stream R3
-	ensure := func(cfg bus.StreamsConfig) {
-		t.Helper()
-		bustest.Eventually(t, "the streams", time.Minute, func() error {
-			ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
-			defer cancel()
-			return b.EnsureStreams(ctx, cfg)
-		})
-	}
 	// Each on a connection of its own, as an agent starting: a Bus remembers the storage it made a consumer
 	// with.
 	ensureConsumer := func(cc bus.ConsumerConfig) {
@@ -118,7 +102,7 @@ func TestNodeConsumerStorageFollowsPartitionReplicas(t *testing.T) {
 		t.Errorf("%s: an earlier release's file consumer was not kept", earlier)
 	}
 
-	ensure(bus.StreamsConfig{Replicas: 3, PullReplicas: 1}) // bus init --stream-replicas 3 --pull-replicas 1
+	ensureStreams(t, b, bus.StreamsConfig{Replicas: 3, PullReplicas: 1}, time.Minute) // bus init --stream-replicas 3 --pull-replicas 1
 	ensureConsumer(ConsumerConfig(Config{Node: onR1}))
 	if memory(onR1) {
 		t.Errorf("%s: the consumer on an R1 partition keeps its state in memory, want files", onR1)
@@ -130,7 +114,7 @@ func TestNodeConsumerStorageFollowsPartitionReplicas(t *testing.T) {
 	}
 
 	// The puller runs on a kept consumer: a pull request reaches it.
-	ensure(bus.StreamsConfig{Replicas: 3, PullReplicas: 3})
+	ensureStreams(t, b, bus.StreamsConfig{Replicas: 3, PullReplicas: 3}, time.Minute)
 	cb := c.Connect("agent")
 	startService(t, cb, newFakeImages(), Config{Registerer: prometheus.NewRegistry()})
 	sub := subscribePull(t, cb)
