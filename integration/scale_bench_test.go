@@ -579,8 +579,23 @@ func nodeTimes(nodes []events.RolloutNodeResult) string {
 	for _, n := range slices.Backward(byTime[max(0, len(byTime)-3):]) {
 		slow = append(slow, fmt.Sprintf("%s %s (batch %d)", n.Node, n.Duration.Duration.Round(time.Millisecond), n.Batch))
 	}
-	return fmt.Sprintf("node times p50 %s, p90 %s, p99 %s, p99.9 %s; slowest %s", at(0.5), at(0.9), at(0.99), at(0.999),
-		strings.Join(slow, ", "))
+	// The slowest node of each batch: a batch waits for all its nodes, so these add up to most of the run,
+	// and they say whether the small first batches (latency) or the large last ones (throughput) take it.
+	var slowest []time.Duration
+	for _, n := range nodes {
+		for len(slowest) < n.Batch {
+			slowest = append(slowest, 0)
+		}
+		if n.Batch > 0 {
+			slowest[n.Batch-1] = max(slowest[n.Batch-1], n.Duration.Duration)
+		}
+	}
+	var perBatch []string
+	for i, d := range slowest {
+		perBatch = append(perBatch, fmt.Sprintf("%d:%s", i+1, d.Round(time.Millisecond)))
+	}
+	return fmt.Sprintf("node times p50 %s, p90 %s, p99 %s, p99.9 %s; slowest %s; slowest by batch %s", at(0.5), at(0.9), at(0.99), at(0.999),
+		strings.Join(slow, ", "), strings.Join(perBatch, " "))
 }
 
 // BenchmarkHollowFleet measures fleet GC (dry run, then real) and a fleet pre-pull of one image (hollow
