@@ -387,6 +387,48 @@ func TestRefMatcher(t *testing.T) {
 	}
 }
 
+// TestDeleteUnusedImagesWithAQuotaListsOnce: with a byte quota, DeleteUnusedImages reports the usage from
+// the records it has just detected, as GarbageCollect does, not from a second listing of the runtime (a
+// fleet GC's dry run costs each node one CRI call less); a real pass lists once more after its removals,
+// to measure what they freed.
+func TestDeleteUnusedImagesWithAQuotaListsOnce(t *testing.T) {
+	for _, dryRun := range []bool{true, false} {
+		t.Run(fmt.Sprintf("dry-run=%v", dryRun), func(t *testing.T) {
+			h := newHarness(t, Policy{HighThresholdPercent: 85, LowThresholdPercent: 80})
+			h.c.capacity = 1000
+			h.rt.SetImages(makeImage(0, 300), makeImage(1, 300), makeImage(2, 300))
+			h.rt.SetContainers(makeContainer(2))
+			h.detect(t, h.clock.Now())
+			h.clock.Step(time.Second)
+			before := len(h.rt.Calls())
+			p := h.pass(dryRun)
+			if err := h.c.deleteUnusedImages(t.Context(), p); err != nil {
+				t.Fatal(err)
+			}
+			var lists int
+			for _, c := range h.rt.Calls()[before:] {
+				if c == "ListImages" {
+					lists++
+				}
+			}
+			want := 1 // the detection's
+			if !dryRun {
+				want = 2 // and the measure after the removals
+			}
+			if lists != want {
+				t.Errorf("ListImages called %d times, want %d: %v", lists, want, h.rt.Calls()[before:])
+			}
+			// used 900 of 1000 when the pass began.
+			if p.res.CapacityBytes != 1000 || p.res.AvailableBytes != 100 || p.res.UsagePercent != 90 || p.res.AmountToFree != 600 {
+				t.Errorf("result = %+v", p.res)
+			}
+			if !dryRun && (p.res.MeasuredAvailableBytes != 700 || p.res.MeasuredFreedBytes != 600) {
+				t.Errorf("measured available %d freed %d, want 700 and 600", p.res.MeasuredAvailableBytes, p.res.MeasuredFreedBytes)
+			}
+		})
+	}
+}
+
 func TestByteQuota(t *testing.T) {
 	h := newHarness(t, Policy{HighThresholdPercent: 85, LowThresholdPercent: 80})
 	h.c.capacity = 1000

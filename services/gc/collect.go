@@ -282,7 +282,8 @@ func (c *collector) deleteUnusedImages(ctx context.Context, p *pass) error {
 	cands, skipped := c.order(ctx, p, recs)
 	p.res.Skipped = append(p.res.Skipped, skipped...)
 	// What is reported: the image filesystem and the eligible bytes (the kubelet passes MaxInt64 as the
-	// amount to free, and it still does here: every eligible image goes).
+	// amount to free, and it still does here: every eligible image goes). With a byte quota the usage is
+	// the sum of the records just detected, as in garbageCollect, not a second listing of the runtime.
 	var eligible int64
 	for _, cd := range cands {
 		if cd.LastUsed.Before(freeTime) && freeTime.Sub(cd.FirstDetected) >= p.policy.MinAge {
@@ -290,7 +291,7 @@ func (c *collector) deleteUnusedImages(ctx context.Context, p *pass) error {
 		}
 	}
 	p.res.AmountToFree = eligible
-	if capacity, available, _, err := c.imageFs(ctx, c.quota(p)); err == nil && capacity > 0 {
+	if capacity, available, _, err := c.imageFsStats(ctx, p, recs, 0); err == nil && capacity > 0 {
 		available = min(available, capacity)
 		p.res.CapacityBytes, p.res.AvailableBytes = capacity, available
 		p.res.UsagePercent = 100 - int(available*100/capacity)
