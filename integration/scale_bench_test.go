@@ -200,37 +200,13 @@ func tailString(s string, n int) string {
 // that answers at once (n subscriptions on a second connection), at most 1,000 requests in flight.
 func requestBaseline(b testing.TB, c *natsCluster, n int) time.Duration {
 	b.Helper()
-	ctx, cancel := context.WithCancel(b.Context())
-	defer cancel()
-	resp, err := bus.Connect(ctx, c.URL, bus.Options{Name: "scale-baseline-responder"})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer resp.Close()
-	var wg sync.WaitGroup
-	defer wg.Wait()
-	defer cancel()
 	subject := func(i int) string { return fmt.Sprintf("imagefleet.bench.baseline.%d", i) }
-	for i := range n {
-		wg.Go(func() {
-			_ = resp.Serve(ctx, subject(i), "", func(context.Context, []byte) (any, error) { return struct{}{}, nil })
-		})
+	subjects := make([]string, n)
+	for i := range subjects {
+		subjects[i] = subject(i)
 	}
-	// Every responder subscribed (and its interest known to every server) before the clock starts.
-	for i := range n {
-		for {
-			rctx, rcancel := context.WithTimeout(ctx, 5*time.Second)
-			err := c.Bus.Request(rctx, subject(i), struct{}{}, &struct{}{})
-			rcancel()
-			if err == nil {
-				break
-			}
-			if ctx.Err() != nil {
-				b.Fatal(err)
-			}
-			time.Sleep(10 * time.Millisecond)
-		}
-	}
+	ctx := b.Context()
+	defer answerAtOnce(b, c, "scale-baseline-responder", subjects, func(string) any { return struct{}{} })()
 	began := time.Now()
 	next := 0
 	sem := make(chan struct{}, 1000)
@@ -251,6 +227,46 @@ func requestBaseline(b testing.TB, c *natsCluster, n int) time.Duration {
 		next += size
 	}
 	return time.Since(began)
+}
+
+// answerAtOnce serves every subject on one connection of its own to c, answering each request at once with
+// answer(subject). It returns once every responder has answered a request from c.Bus (its interest known to
+// every server), with the func that stops them.
+func answerAtOnce(b testing.TB, c *natsCluster, name string, subjects []string, answer func(subject string) any) (stop func()) {
+	b.Helper()
+	ctx, cancel := context.WithCancel(b.Context())
+	resp, err := bus.Connect(ctx, c.URL, bus.Options{Name: name})
+	if err != nil {
+		cancel()
+		b.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	stop = func() {
+		cancel()
+		wg.Wait()
+		resp.Close()
+	}
+	for _, subject := range subjects {
+		wg.Go(func() {
+			_ = resp.Serve(ctx, subject, "", func(context.Context, []byte) (any, error) { return answer(subject), nil })
+		})
+	}
+	for _, subject := range subjects {
+		for {
+			rctx, rcancel := context.WithTimeout(ctx, 5*time.Second)
+			err := c.Bus.Request(rctx, subject, struct{}{}, &json.RawMessage{})
+			rcancel()
+			if err == nil {
+				break
+			}
+			if ctx.Err() != nil {
+				stop()
+				b.Fatal(err)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	return stop
 }
 
 // hollowFleet is a cluster and n hollow agents, Ready.
@@ -602,7 +618,9 @@ func nodeTimes(nodes []events.RolloutNodeResult) string {
 // registry delay 100 ms) across N hollow agents with real workers on a three-server cluster. Each rollout
 // is compared with the floor (op=floor: requestBaseline, the same slow-start batches of bare
 // request/replies on the same cluster, measured in the same run: x-baseline), and reports the servers'
-// messages and JetStream API requests per node (server-msgs/node, js-api/node) besides CPU and memory. Run it with -benchtime 1x: a second real GC finds nothing to remove.
+// messages and JetStream API requests per node (server-msgs/node, js-api/node) besides CPU and memory.
+// op=machinery runs the dry run's command against responders that answer at once: the rollout's own cost
+// between the floor and the nodes' work. Run it with -benchtime 1x: a second real GC finds nothing to remove.
 // Rows: nodes=N/streams=S/op=O (fleetSizes, streamRows). With IMAGEFLEET_BASELINE_BINARY set to an earlier build, a fleet of its agents is measured after this
 // build's (bin=baseline; the cluster and the fleet command are this build's in both).
 func BenchmarkHollowFleet(b *testing.B) {
@@ -649,6 +667,31 @@ func benchHollowFleet(b *testing.B, bin, agentBin, name string, n int, s cluster
 		b.Run("op=idle", func(b *testing.B) {
 			for range b.N {
 				f.idle(b, 10*time.Second).report(b, f)
+			}
+		})
+		// The rollout itself, with nothing behind it: the real fleet command on the same cluster, each node
+		// answered at once by a responder (one connection for all of them, as the floor's) with an empty dry
+		// run's result. Its records (plan, claims, outcome groups, summary) and batches are a dry run's; the
+		// nodes' work is not. Between it and the floor is what the rollout's bookkeeping costs, between it
+		// and op=gc-dryrun what the nodes' passes cost.
+		b.Run("op=machinery", func(b *testing.B) {
+			names := make([]string, n)
+			subjects := make([]string, n)
+			for i := range names {
+				names[i] = fmt.Sprintf("machinery-%05d", i)
+				subjects[i] = events.CommandSubject(names[i], events.VerbGC)
+			}
+			byNode := map[string]string{}
+			for i, s := range subjects {
+				byNode[s] = names[i]
+			}
+			defer answerAtOnce(b, f.c, "scale-machinery-responder", subjects, func(subject string) any {
+				return events.GCResult{Node: byNode[subject], DryRun: true, AllUnused: true, Trigger: events.GCTriggerManual,
+					Removed: []events.GCRemoved{}, Skipped: []events.GCSkipped{}}
+			})()
+			for range b.N {
+				rc := f.run(b, bin, "fleet", "gc", "--dry-run", "--all-unused", "--nodes", strings.Join(names, ","))
+				rc.report(b, f, floor(b))
 			}
 		})
 		b.Run("op=gc-dryrun", func(b *testing.B) {
