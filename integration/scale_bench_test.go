@@ -242,8 +242,9 @@ func requestBaseline(b testing.TB, c *natsCluster, n int) (time.Duration, []time
 }
 
 // answerAtOnce serves every subject on one connection of its own to c, answering each request at once with
-// answer(subject). It returns once every responder has answered a request from c.Bus (its interest known to
-// every server), with the func that stops them.
+// answer(subject). It returns, with the func that stops them, once every responder has answered a request
+// from c.Bus (its interest known on the server c.Bus is connected to); a responder that cannot subscribe,
+// or does not answer within answerReadyFor, fails the benchmark.
 func answerAtOnce(b testing.TB, c *natsCluster, name string, subjects []string, answer func(subject string) any) (stop func()) {
 	b.Helper()
 	ctx, cancel := context.WithCancel(b.Context())
@@ -258,11 +259,19 @@ func answerAtOnce(b testing.TB, c *natsCluster, name string, subjects []string, 
 		wg.Wait()
 		resp.Close()
 	}
+	serveErr := make(chan error, 1)
 	for _, subject := range subjects {
 		wg.Go(func() {
-			_ = resp.Serve(ctx, subject, "", func(context.Context, []byte) (any, error) { return answer(subject), nil })
+			err := resp.Serve(ctx, subject, "", func(context.Context, []byte) (any, error) { return answer(subject), nil })
+			if err != nil && ctx.Err() == nil {
+				select {
+				case serveErr <- fmt.Errorf("serve %s: %w", subject, err):
+				default:
+				}
+			}
 		})
 	}
+	deadline := time.Now().Add(answerReadyFor)
 	for _, subject := range subjects {
 		for {
 			rctx, rcancel := context.WithTimeout(ctx, 5*time.Second)
@@ -271,15 +280,24 @@ func answerAtOnce(b testing.TB, c *natsCluster, name string, subjects []string, 
 			if err == nil {
 				break
 			}
-			if ctx.Err() != nil {
-				stop()
-				b.Fatal(err)
+			select {
+			case serr := <-serveErr:
+				err = serr
+			default:
+				if ctx.Err() == nil && time.Now().Before(deadline) {
+					time.Sleep(10 * time.Millisecond)
+					continue
+				}
 			}
-			time.Sleep(10 * time.Millisecond)
+			stop()
+			b.Fatalf("responder %s not answering: %v", subject, err)
 		}
 	}
 	return stop
 }
+
+// answerReadyFor bounds answerAtOnce's wait for its responders to answer.
+const answerReadyFor = 2 * time.Minute
 
 // hollowFleet is a cluster and n hollow agents, Ready.
 type hollowFleet struct {
@@ -661,7 +679,7 @@ func benchHollowFleet(b *testing.B, bin, agentBin, name string, n int, s cluster
 		b.Logf("%d agents Ready in %s; hollow RSS %.0f KiB per agent; RLIMIT_NOFILE %d", n, f.startup.Round(time.Millisecond), f.rssPer/1024, nofile)
 		// The floor: bare request/replies in the rollouts' slow-start batches, on the same cluster and fleet.
 		// Every rollout row is reported as a ratio to it (x-baseline); a rollout row picked without this one
-		// measures it first.
+		// measures it before its first rollout.
 		var baseline time.Duration
 		floor := func(b *testing.B) time.Duration {
 			if baseline == 0 {
@@ -693,10 +711,13 @@ func benchHollowFleet(b *testing.B, bin, agentBin, name string, n int, s cluster
 		// nodes' work is not. Between it and the floor is what the rollout's bookkeeping costs, between it
 		// and op=gc-dryrun what the nodes' passes cost.
 		b.Run("op=machinery", func(b *testing.B) {
+			base := floor(b) // before the responders subscribe: the floor's cluster as every row finds it
 			names := make([]string, n)
 			subjects := make([]string, n)
 			for i := range names {
-				names[i] = fmt.Sprintf("machinery-%05d", i)
+				// Short names: --nodes is one argument, and Linux refuses one over 128 KiB (10,000 nodes
+				// named "m00000" make 70 KB).
+				names[i] = fmt.Sprintf("m%05d", i)
 				subjects[i] = events.CommandSubject(names[i], events.VerbGC)
 			}
 			byNode := map[string]string{}
@@ -709,13 +730,14 @@ func benchHollowFleet(b *testing.B, bin, agentBin, name string, n int, s cluster
 			})()
 			for range b.N {
 				rc := f.run(b, bin, "fleet", "gc", "--dry-run", "--all-unused", "--nodes", strings.Join(names, ","))
-				rc.report(b, f, floor(b))
+				rc.report(b, f, base)
 			}
 		})
 		b.Run("op=gc-dryrun", func(b *testing.B) {
+			base := floor(b)
 			for range b.N {
 				rc := f.run(b, bin, "fleet", "gc", "--dry-run", "--all-unused")
-				rc.report(b, f, floor(b))
+				rc.report(b, f, base)
 			}
 		})
 		// A new tag for every pre-pull of the fleet: the testing package runs a row once with b.N 1, then
@@ -723,21 +745,23 @@ func benchHollowFleet(b *testing.B, bin, agentBin, name string, n int, s cluster
 		// thirds of the messages).
 		prepulls := 0
 		b.Run("op=prepull", func(b *testing.B) {
+			base := floor(b)
 			for range b.N {
 				prepulls++
 				rc := f.run(b, bin, "fleet", "pull", fmt.Sprintf("registry.local/bench/prepull:v%d", prepulls), "--node-timeout", "5m")
-				rc.report(b, f, floor(b))
+				rc.report(b, f, base)
 				// The floor of a pre-pull: one pull delay per batch after the messaging floor.
 				b.ReportMetric(float64(len(rc.res.Batches)), "batches")
 			}
 		})
 		b.Run("op=gc", func(b *testing.B) {
+			base := floor(b)
 			for range b.N {
 				rc := f.run(b, bin, "fleet", "gc", "--all-unused")
 				if rc.res.FreedBytes <= 0 {
 					b.Errorf("gc freed %d bytes", rc.res.FreedBytes)
 				}
-				rc.report(b, f, floor(b))
+				rc.report(b, f, base)
 			}
 		})
 		// At rest again, minutes after the start: the heartbeat periods settled.
