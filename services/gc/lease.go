@@ -203,6 +203,37 @@ func (l *leaser) open(ctx context.Context) (*bus.KV, error) {
 	if time.Now().Before(l.nextOpen) {
 		return nil, errors.New("lease bucket unavailable (retried once a minute)")
 	}
+	kv, err := l.openBucket(ctx)
+	if err != nil {
+		l.nextOpen = time.Now().Add(time.Minute)
+		return nil, err
+	}
+	l.kv = kv
+	return kv, nil
+}
+
+// warm opens the bucket when the executor starts, so that the first leased pass makes no stream lookup of
+// its own: a fleet GC soon after the fleet's agents started would otherwise make one per node inside the
+// rollout, all on the bucket's stream leader (10,000 at 10,000 nodes). A failure here sets no wait: the
+// first pass opens the bucket itself, as it did before.
+func (l *leaser) warm(ctx context.Context) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.kv != nil || time.Now().Before(l.nextOpen) {
+		return
+	}
+	kv, err := l.openBucket(ctx)
+	if err != nil {
+		if ctx.Err() == nil {
+			l.log.Debug("image GC pass lease bucket not opened at start; the first pass opens it", "err", err)
+		}
+		return
+	}
+	l.kv = kv
+}
+
+// openBucket opens (or, where allowed, creates) the bucket, within 10 s. The caller holds mu.
+func (l *leaser) openBucket(ctx context.Context) (*bus.KV, error) {
 	octx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	var kv *bus.KV
@@ -218,12 +249,7 @@ func (l *leaser) open(ctx context.Context) (*bus.KV, error) {
 	if l.ttl != DefaultLeaseTTL || err != nil {
 		kv, err = l.bus.KV(octx, leaseBucketConfig(l.ttl))
 	}
-	if err != nil {
-		l.nextOpen = time.Now().Add(time.Minute)
-		return nil, err
-	}
-	l.kv = kv
-	return kv, nil
+	return kv, err
 }
 
 // acquire takes the lease with v, or returns the value of the pass holding it. It gives up after 5 s; after

@@ -417,3 +417,75 @@ func TestLeaseBucketOpensWithOneLookup(t *testing.T) {
 		t.Errorf("opening the existing lease bucket asked %q; want one stream info", got)
 	}
 }
+
+// TestLeaseBucketOpenedAtStart: a running executor opens the lease bucket when it starts, so its first
+// leased pass makes no stream lookup of its own (a fleet GC soon after the fleet's agents started would
+// otherwise make one per node inside the rollout, on the bucket's stream leader).
+func TestLeaseBucketOpenedAtStart(t *testing.T) {
+	_, b := bustest.Start(t)
+	if err := EnsureLeaseBucket(t.Context(), b); err != nil {
+		t.Fatal(err)
+	}
+	api, err := b.SubscribeSync(t.Context(), "$JS.API.>")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer api.Close()
+	leaseWrites, err := b.SubscribeSync(t.Context(), "$KV."+events.GCLeaseBucket+".>")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer leaseWrites.Close()
+	rt := critest.NewRuntime(makeImage(0, 100), makeImage(1, 100))
+	statfs := func(string) (int64, int64, error) { return 2000, 2000 - 100*int64(len(rt.Images())), nil }
+	s := newService(t, b, Config{Policy: Policy{HighThresholdPercent: 50, LowThresholdPercent: 10}}, rt, gctest.NewRecords(rt, nil), statfs)
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() { done <- s.Run(ctx) }()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Run: %v", err)
+		}
+	}()
+	lookup := "$JS.API.STREAM.INFO.KV_" + events.GCLeaseBucket
+	// The lookup made at start, before any pass.
+	sctx, scancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer scancel()
+	for {
+		subject, _, err := api.Next(sctx)
+		if err != nil {
+			t.Fatalf("no %s at start: %v", lookup, err)
+		}
+		if subject == lookup {
+			break
+		}
+	}
+	res, err := s.GarbageCollect(t.Context(), events.GCRequest{AllUnused: true})
+	if err != nil || len(res.Removed) != 2 {
+		t.Fatalf("pass: removed %v, err %v; want both images", res.Removed, err)
+	}
+	// The pass ran under the lease: it took it and released it.
+	wctx, wcancel := context.WithTimeout(t.Context(), 5*time.Second)
+	defer wcancel()
+	if _, _, err := leaseWrites.Next(wctx); err != nil {
+		t.Fatalf("the pass wrote no lease: %v", err)
+	}
+	// Everything the pass sent on the connection reached the subscription before this marker.
+	marker := "$JS.API.TEST.MARKER"
+	if err := b.PublishRaw(marker, nil); err != nil {
+		t.Fatal(err)
+	}
+	for {
+		subject, _, err := api.Next(wctx)
+		if err != nil {
+			t.Fatalf("marker not seen: %v", err)
+		}
+		if subject == marker {
+			break
+		}
+		if strings.Contains(subject, "KV_"+events.GCLeaseBucket) && !strings.HasPrefix(subject, "$JS.API.DIRECT.GET.") {
+			t.Errorf("the first leased pass asked %s; want no lookup of the lease bucket after start", subject)
+		}
+	}
+}

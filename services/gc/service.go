@@ -133,8 +133,9 @@ func (s *Service) Ready() <-chan struct{} { return s.ready }
 // filesystem, or the byte quota's sum of listed sizes) and at once when a pull finishes on the node (a
 // pull.pulled event); a pass starts when usage is at or above the high threshold (trigger "usage"). A check
 // while a pass runs is skipped: passes never overlap. When the policy has HighThresholdPercent 100 and MaxAge
-// 0 the periodic GC and the check are disabled (commands are still served). Run blocks until ctx ends and
-// returns nil after a clean shutdown.
+// 0 the periodic GC and the check are disabled (commands are still served). The node's GC pass lease bucket
+// is opened at start, beside the loop (leaser.warm). Run blocks until ctx ends and returns nil after a clean
+// shutdown.
 func (s *Service) Run(ctx context.Context) error {
 	s.mu.Lock()
 	s.beganGC = s.c.now()
@@ -168,6 +169,13 @@ func (s *Service) Run(ctx context.Context) error {
 		defer wg.Done()
 		s.watchPolicy(ctx)
 	}()
+	if s.lease != nil {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			s.lease.warm(ctx)
+		}()
+	}
 	wait := func() error {
 		select {
 		case <-ctx.Done():
