@@ -214,12 +214,14 @@ func (l *leaser) open(ctx context.Context) (*bus.KV, error) {
 
 // warm opens the bucket when the executor starts, so that the first leased pass makes no stream lookup of
 // its own: a fleet GC soon after the fleet's agents started would otherwise make one per node inside the
-// rollout, all on the bucket's stream leader (10,000 at 10,000 nodes). A failure here sets no wait: the
-// first pass opens the bucket itself, as it did before.
+// rollout, all on the bucket's stream leader (10,000 at 10,000 nodes). It does not hold mu while it opens:
+// a pass that starts meanwhile opens the bucket itself, within its own deadline, rather than wait for this
+// open. A failure here sets no wait: the first pass opens the bucket, as it did before.
 func (l *leaser) warm(ctx context.Context) {
 	l.mu.Lock()
-	defer l.mu.Unlock()
-	if l.kv != nil || time.Now().Before(l.nextOpen) {
+	skip := l.kv != nil || time.Now().Before(l.nextOpen) // open already, or a failure is being waited out
+	l.mu.Unlock()
+	if skip {
 		return
 	}
 	kv, err := l.openBucket(ctx)
@@ -229,10 +231,14 @@ func (l *leaser) warm(ctx context.Context) {
 		}
 		return
 	}
-	l.kv = kv
+	l.mu.Lock()
+	if l.kv == nil {
+		l.kv = kv
+	}
+	l.mu.Unlock()
 }
 
-// openBucket opens (or, where allowed, creates) the bucket, within 10 s. The caller holds mu.
+// openBucket opens (or, where allowed, creates) the bucket, within 10 s. It changes nothing of l.
 func (l *leaser) openBucket(ctx context.Context) (*bus.KV, error) {
 	octx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
