@@ -138,7 +138,10 @@ type leaser struct {
 	poll   time.Duration
 	log    *slog.Logger
 
-	mu       sync.Mutex
+	mu sync.Mutex
+	// kv is the open bucket (nil: not open). open and acquire set and clear it under mu; keep, release and
+	// wait read it without mu, which is safe because passes run one at a time (Service.mu) and warm stores
+	// it only while it is nil, so no pass is between its open and its use when it changes.
 	kv       *bus.KV
 	nextOpen time.Time
 }
@@ -214,17 +217,25 @@ func (l *leaser) open(ctx context.Context) (*bus.KV, error) {
 
 // warm opens the bucket when the executor starts, so that the first leased pass makes no stream lookup of
 // its own: a fleet GC soon after the fleet's agents started would otherwise make one per node inside the
-// rollout, all on the bucket's stream leader (10,000 at 10,000 nodes). It does not hold mu while it opens:
-// a pass that starts meanwhile opens the bucket itself, within its own deadline, rather than wait for this
-// open. A failure here sets no wait: the first pass opens the bucket, as it did before.
+// rollout, all on the bucket's stream leader (10,000 at 10,000 nodes). It only binds to the bucket
+// `imagefleet bus init` made, with the default TTL: making a missing bucket, or comparing another TTL's
+// settings, stays with the first pass's open (a node identity may not make it, and a refused create at
+// every start would be noise). It holds mu only to read and to store: a pass that starts meanwhile opens
+// the bucket itself, within its own deadline. A failure here sets no wait; the first pass opens the
+// bucket, as it did before.
 func (l *leaser) warm(ctx context.Context) {
+	if l.ttl != DefaultLeaseTTL {
+		return
+	}
 	l.mu.Lock()
 	skip := l.kv != nil || time.Now().Before(l.nextOpen) // open already, or a failure is being waited out
 	l.mu.Unlock()
 	if skip {
 		return
 	}
-	kv, err := l.openBucket(ctx)
+	octx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	kv, err := l.bus.KVExisting(octx, events.GCLeaseBucket)
 	if err != nil {
 		if ctx.Err() == nil {
 			l.log.Debug("image GC pass lease bucket not opened at start; the first pass opens it", "err", err)
@@ -232,13 +243,14 @@ func (l *leaser) warm(ctx context.Context) {
 		return
 	}
 	l.mu.Lock()
-	if l.kv == nil {
+	// Not over a pass's own open, nor into a wait a failed acquire set meanwhile.
+	if l.kv == nil && !time.Now().Before(l.nextOpen) {
 		l.kv = kv
 	}
 	l.mu.Unlock()
 }
 
-// openBucket opens (or, where allowed, creates) the bucket, within 10 s. It changes nothing of l.
+// openBucket opens (or, where allowed, creates) the bucket, within 10 s.
 func (l *leaser) openBucket(ctx context.Context) (*bus.KV, error) {
 	octx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()

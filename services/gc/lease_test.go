@@ -461,6 +461,12 @@ func TestLeaseBucketOpenedAtStart(t *testing.T) {
 			break
 		}
 	}
+	// The lookup's answer stored: the request seen above may still wait for it.
+	bustest.WaitFor(t, "the lease bucket opened at start", func() bool {
+		s.lease.mu.Lock()
+		defer s.lease.mu.Unlock()
+		return s.lease.kv != nil
+	})
 	res, err := s.GarbageCollect(t.Context(), events.GCRequest{AllUnused: true})
 	if err != nil || len(res.Removed) != 2 {
 		t.Fatalf("pass: removed %v, err %v; want both images", res.Removed, err)
