@@ -24,6 +24,16 @@ import (
 	"github.com/imagefleet/imagefleet/services/fleet"
 )
 
+// TestMain removes the binary imagefleetBinary built (about 100 MB in a directory of its own under the
+// system's temporary directory) when the package's tests and benchmarks end: every run left one behind.
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if buildOnce.path != "" {
+		_ = os.RemoveAll(filepath.Dir(buildOnce.path))
+	}
+	os.Exit(code)
+}
+
 // buildImagefleet builds the imagefleet binary once per test binary run.
 var buildOnce struct {
 	sync.Once
