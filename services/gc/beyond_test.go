@@ -387,6 +387,19 @@ func TestRefMatcher(t *testing.T) {
 	}
 }
 
+// quotaHarness is a node with a 1000-byte quota, 900 used by three images of 300 (image-2 in use, by a
+// container), detected a second ago; thresholds 85/80.
+func quotaHarness(t *testing.T) *harness {
+	t.Helper()
+	h := newHarness(t, Policy{HighThresholdPercent: 85, LowThresholdPercent: 80})
+	h.c.capacity = 1000
+	h.rt.SetImages(makeImage(0, 300), makeImage(1, 300), makeImage(2, 300))
+	h.rt.SetContainers(makeContainer(2))
+	h.detect(t, h.clock.Now())
+	h.clock.Step(time.Second)
+	return h
+}
+
 // TestDeleteUnusedImagesWithAQuotaListsOnce: with a byte quota, DeleteUnusedImages reports the usage from
 // the records it has just detected, as GarbageCollect does, not from a second listing of the runtime (a
 // fleet GC's dry run costs each node one CRI call less); a real pass lists once more after its removals,
@@ -394,12 +407,7 @@ func TestRefMatcher(t *testing.T) {
 func TestDeleteUnusedImagesWithAQuotaListsOnce(t *testing.T) {
 	for _, dryRun := range []bool{true, false} {
 		t.Run(fmt.Sprintf("dry-run=%v", dryRun), func(t *testing.T) {
-			h := newHarness(t, Policy{HighThresholdPercent: 85, LowThresholdPercent: 80})
-			h.c.capacity = 1000
-			h.rt.SetImages(makeImage(0, 300), makeImage(1, 300), makeImage(2, 300))
-			h.rt.SetContainers(makeContainer(2))
-			h.detect(t, h.clock.Now())
-			h.clock.Step(time.Second)
+			h := quotaHarness(t)
 			before := len(h.rt.Calls())
 			p := h.pass(dryRun)
 			if err := h.c.deleteUnusedImages(t.Context(), p); err != nil {
@@ -430,12 +438,7 @@ func TestDeleteUnusedImagesWithAQuotaListsOnce(t *testing.T) {
 }
 
 func TestByteQuota(t *testing.T) {
-	h := newHarness(t, Policy{HighThresholdPercent: 85, LowThresholdPercent: 80})
-	h.c.capacity = 1000
-	h.rt.SetImages(makeImage(0, 300), makeImage(1, 300), makeImage(2, 300))
-	h.rt.SetContainers(makeContainer(2))
-	h.detect(t, h.clock.Now())
-	h.clock.Step(time.Second)
+	h := quotaHarness(t)
 	p, err := h.garbageCollect(t.Context(), h.clock.Now())
 	if err != nil {
 		t.Fatal(err)
