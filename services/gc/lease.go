@@ -206,7 +206,21 @@ func (l *leaser) open(ctx context.Context) (*bus.KV, error) {
 	if time.Now().Before(l.nextOpen) {
 		return nil, errors.New("lease bucket unavailable (retried once a minute)")
 	}
-	kv, err := l.openBucket(ctx)
+	octx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	var kv *bus.KV
+	var err error
+	if l.ttl == DefaultLeaseTTL {
+		// The bucket `imagefleet bus init` made (or an agent before us) has this TTL: open it with one
+		// lookup. bus.KV would read the bucket's status as well to compare its settings, a second stream
+		// info request per node (both on the pass's path: 20,000 at a 10,000-node fleet GC's first pass).
+		// Any failure (no bucket yet, a lookup that timed out) takes bus.KV's way, which creates a missing
+		// bucket and retries a transient failure, as every open did before.
+		kv, err = l.bus.KVExisting(octx, events.GCLeaseBucket)
+	}
+	if l.ttl != DefaultLeaseTTL || err != nil {
+		kv, err = l.bus.KV(octx, leaseBucketConfig(l.ttl))
+	}
 	if err != nil {
 		l.nextOpen = time.Now().Add(time.Minute)
 		return nil, err
@@ -248,26 +262,6 @@ func (l *leaser) warm(ctx context.Context) {
 		l.kv = kv
 	}
 	l.mu.Unlock()
-}
-
-// openBucket opens (or, where allowed, creates) the bucket, within 10 s.
-func (l *leaser) openBucket(ctx context.Context) (*bus.KV, error) {
-	octx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	var kv *bus.KV
-	var err error
-	if l.ttl == DefaultLeaseTTL {
-		// The bucket `imagefleet bus init` made (or an agent before us) has this TTL: open it with one
-		// lookup. bus.KV would read the bucket's status as well to compare its settings, a second stream
-		// info request per node (both on the pass's path: 20,000 at a 10,000-node fleet GC's first pass).
-		// Any failure (no bucket yet, a lookup that timed out) takes bus.KV's way, which creates a missing
-		// bucket and retries a transient failure, as every open did before.
-		kv, err = l.bus.KVExisting(octx, events.GCLeaseBucket)
-	}
-	if l.ttl != DefaultLeaseTTL || err != nil {
-		kv, err = l.bus.KV(octx, leaseBucketConfig(l.ttl))
-	}
-	return kv, err
 }
 
 // acquire takes the lease with v, or returns the value of the pass holding it. It gives up after 5 s; after
