@@ -114,6 +114,18 @@ func TestNodeConsumerStorageFollowsPartitionReplicas(t *testing.T) {
 
 	// The puller runs on a kept consumer: a pull request reaches it.
 	ensureStreams(t, b, bus.StreamsConfig{Replicas: 3, PullReplicas: 3}, time.Minute)
+	// The partition's R3 group is a new Raft group, which elects its leader after the update returns: a
+	// request published before that times out.
+	bustest.Eventually(t, "the node's partition led as R3", time.Minute, func() error {
+		st, err := b.Stream(t.Context(), events.PullStreamOf(earlier))
+		if err != nil {
+			return err
+		}
+		if st.Replicas != 3 || st.Leader == "" {
+			return fmt.Errorf("replicas %d, leader %q", st.Replicas, st.Leader)
+		}
+		return nil
+	})
 	cb := c.Connect("agent")
 	startService(t, cb, newFakeImages(), Config{Registerer: prometheus.NewRegistry()})
 	sub := subscribePull(t, cb)
